@@ -1,0 +1,26 @@
+"""wsync: move a trainer's weights into rollout engines, fast, bit-exact and versioned.
+
+This module is the public API. It imports nothing heavy: torch, cupy, ucxx and
+the engines load only when a function that needs them runs.
+"""
+from .api import apply, apply_state, encode, inspect
+from .backends import backend
+from .errors import (
+    BackendUnavailable,
+    ChecksumError,
+    FormatError,
+    MismatchError,
+    TransportError,
+    VersionError,
+    WsyncError,
+)
+from .manifest import Manifest, TensorSpec
+from .payload import Payload
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "encode", "apply", "apply_state", "inspect", "backend", "Payload", "Manifest", "TensorSpec",
+    "WsyncError", "FormatError", "ChecksumError", "VersionError", "MismatchError", "TransportError",
+    "BackendUnavailable", "__version__",
+]

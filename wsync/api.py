@@ -1,0 +1,236 @@
+"""encode / apply / inspect: the codec API on whole states.
+
+apply() is all-or-nothing: every checksum is verified before a result is
+returned, and an in-place apply that fails on any tensor puts back every
+element it changed, so the caller's state is the old version or the new one.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import backends, dtypes
+from .checksum import state_digest
+from .codecs import CODECS
+from .codecs.base import Decoded
+from .errors import ChecksumError, MismatchError, VersionError
+from .manifest import Manifest, TensorSpec
+from .payload import Payload, as_payload
+from .snapshot import State, TensorBits, as_state, digest, to_torch
+
+
+def _load(obj) -> tuple[State, dict | None, dict]:
+    if isinstance(obj, (str, os.PathLike)):
+        from .checkpoint import read_checkpoint
+
+        ck = read_checkpoint(obj)
+        return ck.state, ck.layout, ck.metadata
+    return as_state(obj), None, {}
+
+
+def _check_same_tensors(base: State, specs: list[tuple[str, str, tuple]], what: str) -> None:
+    """base must hold exactly the named tensors with these dtypes and shapes."""
+    names = {n for n, _, _ in specs}
+    missing, extra = sorted(names - set(base)), sorted(set(base) - names)
+    if missing or extra:
+        raise MismatchError(f"{what}: tensor names differ: missing from base {missing[:5]}, not in {what} {extra[:5]} "
+                            f"({len(missing)} missing, {len(extra)} extra)")
+    for name, dt, shape in specs:
+        b = base[name]
+        if (b.dtype.name, b.shape) != (dt, shape):
+            raise MismatchError(f"{what}: tensor {name!r} is {dt}{list(shape)} but base has {b.dtype.name}{list(b.shape)}")
+
+
+def encode(base, new, *, codec: str = "delta", tier: str | None = "packed", version: int | None = None,
+           base_version: int | None = None, level: int = 1, backend: str | None = None) -> Payload:
+    """Encode `new` (against `base` for delta) into a Payload.
+
+    base/new: dicts of torch tensors or numpy arrays, safetensors files, or
+    checkpoint folders. level: zstd level of the packed tier's entropy stage.
+    """
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    tier = None if codec == "raw" else tier
+    if codec == "delta" and tier not in ("sparse", "packed"):
+        raise ValueError(f"delta tier must be 'sparse' or 'packed', got {tier!r}")
+    k = backends.kernels(backend)
+    new_state, layout, metadata = _load(new)
+    base_state = None
+    if codec == "delta":
+        if base is None:
+            raise ValueError("the delta codec needs a base")
+        base_state = _load(base)[0]
+        _check_same_tensors(base_state, [(n, t.dtype.name, t.shape) for n, t in new_state.items()], "new")
+    mod = CODECS[codec]
+    specs, blobs, offset = [], [], 0
+    for name, tb in new_state.items():
+        b = base_state[name] if base_state else None
+        kind, parts = mod.encode_tensor(b, tb, tier=tier, kernels=k, level=level)
+        views = {p: memoryview(v).cast("B") if not isinstance(v, bytes) else v for p, v in parts.items()}
+        blob = b"".join(views.values())
+        spec = TensorSpec(name=name, dtype=tb.dtype.name, shape=tb.shape, kind=kind, offset=offset,
+                          parts={p: len(v) for p, v in views.items()}, checksum=k.checksum(tb.bits),
+                          payload_checksum=k.checksum(blob), base_checksum=k.checksum(b.bits) if b else None)
+        specs.append(spec)
+        blobs.append(blob)
+        offset += len(blob)
+    manifest = Manifest(
+        codec=codec, tier=tier, version=version, base_version=base_version,
+        checksum=state_digest((s.name, s.dtype, s.shape, s.checksum) for s in specs),
+        base_checksum=digest(base_state, {s.name: s.base_checksum for s in specs}) if base_state else None,
+        tensors=specs, layout=layout, metadata=metadata,
+    )
+    return Payload(manifest, memoryview(b"".join(blobs)))
+
+
+def decode(base: State | None, payload: Payload, *, backend: str | None = None) -> dict[str, Decoded]:
+    """Verify and decode every tensor without touching base. Raises on the first problem."""
+    k = backends.kernels(backend)
+    man = payload.manifest
+    needs_base = man.codec == "delta"
+    if base is not None or needs_base:
+        if base is None:
+            raise VersionError(f"payload is a delta against version {man.base_version}; a base is required")
+        _check_same_tensors(base, [(s.name, s.dtype, s.shape) for s in man.tensors], "payload")
+    if needs_base:
+        _check_base(base, man, k)
+    out = {}
+    for spec in man.tensors:
+        if k.checksum(payload.frame(spec)) != spec.payload_checksum:
+            raise ChecksumError(f"{spec.name}: stored bytes do not match their checksum (corrupt in transit or on disk)")
+        dt = dtypes.by_name(spec.dtype)
+        b = base[spec.name] if base is not None else None
+        out[spec.name] = CODECS[man.codec].decode_tensor(b, spec, payload.parts(spec), kernels=k, dtype=dt)
+    return out
+
+
+def _check_base(base: State, man: Manifest, k) -> None:
+    for spec in man.tensors:
+        got = k.checksum(base[spec.name].bits)
+        if got != spec.base_checksum:
+            raise VersionError(f"base tensor {spec.name!r} differs from the one this delta was made against "
+                               f"(payload base version {man.base_version}; checksum {got} != {spec.base_checksum})")
+
+
+def apply_state(base: State | None, payload, *, backend: str | None = None) -> State:
+    """Out-of-place apply on TensorBits states; every checksum verified before returning."""
+    payload = as_payload(payload)
+    k = backends.kernels(backend)
+    result = {}
+    for name, dec in decode(base, payload, backend=backend).items():
+        spec = payload.manifest.tensors_by_name[name]
+        bits = dec.values.copy() if dec.positions is None else base[name].bits.copy()
+        if dec.positions is not None:
+            bits[dec.positions] = dec.values
+        if k.checksum(bits) != spec.checksum:
+            raise ChecksumError(f"{name}: decoded tensor does not match its checksum")
+        result[name] = TensorBits(dtypes.by_name(spec.dtype), spec.shape, bits)
+    return result
+
+
+def apply(base, payload, *, inplace: bool = False, backend: str | None = None):
+    """Apply a payload to base and return the new tensors.
+
+    base: a dict of torch tensors or numpy arrays (the result has the same
+    flavour), a safetensors file or checkpoint folder (torch result), or None
+    for a raw payload. inplace=True writes into base's own memory (CPU,
+    contiguous) and returns base; on any error base is left exactly as it was.
+    """
+    payload = as_payload(payload)
+    base_state = None if base is None else _load(base)[0]
+    if inplace:
+        if not isinstance(base, dict):
+            raise TypeError("inplace=True needs a dict of tensors or arrays as base")
+        _apply_inplace(base, base_state, payload, backend)
+        return base
+    result = apply_state(base_state, payload, backend=backend)
+    if isinstance(base, dict) and base and all(isinstance(v, np.ndarray) for v in base.values()):
+        return {n: tb.bits.view(base[n].dtype).reshape(tb.shape) for n, tb in result.items()}
+    return {n: to_torch(tb) for n, tb in result.items()}
+
+
+def _apply_inplace(base: dict, state: State, payload: Payload, backend) -> None:
+    for name, tb in state.items():
+        if not tb.bits.flags.writeable or not _aliases(base[name], tb.bits):
+            raise TypeError(f"inplace apply needs writable, contiguous CPU tensors; {name!r} is not")
+    decoded = decode(state, payload, backend=backend)
+    k = backends.kernels(backend)
+    undo = []
+    try:
+        for name, dec in decoded.items():
+            bits = state[name].bits
+            undo.append((dec, bits, dec.scatter_into(bits)))
+            if k.checksum(bits) != payload.manifest.tensors_by_name[name].checksum:
+                raise ChecksumError(f"{name}: decoded tensor does not match its checksum")
+    except BaseException:
+        for dec, bits, old in reversed(undo):
+            dec.undo(bits, old)
+        raise
+
+
+def _aliases(t, bits: np.ndarray) -> bool:
+    if isinstance(t, np.ndarray):
+        return t.size == 0 or np.shares_memory(t, bits)
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+def apply_to_checkpoint(base_path, payload, out_path) -> None:
+    """Apply to a checkpoint on disk and write the result; nothing is written unless all checks pass."""
+    from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+
+    payload = as_payload(payload)
+    ck = read_checkpoint(base_path)
+    new = apply_state(ck.state, payload)
+    man = payload.manifest
+    write_checkpoint(out_path, Checkpoint(new, man.layout or ck.layout, man.metadata or ck.metadata), copy_from=base_path)
+
+
+def inspect(payload) -> dict:
+    """Summary of a payload: versions, density, bytes per part, ratio vs raw, bits per change."""
+    payload = as_payload(payload)
+    man = payload.manifest
+    parts: dict[str, int] = {}
+    kinds: dict[str, int] = {}
+    elements = model_bytes = changed = 0
+    for spec in man.tensors:
+        for p, n in spec.parts.items():
+            parts[p] = parts.get(p, 0) + n
+        kinds[spec.kind] = kinds.get(spec.kind, 0) + 1
+        elements += spec.numel
+        model_bytes += spec.nbytes
+        changed += _changed(spec, payload)
+    size = payload.nbytes
+    return {
+        "codec": man.codec,
+        "tier": man.tier,
+        "version": man.version,
+        "base_version": man.base_version,
+        "tensors": len(man.tensors),
+        "elements": elements,
+        "changed": changed,
+        "density": changed / elements if elements else 0.0,
+        "model_bytes": model_bytes,
+        "payload_bytes": size,
+        "header_bytes": size - len(payload.body),
+        "ratio": model_bytes / size if size else 0.0,
+        "bits_per_changed": 8 * size / changed if changed else None,
+        "parts": parts,
+        "kinds": kinds,
+    }
+
+
+def _changed(spec: TensorSpec, payload: Payload) -> int:
+    """Changed elements of one tensor (raw tensors count as all changed)."""
+    if spec.kind == "same":
+        return 0
+    if not spec.kind.startswith("delta"):
+        return spec.numel
+    from .codecs.base import zstd_decompress
+    from .codecs.delta_ref import nchunks
+
+    nc = nchunks(spec.numel)
+    table = payload.parts(spec)["table"]
+    if spec.kind == "delta-packed":
+        table = zstd_decompress(table, 8 * nc, f"{spec.name}: table")
+    return int(np.frombuffer(table, "<u4")[:nc].sum(dtype=np.int64))

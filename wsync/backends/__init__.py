@@ -1,0 +1,73 @@
+"""One place decides which kernels run: WSYNC_BACKEND=auto|ref|cpu|cuda.
+
+A backend is a name mapped to "module:Class", imported only when chosen, so a
+machine without a compiler or a GPU never imports what it cannot load.
+``wsync.backend()`` reports the choice and, for auto, why the faster ones
+were passed over.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+from ..errors import BackendUnavailable
+from .base import Kernels
+
+# Fastest first; "auto" takes the first that loads.
+REGISTRY = {
+    "ref": "wsync.backends.ref:RefKernels",
+}
+AUTO_ORDER = ("cuda", "cpu", "ref")
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str  # the backend in use
+    requested: str  # what WSYNC_BACKEND (or the caller) asked for
+    reason: str  # why this one, e.g. "cuda unavailable: no driver"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+_cache: dict[str, tuple[Kernels, BackendInfo]] = {}
+
+
+def _load(name: str) -> Kernels:
+    if name not in REGISTRY:
+        raise BackendUnavailable(f"backend {name!r} is not built into this wsync; available: {', '.join(REGISTRY)}")
+    module, cls = REGISTRY[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)()
+    except BackendUnavailable:
+        raise
+    except ImportError as e:
+        raise BackendUnavailable(f"backend {name!r} cannot load: {e}") from e
+
+
+def select(requested: str | None = None) -> tuple[Kernels, BackendInfo]:
+    requested = (requested or os.environ.get("WSYNC_BACKEND") or "auto").lower()
+    if requested in _cache:
+        return _cache[requested]
+    if requested != "auto":
+        choice = (_load(requested), BackendInfo(requested, requested, "requested"))
+    else:
+        skipped = []
+        for name in AUTO_ORDER:
+            try:
+                choice = (_load(name), BackendInfo(name, "auto", "; ".join(skipped) or "fastest available"))
+                break
+            except BackendUnavailable as e:
+                skipped.append(f"{name} unavailable: {e}")
+    _cache[requested] = choice
+    return choice
+
+
+def kernels(requested: str | None = None) -> Kernels:
+    return select(requested)[0]
+
+
+def backend(requested: str | None = None) -> BackendInfo:
+    """Which backend runs the codec kernels, and why."""
+    return select(requested)[1]

@@ -1,0 +1,34 @@
+"""One exception tree for everything wsync raises on purpose.
+
+Callers catch ``WsyncError`` to mean "the update was refused and nothing was
+changed"; the subclasses say why, so a subscriber can decide between asking for
+a keyframe (VersionError), re-fetching (ChecksumError) or giving up (FormatError).
+"""
+
+
+class WsyncError(Exception):
+    """Base of every error wsync raises deliberately."""
+
+
+class FormatError(WsyncError):
+    """Bytes that do not parse: bad magic, unknown version, lengths that lie, truncation."""
+
+
+class ChecksumError(WsyncError):
+    """Bytes that parse but whose checksum does not match what the manifest promised."""
+
+
+class VersionError(WsyncError):
+    """A payload made against another base (version or content) than the one offered."""
+
+
+class MismatchError(WsyncError):
+    """Tensor sets disagree: missing or extra names, or a shape/dtype that differs."""
+
+
+class TransportError(WsyncError):
+    """A connection failed, timed out, or the peer broke the protocol."""
+
+
+class BackendUnavailable(WsyncError):
+    """A backend or optional dependency was asked for but cannot be loaded here."""

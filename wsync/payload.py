@@ -1,0 +1,116 @@
+"""The container: fixed header, JSON manifest, then the body of tensor frames.
+
+Layout (all integers little-endian)::
+
+    0   8  magic  b"\\x89WSYNC\\r\\n"
+    8   4  u32    format version (1)
+    12  4  u32    manifest length M
+    16  8  u64    body length B
+    24  8  u64    xxh3-64 of the manifest bytes
+    32  M         manifest (UTF-8 JSON, see manifest.py)
+    32+M B        body: each tensor's parts back to back, in manifest order
+
+A file is exactly 32 + M + B bytes; anything shorter is truncated and anything
+longer is rejected, so a receiver never guesses where a payload ends.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from .errors import ChecksumError, FormatError
+from .manifest import FORMAT_VERSION, Manifest, TensorSpec
+
+MAGIC = b"\x89WSYNC\r\n"
+HEADER = struct.Struct("<8sIIQQ")
+MAX_MANIFEST = 256 << 20  # a manifest this large is a lie, not a model
+
+
+@dataclass
+class Payload:
+    manifest: Manifest
+    body: memoryview  # the tensors' bytes; may be backed by an mmap
+
+    @property
+    def nbytes(self) -> int:
+        """Total serialized size (header + manifest + body)."""
+        return HEADER.size + len(self.manifest.to_json()) + len(self.body)
+
+    def frame(self, spec: TensorSpec) -> memoryview:
+        return self.body[spec.offset : spec.offset + spec.length]
+
+    def parts(self, spec: TensorSpec) -> dict[str, memoryview]:
+        out, pos = {}, spec.offset
+        for name, n in spec.parts.items():
+            out[name] = self.body[pos : pos + n]
+            pos += n
+        return out
+
+    def header(self) -> bytes:
+        m = self.manifest.to_json()
+        return HEADER.pack(MAGIC, FORMAT_VERSION, len(m), len(self.body), xxhash.xxh3_64_intdigest(m)) + m
+
+    def to_bytes(self) -> bytes:
+        return self.header() + bytes(self.body)
+
+    def write(self, path) -> None:
+        """Write atomically: a reader sees the old file or the whole new one."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.header())
+                f.write(self.body)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def from_bytes(cls, buf) -> "Payload":
+        buf = memoryview(buf).cast("B")
+        if len(buf) < HEADER.size:
+            raise FormatError(f"truncated payload: {len(buf)} bytes, the header alone is {HEADER.size}")
+        magic, version, mlen, blen, mhash = HEADER.unpack_from(buf)
+        if magic != MAGIC:
+            raise FormatError(f"not a wsync payload (magic {bytes(magic)!r})")
+        if version != FORMAT_VERSION:
+            raise FormatError(f"unsupported format version {version}; this wsync reads version {FORMAT_VERSION}")
+        if mlen > MAX_MANIFEST:
+            raise FormatError(f"manifest length {mlen} exceeds the {MAX_MANIFEST}-byte limit")
+        expect = HEADER.size + mlen + blen
+        if len(buf) != expect:
+            what = "truncated" if len(buf) < expect else "trailing bytes in"
+            raise FormatError(f"{what} payload: header promises {expect} bytes, got {len(buf)}")
+        mbytes = bytes(buf[HEADER.size : HEADER.size + mlen])
+        if xxhash.xxh3_64_intdigest(mbytes) != mhash:
+            raise ChecksumError("manifest checksum mismatch: the header or manifest is corrupt")
+        manifest = Manifest.from_json(mbytes)
+        if manifest.body_length != blen:
+            raise FormatError(f"manifest describes {manifest.body_length} body bytes, header says {blen}")
+        return cls(manifest, buf[HEADER.size + mlen :])
+
+    @classmethod
+    def read(cls, path) -> "Payload":
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise FormatError(f"{path}: empty file")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return cls.from_bytes(mm)
+
+
+def as_payload(obj) -> Payload:
+    if isinstance(obj, Payload):
+        return obj
+    if isinstance(obj, (str, os.PathLike)):
+        return Payload.read(obj)
+    if isinstance(obj, (bytes, bytearray, memoryview, mmap.mmap)):
+        return Payload.from_bytes(obj)
+    raise TypeError(f"expected a Payload, bytes or a path, got {type(obj).__name__}")

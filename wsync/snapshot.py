@@ -1,0 +1,88 @@
+"""A state as the codecs see it: named tensors reduced to their bit patterns.
+
+Every codec works on flat unsigned-integer views of the tensors (``<u2`` for
+bf16/fp16, ``<u4`` for fp32, ...), so they never round and never care which
+framework owns the memory. Converting a torch tensor or numpy array costs no
+copy when it is contiguous and on the CPU.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import dtypes
+from .checksum import checksum, state_digest
+from .dtypes import DType
+
+
+@dataclass(frozen=True)
+class TensorBits:
+    dtype: DType
+    shape: tuple[int, ...]
+    bits: np.ndarray  # 1-D, C-contiguous, dtype.bits_dtype; may alias the caller's tensor
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def checksum(self) -> str:
+        return checksum(self.bits)
+
+
+State = dict[str, TensorBits]
+
+
+def to_bits(t) -> TensorBits:
+    """View a torch tensor or numpy array as TensorBits (no copy when contiguous on CPU)."""
+    if isinstance(t, TensorBits):
+        return t
+    if isinstance(t, np.ndarray):
+        dt = dtypes.from_numpy(t.dtype)
+        flat = np.ascontiguousarray(t).reshape(-1)
+        return TensorBits(dt, tuple(t.shape), flat.view(dt.bits_dtype))
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(t).__name__}")
+    dt = dtypes.from_torch(t.dtype)
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    uint = getattr(torch, f"uint{8 * dt.itemsize}")
+    return TensorBits(dt, tuple(t.shape), flat.view(uint).numpy())
+
+
+def to_torch(tb: TensorBits):
+    """A torch tensor sharing memory with ``tb.bits`` (copied if read-only)."""
+    import torch
+
+    bits = tb.bits if tb.bits.flags.writeable else tb.bits.copy()
+    flat = torch.from_numpy(bits)
+    return flat.view(getattr(torch, tb.dtype.torch_name)).reshape(tb.shape)
+
+
+def as_state(obj) -> State:
+    """Accept a dict of tensors/arrays, a safetensors file, or a checkpoint folder."""
+    if isinstance(obj, (str, os.PathLike)):
+        from .checkpoint import read_checkpoint
+
+        return read_checkpoint(obj).state
+    if not isinstance(obj, dict):
+        raise TypeError(f"expected a dict of tensors or a path, got {type(obj).__name__}")
+    state = {}
+    for name, t in obj.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
+        state[name] = to_bits(t)
+    return state
+
+
+def digest(state: State, checksums: dict[str, str] | None = None) -> str:
+    """Digest of a whole state (names, dtypes, shapes, contents)."""
+    checksums = checksums or {n: tb.checksum() for n, tb in state.items()}
+    return state_digest((n, tb.dtype.name, tb.shape, checksums[n]) for n, tb in state.items())
