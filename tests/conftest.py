@@ -1,0 +1,46 @@
+"""Shared test helpers: states of bit patterns, byte-level comparisons, payload surgery."""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+
+from wsync.payload import HEADER
+
+
+def bits_equal(a, b) -> bool:
+    """Byte equality of two tensors/arrays (never allclose)."""
+    return _bytes(a) == _bytes(b)
+
+
+def _bytes(t) -> bytes:
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t).tobytes() + str(t.dtype).encode() + str(t.shape).encode()
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    if t.numel() == 0:
+        return str(t.dtype).encode() + str(tuple(t.shape)).encode()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() + str(t.dtype).encode() + str(tuple(t.shape)).encode()
+
+
+def states_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(bits_equal(a[k], b[k]) for k in a)
+
+
+def rewrite_manifest(blob: bytes, mutate) -> bytes:
+    """Edit a payload's manifest JSON and re-seal its header, so only the lie remains."""
+    _, version, mlen, blen, _ = HEADER.unpack_from(blob)
+    doc = json.loads(blob[HEADER.size : HEADER.size + mlen])
+    mutate(doc)
+    m = json.dumps(doc).encode()
+    body = blob[HEADER.size + mlen :]
+    return HEADER.pack(b"\x89WSYNC\r\n", version, len(m), blen, xxhash.xxh3_64_intdigest(m)) + m + body
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

@@ -1,0 +1,1 @@
+"""Benchmark harnesses and data generators behind `wsync bench`."""

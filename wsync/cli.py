@@ -1,0 +1,126 @@
+"""The `wsync` command line.
+
+    wsync delta encode BASE NEW -o OUT.wsd [--tier sparse|packed]
+    wsync delta apply BASE DELTA -o OUT
+    wsync inspect FILE [--json]
+    wsync bench codec [--base B --new N] [--json OUT]
+    wsync backend
+
+BASE, NEW and OUT are .safetensors files or Hugging Face checkpoint folders.
+Errors print one line and exit 2; nothing is written unless every check passed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import WsyncError
+
+
+def _delta_encode(a) -> None:
+    from .api import encode, inspect
+
+    t = time.perf_counter()
+    payload = encode(a.base, a.new, codec=a.codec, tier=a.tier, version=a.version, base_version=a.base_version, level=a.level)
+    payload.write(a.output)
+    s = inspect(payload)
+    print(f"wrote {a.output}: {s['payload_bytes']:,} bytes, {s['ratio']:.1f}x smaller than raw, "
+          f"{s['density']:.3%} changed, {time.perf_counter() - t:.2f}s")
+
+
+def _delta_apply(a) -> None:
+    from .api import apply_to_checkpoint
+
+    t = time.perf_counter()
+    apply_to_checkpoint(a.base, a.delta, a.output)
+    print(f"wrote {a.output} (all checksums verified), {time.perf_counter() - t:.2f}s")
+
+
+def _inspect(a) -> None:
+    from .api import inspect
+
+    s = inspect(a.file)
+    if a.json:
+        print(json.dumps(s, indent=2))
+        return
+    print(f"codec     {s['codec']}" + (f" ({s['tier']})" if s["tier"] else ""))
+    print(f"version   {s['version']}  base {s['base_version']}")
+    print(f"tensors   {s['tensors']}  ({', '.join(f'{k}: {v}' for k, v in s['kinds'].items())})")
+    print(f"elements  {s['elements']:,}  changed {s['changed']:,} ({s['density']:.4%})")
+    print(f"size      {s['payload_bytes']:,} bytes vs {s['model_bytes']:,} raw: {s['ratio']:.2f}x")
+    if s["bits_per_changed"] is not None:
+        print(f"          {s['bits_per_changed']:.2f} bits per changed element")
+    print(f"header    {s['header_bytes']:,} bytes")
+    for part, n in s["parts"].items():
+        print(f"  {part:<9} {n:>14,} bytes")
+
+
+def _bench_codec(a) -> None:
+    from .bench.codec import main as bench_main
+
+    bench_main(a)
+
+
+def _backend(a) -> None:
+    from .backends import backend
+
+    print(backend())
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="wsync", description="Move trainer weights into rollout engines, bit-exact.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    delta = sub.add_parser("delta", help="encode or apply a delta between checkpoints").add_subparsers(dest="op", required=True)
+    e = delta.add_parser("encode", help="encode NEW against BASE")
+    e.add_argument("base", type=Path)
+    e.add_argument("new", type=Path)
+    e.add_argument("-o", "--output", type=Path, required=True)
+    e.add_argument("--tier", choices=["sparse", "packed"], default="packed")
+    e.add_argument("--codec", choices=["delta", "raw"], default="delta")
+    e.add_argument("--version", type=int)
+    e.add_argument("--base-version", type=int)
+    e.add_argument("--level", type=int, default=1, help="zstd level of the packed tier (default 1)")
+    e.set_defaults(fn=_delta_encode)
+    ap = delta.add_parser("apply", help="apply DELTA to BASE and write OUT")
+    ap.add_argument("base", type=Path)
+    ap.add_argument("delta", type=Path)
+    ap.add_argument("-o", "--output", type=Path, required=True)
+    ap.set_defaults(fn=_delta_apply)
+
+    i = sub.add_parser("inspect", help="describe a payload file")
+    i.add_argument("file", type=Path)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=_inspect)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="suite", required=True)
+    bc = bench.add_parser("codec", help="our codec vs peer schemes on consecutive snapshots")
+    bc.add_argument("--base", type=Path, help="base checkpoint (default: generated RL snapshots)")
+    bc.add_argument("--new", type=Path, help="new checkpoint")
+    bc.add_argument("--size", default="bench", choices=["tiny", "small", "bench"], help="generated model size")
+    bc.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
+    bc.add_argument("--gaps", type=int, nargs="+", default=[1, 4, 16])
+    bc.add_argument("--repeats", type=int, default=3)
+    bc.add_argument("--json", type=Path, help="also write results as JSON here")
+    bc.set_defaults(fn=_bench_codec)
+
+    b = sub.add_parser("backend", help="which codec backend runs, and why")
+    b.set_defaults(fn=_backend)
+    return p
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        a.fn(a)
+    except (WsyncError, FileNotFoundError, TypeError, ValueError) as e:
+        print(f"wsync: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
