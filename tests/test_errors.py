@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wsync
+from wsync.checksum import checksum
 from wsync.codecs import delta_ref
 from wsync.errors import ChecksumError, FormatError, MismatchError, VersionError, WsyncError
 from wsync.payload import HEADER
@@ -174,7 +175,7 @@ def _forge_delta_body(blob: bytes, table_fn) -> bytes:
     table = np.frombuffer(bytes(body[:tlen]), "<u4").copy()
     table_fn(table)
     body[:tlen] = table.tobytes()
-    t["payload_checksum"] = xxhash.xxh3_64_hexdigest(bytes(body[: sum(p[1] for p in t["parts"])]))
+    t["payload_checksum"] = checksum(bytes(body[: sum(p[1] for p in t["parts"])]))
     m = json.dumps(doc).encode()
     return HEADER.pack(b"\x89WSYNC\r\n", 1, len(m), len(body), xxhash.xxh3_64_intdigest(m)) + m + bytes(body)
 
