@@ -44,3 +44,32 @@ def rewrite_manifest(blob: bytes, mutate) -> bytes:
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def _backends() -> list:
+    """Every backend that loads here; the others show up as skips with their reason."""
+    from wsync import backends
+    from wsync.errors import BackendUnavailable
+
+    out = []
+    for name in backends.AUTO_ORDER:
+        try:
+            backends.kernels(name)
+            out.append(name)
+        except BackendUnavailable as e:
+            out.append(pytest.param(name, marks=pytest.mark.skip(reason=str(e))))
+    return out
+
+
+@pytest.fixture(scope="module", params=_backends())
+def each_backend(request):
+    """Run a whole module once per backend (modules opt in with usefixtures)."""
+    import os
+
+    old = os.environ.get("WSYNC_BACKEND")
+    os.environ["WSYNC_BACKEND"] = request.param
+    yield request.param
+    if old is None:
+        os.environ.pop("WSYNC_BACKEND", None)
+    else:
+        os.environ["WSYNC_BACKEND"] = old

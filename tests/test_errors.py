@@ -18,6 +18,8 @@ from wsync.payload import HEADER
 
 from conftest import rewrite_manifest, states_equal
 
+pytestmark = pytest.mark.usefixtures("each_backend")
+
 
 def _state(seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -13,6 +13,8 @@ from wsync.dtypes import DTYPES
 
 from conftest import bits_equal, states_equal
 
+pytestmark = pytest.mark.usefixtures("each_backend")
+
 NP_OF = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 SPECIAL = {  # NaN, inf, -inf, -0.0, +0.0, smallest denormal, -denormal, max finite
     2: [0x7FC0, 0x7F80, 0xFF80, 0x8000, 0x0000, 0x0001, 0x8001, 0x7F7F, 0xFFFF, 0x7C00],

@@ -3,7 +3,7 @@
 This module is the public API. It imports nothing heavy: torch, cupy, ucxx and
 the engines load only when a function that needs them runs.
 """
-from .api import apply, apply_state, encode, inspect
+from .api import apply, apply_state, apply_to_checkpoint, encode, inspect
 from .backends import backend
 from .errors import (
     BackendUnavailable,
@@ -20,7 +20,7 @@ from .payload import Payload
 __version__ = "0.1.0"
 
 __all__ = [
-    "encode", "apply", "apply_state", "inspect", "backend", "Payload", "Manifest", "TensorSpec",
+    "encode", "apply", "apply_state", "apply_to_checkpoint", "inspect", "backend", "Payload", "Manifest", "TensorSpec",
     "WsyncError", "FormatError", "ChecksumError", "VersionError", "MismatchError", "TransportError",
     "BackendUnavailable", "__version__",
 ]

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import dtypes
 from .errors import FormatError
+from .fsutil import atomic_write
 from .snapshot import State, TensorBits
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -81,30 +82,11 @@ def write_safetensors(path, state: State, metadata: dict[str, str] | None = None
         header["__metadata__"] = dict(metadata)
     hbytes = json.dumps(header, separators=(",", ":")).encode()
     hbytes += b" " * (-len(hbytes) % 8)
-    with _atomic(Path(path)) as f:
+    with atomic_write(path) as f:
         f.write(struct.pack("<Q", len(hbytes)))
         f.write(hbytes)
         for name in names:
             f.write(memoryview(state[name].bits).cast("B"))
-
-
-class _atomic:
-    """Open a temp file beside `path`; rename it over `path` only if the block succeeds."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        self.f = os.fdopen(fd, "wb")
-        return self.f
-
-    def __exit__(self, exc_type, *_):
-        self.f.close()
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        else:
-            Path(self.tmp).unlink(missing_ok=True)
 
 
 def read_checkpoint(path) -> Checkpoint:

@@ -18,13 +18,12 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import xxhash
 
 from .errors import ChecksumError, FormatError
+from .fsutil import atomic_write
 from .manifest import FORMAT_VERSION, Manifest, TensorSpec
 
 MAGIC = b"\x89WSYNC\r\n"
@@ -61,16 +60,9 @@ class Payload:
 
     def write(self, path) -> None:
         """Write atomically: a reader sees the old file or the whole new one."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self.header())
-                f.write(self.body)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_write(path) as f:
+            f.write(self.header())
+            f.write(self.body)
 
     @classmethod
     def from_bytes(cls, buf) -> "Payload":

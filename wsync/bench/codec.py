@@ -1,0 +1,123 @@
+"""`wsync bench codec`: our delta tiers beside the peers, on real consecutive snapshots.
+
+Every scheme runs on the same (base, new) pair in the same process: sizes as
+ratios against raw bf16, bits per changed element, encode/apply GB/s of model
+bytes, a bit-exactness check, and the entropy bound computed from the data.
+Without --base/--new it generates (once, then caches) RL-style snapshots of a
+Qwen3-architecture model at each lr and compares step 0 with steps 1, 4, 16.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .. import api
+from ..checkpoint import read_checkpoint
+from ..snapshot import TensorBits
+from . import hardware
+from .peers import PEERS, Peer, entropy_bound_bits, run_peer
+
+
+class WsyncPeer(Peer):
+    """wsync's own codec behind the peers' interface, so one harness times everyone."""
+
+    def __init__(self, tier: str, dtypes: dict, backend: str | None = None):
+        self.name = f"wsync-{tier}" + (f"[{backend}]" if backend else "")
+        self.tier, self.dtypes, self.backend = tier, dtypes, backend
+
+    def _state(self, bits: dict) -> dict:
+        return {n: TensorBits(self.dtypes[n][0], self.dtypes[n][1], b) for n, b in bits.items()}
+
+    def encode(self, base, new) -> bytes:
+        return api.encode(self._state(base), self._state(new), tier=self.tier, backend=self.backend).to_bytes()
+
+    def decode(self, base, blob) -> dict:
+        out = api.apply_state(self._state(base), blob, backend=self.backend)
+        return {n: tb.bits for n, tb in out.items()}
+
+
+def compare(base_path, new_path, *, repeats: int = 3, label: str = "") -> dict:
+    """All schemes on one pair of checkpoints."""
+    base, new = read_checkpoint(base_path).state, read_checkpoint(new_path).state
+    meta = {n: (tb.dtype, tb.shape) for n, tb in new.items()}
+    # Load into memory once so no scheme pays for page faults the others skip.
+    b = {n: np.array(tb.bits) for n, tb in base.items()}
+    w = {n: np.array(tb.bits) for n, tb in new.items()}
+    bound = entropy_bound_bits(b, w)
+    schemes = [WsyncPeer("packed", meta), WsyncPeer("sparse", meta)] + [p for p in PEERS.values()]
+    rows = []
+    for peer in schemes:
+        if not peer.available():
+            rows.append({"name": peer.name, "skipped": peer.why_unavailable})
+            continue
+        rows.append(run_peer(peer, b, w, repeats))
+    return {"label": label, "base": str(base_path), "new": str(new_path), "bound": bound, "schemes": rows}
+
+
+def summary(run: dict) -> dict:
+    """The issue's targets as numbers: packed vs XOR+zstd-1 and vs the entropy bound."""
+    by = {r["name"]: r for r in run["schemes"] if "skipped" not in r}
+    packed, xor, sparse = by["wsync-packed"], by.get("xor_zstd"), by["wsync-sparse"]
+    return {
+        "density": run["bound"]["density"],
+        "packed_ratio": packed["ratio_vs_raw"],
+        "packed_vs_xor_zstd": packed["ratio_vs_raw"] / xor["ratio_vs_raw"] if xor else None,
+        "packed_over_bound": run["bound"]["ratio_vs_raw"] / packed["ratio_vs_raw"] - 1,
+        "sparse_ratio": sparse["ratio_vs_raw"],
+        "all_exact": all(r["exact"] for r in by.values()),
+    }
+
+
+def render(run: dict) -> str:
+    bd = run["bound"]
+    lines = [
+        f"### {run['label'] or run['new']}",
+        f"{bd['n_total']:,} elements, density {bd['density']:.3%}",
+        "",
+        "| scheme | bytes | ratio vs raw | bits/changed | encode GB/s | apply GB/s | exact |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in run["schemes"]:
+        if "skipped" in r:
+            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | |")
+            continue
+        lines.append(f"| {r['name']} | {r['bytes']:,} | {r['ratio_vs_raw']:.1f} | {r['bits_per_changed']:.2f} "
+                     f"| {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} | {'yes' if r['exact'] else 'NO'} |")
+    lines.append(f"| entropy bound | {bd['total_bits'] / 8:,.0f} | {bd['ratio_vs_raw']:.1f} | {bd['bits_per_changed']:.2f} | | | |")
+    s = summary(run)
+    lines += ["", f"packed = {s['packed_vs_xor_zstd']:.2f}x XOR+zstd-1, {s['packed_over_bound']:+.1%} over the entropy bound; "
+              f"sparse {s['sparse_ratio']:.1f}x raw"]
+    return "\n".join(lines)
+
+
+def _pairs(a) -> list[tuple[str, Path, Path]]:
+    if a.base or a.new:
+        if not (a.base and a.new):
+            raise ValueError("give both --base and --new, or neither")
+        return [("given pair", a.base, a.new)]
+    from .snapshots import SnapshotConfig, default_cache_dir, ensure_snapshots, snapshot_pairs
+
+    out = []
+    for lr in a.lr:
+        cfg = SnapshotConfig(size=a.size, lr=lr, steps=max(a.gaps))
+        paths = ensure_snapshots(default_cache_dir(cfg), cfg)
+        out += [(f"{a.size} model, lr {lr:g}, gap {g}", b, n) for g, b, n in snapshot_pairs(paths, gaps=a.gaps)]
+    return out
+
+
+def main(a) -> None:
+    hw = hardware.describe()
+    print(f"# wsync bench codec on {hardware.one_line(hw)}\n")
+    runs = []
+    for label, b, n in _pairs(a):
+        run = compare(b, n, repeats=a.repeats, label=label)
+        run["summary"] = summary(run)
+        runs.append(run)
+        print(render(run), "\n", flush=True)
+    if a.json:
+        doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "hardware": hw, "runs": runs}
+        Path(a.json).write_text(json.dumps(doc, indent=2, default=str))
+        print(f"wrote {a.json}")
