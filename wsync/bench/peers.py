@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
+from ..codecs import delta_ref
 from ..errors import BackendUnavailable, FormatError, MismatchError
 
 State = dict[str, np.ndarray]
@@ -315,8 +316,7 @@ def monotone_key(bits: np.ndarray) -> np.ndarray:
     """
     if bits.dtype not in _UNSIGNED:
         raise TypeError(f"expected an unsigned bit-pattern array, got {bits.dtype}")
-    sign = bits.dtype.type(1 << (8 * bits.itemsize - 1))
-    return np.where(bits & sign, ~bits, bits | sign)
+    return delta_ref.monotone_key(bits, "float")
 
 
 def _h2(p: float) -> float:

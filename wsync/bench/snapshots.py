@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..codecs import delta_ref
+
 # Bump when the generated data would differ for the same config (model shapes,
 # data stream, training loop), so stale caches are regenerated, not reused.
 GENERATOR_VERSION = 1
@@ -246,8 +248,7 @@ def monotone_key(bits: np.ndarray) -> np.ndarray:
     Adjacent representable values have adjacent keys, so key(new) - key(old)
     counts representable steps, across zero and exponent boundaries alike.
     """
-    bits = bits.astype(np.uint16, copy=False)
-    return np.where(bits & 0x8000, ~bits, bits | 0x8000).astype(np.uint16)
+    return delta_ref.monotone_key(bits.astype(np.uint16, copy=False), "float")
 
 
 def _bf16_bits(t: torch.Tensor) -> np.ndarray:
