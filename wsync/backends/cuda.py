@@ -1,0 +1,537 @@
+"""The CUDA backend: the delta format and the checksum as GPU kernels (csrc/delta_cuda.cu).
+
+Why a GPU backend: the weights of a trainer and of a rollout engine already sit
+in GPU memory, and a sync should not drag them through the host to find the 1%
+that changed. The kernels are compiled at run time by NVRTC through cupy's
+RawModule, so installing wsync needs no CUDA toolkit, only `wsync[cuda]`
+(cupy-cuda12x and nvidia-cuda-nvrtc-cu12). The output is byte-identical to
+``wsync.codecs.delta_ref``, which the test suite checks.
+
+Two faces:
+- the ``Kernels`` protocol (``delta_encode``, ``delta_decode``, ``checksum``) on
+  numpy arrays, which copies them to the GPU and the results back, so the codec
+  layer can run on this backend like on any other;
+- GPU-native entry points on torch CUDA tensors (or cupy arrays), shared with
+  torch through DLPack and run on torch's current stream, with no host copy:
+  ``encode_device``, ``apply_device`` / ``restore_device``, ``digest_device`` /
+  ``digests_device`` and ``fused_change_detect``. Their sections stay on the GPU
+  (cupy arrays in a ``DeltaSections``); ``sections_to_host`` brings them back.
+  The ``packed`` tier's zstd stage runs on the host after that copy: only the
+  `sparse` sections are built on the GPU.
+
+The host-side choreography (launch order, prefix sums, validation, error
+messages) lives in ``_Engine`` over a small runtime interface, so the CPU tests
+run it unchanged against a host build of the same kernel source.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..checksum import BLOCK, checksum as host_checksum, combine
+from ..codecs.delta_ref import DeltaSections, nchunks
+from ..errors import BackendUnavailable, FormatError
+from ..manifest import CHUNK_ELEMS
+
+INSTALL_HINT = "the GPU backend needs a CUDA driver and `pip install 'wsync[cuda]'` (cupy-cuda12x, nvidia-cuda-nvrtc-cu12)"
+NT = 256  # threads per block in every kernel (ws::NT)
+CHUNK_WORDS = CHUNK_ELEMS // 32  # mask words per chunk (ws::CHUNK_WORDS)
+ERR_ESCAPES, ERR_TABLE = 1, 2  # bits of err[1] (ws::ERR_*)
+NO_ERROR = np.uint64(2**64 - 1)  # err[0] when no change lands outside its chunk
+ORDERS = ("float", "int", "uint")
+WIDTHS = {1: "u8", 2: "u16", 4: "u32", 8: "u64"}
+NULL = np.uint64(0)  # a null pointer argument
+
+
+def csrc_dir() -> Path:
+    """Where the kernel sources are: $WSYNC_CSRC, else wsync/_csrc (where a wheel would ship
+    them), else csrc/ of the source checkout this package runs from."""
+    if os.environ.get("WSYNC_CSRC"):
+        return Path(os.environ["WSYNC_CSRC"])
+    packaged = Path(__file__).resolve().parents[1] / "_csrc"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "csrc"
+
+
+def kernel_source(path: Path | None = None) -> str:
+    """delta_cuda.cu with its local headers inlined.
+
+    One self-contained string, because cupy caches compiled modules by source
+    text: with -I includes, an edited header would keep serving a stale cubin.
+    """
+    path = path or csrc_dir() / "delta_cuda.cu"
+    seen: set[str] = set()
+
+    def expand(p: Path) -> str:
+        out = []
+        for line in p.read_text().splitlines():
+            m = re.match(r'\s*#include\s+"([\w.]+)"', line)
+            if m:
+                if m.group(1) not in seen:
+                    seen.add(m.group(1))
+                    out.append(expand(p.parent / m.group(1)))
+            elif line.strip() != "#pragma once":
+                out.append(line)
+        return "\n".join(out)
+
+    return expand(path)
+
+
+def check_table(n: int, table: np.ndarray, n_gaps: int, n_steps: int, n_escapes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The table checks of delta_ref.decode, with its messages; returns (counts, escape counts) as int64."""
+    nc = nchunks(n)
+    if len(table) != 2 * nc:
+        raise FormatError(f"chunk table has {len(table)} entries, expected {2 * nc}")
+    counts = table[:nc].astype(np.int64)
+    esc_counts = table[nc:].astype(np.int64)
+    clen = chunk_lengths(n)
+    bad = np.flatnonzero((counts > clen) | (esc_counts > counts))
+    if len(bad):
+        c = int(bad[0])
+        raise FormatError(f"chunk {c}: {counts[c]} changes, {esc_counts[c]} escapes for {clen[c]} elements")
+    total, total_esc = int(counts.sum()), int(esc_counts.sum())
+    if (n_gaps, n_steps, n_escapes) != (total, total, total_esc):
+        raise FormatError(
+            f"section sizes gaps={n_gaps} steps={n_steps} escapes={n_escapes} "
+            f"disagree with the chunk table ({total} changes, {total_esc} escapes)"
+        )
+    return counts, esc_counts
+
+
+def chunk_lengths(n: int) -> np.ndarray:
+    nc = nchunks(n)
+    clen = np.full(nc, CHUNK_ELEMS, dtype=np.int64)
+    if nc:
+        clen[-1] = n - (nc - 1) * CHUNK_ELEMS
+    return clen
+
+
+def exclusive(counts: np.ndarray) -> np.ndarray:
+    """Where each chunk's entries start in a section (u64, as the kernels read it)."""
+    return (np.cumsum(counts, dtype=np.uint64) - counts.astype(np.uint64)).astype(np.uint64)
+
+
+def chunk_of(counts: np.ndarray, i: int) -> int:
+    """The chunk that change #i belongs to (empty chunks share a start; the last of them owns it)."""
+    return int(np.searchsorted(np.cumsum(counts) - counts, i, side="right") - 1)
+
+
+def outside_message(n: int, counts: np.ndarray, gaps_head: np.ndarray, first_bad: int) -> str:
+    """delta_ref's message for the first change that lands outside its chunk.
+
+    gaps_head holds the gaps from the start of that change's chunk up to and
+    including it; the offset is recomputed in int64, as delta_ref does.
+    """
+    c = chunk_of(counts, first_bad)
+    offset = int((gaps_head.astype(np.int64) + 1).sum() - 1)
+    return f"change #{first_bad} lands at offset {offset} of chunk {c}, which has {chunk_lengths(n)[c]} elements"
+
+
+@dataclass
+class Undo:
+    """What apply_device overwrote, in section order, to put back with restore_device."""
+
+    sections: DeltaSections
+    saved: object  # device array of the old bit patterns
+    chg_base: object  # device u64 [nchunks]: where each chunk's changes start
+    esc_base: object
+
+
+class _Engine:
+    """Kernel launches and their host-side bookkeeping, over a runtime that provides
+    xp (numpy or cupy), launch(name, grid, args), to_host(array) and ptr(array)."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.xp = rt.xp
+
+    # ---- encode -------------------------------------------------------------------
+
+    def encode(self, old, new, order: str) -> DeltaSections:
+        _check_order(order)
+        if old.shape != new.shape or old.dtype.itemsize != new.dtype.itemsize:
+            raise ValueError(f"old and new differ: {old.dtype}{old.shape} vs {new.dtype}{new.shape}")
+        w = WIDTHS[new.dtype.itemsize]
+        return self._encode(f"delta_count_{w}_{order}", f"delta_fill_{w}_{order}", old, new, new.dtype, (0, 0))
+
+    def encode_bf16_from_f32(self, before, after, nan_bits: tuple[int, int]) -> DeltaSections:
+        """Sections of round(before) -> round(after) as bf16 patterns; before/after are fp32 bits (u32)."""
+        return self._encode("fused_count_bf16", "fused_fill_bf16", before, after, np.dtype("<u2"), nan_bits)
+
+    def _encode(self, count_k: str, fill_k: str, a, b, out_dtype, nan_bits) -> DeltaSections:
+        xp, n = self.xp, len(a)
+        nc = nchunks(n)
+        table = xp.zeros(2 * nc, dtype="<u4")
+        if nc == 0:
+            return DeltaSections(table, xp.empty(0, "<u2"), xp.empty(0, np.int8), xp.empty(0, out_dtype))
+        a, b = self._aligned(a, 16), self._aligned(b, 16)  # the count pass loads 16 bytes at a time
+        mask = xp.empty(nc * CHUNK_WORDS, dtype="<u4")
+        head = (a, b, np.uint64(n), np.uint32(nc), np.uint32(nan_bits[0]), np.uint32(nan_bits[1]))
+        self.rt.launch(count_k, nc, head + (table, mask))
+        counts, escs = table[:nc], table[nc:]
+        inc_c, inc_e = xp.cumsum(counts, dtype=np.uint64), xp.cumsum(escs, dtype=np.uint64)
+        total, total_esc = (int(x) for x in self.rt.to_host(xp.stack([inc_c[-1], inc_e[-1]])))  # the one sync
+        gaps = xp.empty(total, dtype="<u2")
+        steps = xp.empty(total, dtype=np.int8)
+        escapes = xp.empty(total_esc, dtype=out_dtype)
+        if total:
+            chg_base, esc_base = inc_c - counts, inc_e - escs
+            self.rt.launch(fill_k, nc, head + (mask, chg_base, esc_base, gaps, steps, escapes))
+        return DeltaSections(table, gaps, steps, escapes)
+
+    # ---- the walk: check, decode, apply, restore ------------------------------------
+
+    def check(self, n: int, sec: DeltaSections):
+        """Validate untrusted sections against an n-element tensor; FormatError, with
+        delta_ref's messages, before anything is written. Returns the chunk bases."""
+        counts, escs = check_table(n, self.rt.to_host(sec.table), len(sec.gaps), len(sec.steps), len(sec.escapes))
+        chg_base, esc_base = self.xp.asarray(exclusive(counts)), self.xp.asarray(exclusive(escs))
+        self._walk("delta_check", n, sec, chg_base, esc_base, NULL, NULL, NULL, counts)
+        return chg_base, esc_base
+
+    def decode(self, old, sec: DeltaSections, order: str):
+        _check_order(order)
+        sec = self._sections(sec, old.dtype)
+        chg_base, esc_base = self.check(len(old), sec)
+        pos = self.xp.empty(len(sec.steps), dtype=np.int64)
+        values = self.xp.empty(len(sec.steps), dtype=old.dtype)
+        self._walk(f"delta_decode_{WIDTHS[old.dtype.itemsize]}_{order}", len(old), sec, chg_base, esc_base, old,
+                   values, pos)
+        return pos, values
+
+    def apply(self, weights, sec: DeltaSections, order: str, undo: bool) -> Undo | None:
+        """In place: weights (1-D device bit patterns) become the new version, or,
+        on bad sections, FormatError and weights untouched."""
+        _check_order(order)
+        sec = self._sections(sec, weights.dtype)
+        chg_base, esc_base = self.check(len(weights), sec)
+        saved = self.xp.empty(len(sec.steps), dtype=weights.dtype) if undo else None
+        w = WIDTHS[weights.dtype.itemsize]
+        try:
+            self._walk(f"delta_apply_{w}_{order}", len(weights), sec, chg_base, esc_base, weights,
+                       NULL if saved is None else saved, NULL)
+        except FormatError:
+            # Only if the sections changed under us after the check: put back what was written.
+            if saved is not None:
+                self.restore(weights, Undo(sec, saved, chg_base, esc_base))
+            raise
+        return Undo(sec, saved, chg_base, esc_base) if undo else None
+
+    def restore(self, weights, undo: Undo) -> None:
+        w = WIDTHS[weights.dtype.itemsize]
+        self._walk(f"delta_restore_{w}", len(weights), undo.sections, undo.chg_base, undo.esc_base, weights,
+                   undo.saved, NULL)
+
+    def _walk(self, kernel, n, sec, chg_base, esc_base, weights, vals, pos, counts=None):
+        nc = nchunks(n)
+        if nc == 0:
+            return
+        err = self.xp.asarray(np.array([NO_ERROR, 0], dtype=np.uint64))
+        escapes = sec.escapes if len(sec.escapes) else NULL
+        self.rt.launch(kernel, nc, (weights, np.uint64(n), np.uint32(nc), sec.table, chg_base, esc_base,
+                                    _or_null(sec.gaps), _or_null(sec.steps), escapes, vals, pos, err))
+        first_bad, flags = (int(x) for x in self.rt.to_host(err))
+        if first_bad != int(NO_ERROR):
+            if counts is None:
+                counts = self.rt.to_host(sec.table)[:nc].astype(np.int64)
+            start = int(exclusive(counts)[chunk_of(counts, first_bad)])
+            head = self.rt.to_host(sec.gaps[start : first_bad + 1])
+            raise FormatError(outside_message(n, counts, head, first_bad))
+        if flags & ERR_ESCAPES:
+            raise FormatError("escape markers in the steps disagree with the chunk table's escape counts")
+        if flags & ERR_TABLE:
+            raise FormatError("the chunk table changed between its check and its use")
+
+    def _sections(self, sec: DeltaSections, dtype) -> DeltaSections:
+        """Sections as contiguous arrays of the kernels' dtypes, on the runtime's side."""
+        xp = self.xp
+        esc = xp.ascontiguousarray(xp.asarray(sec.escapes))
+        if len(esc) and esc.dtype.itemsize != dtype.itemsize:
+            raise FormatError(f"escapes are {esc.dtype.itemsize}-byte values for a {dtype.itemsize}-byte tensor")
+        return DeltaSections(
+            xp.ascontiguousarray(xp.asarray(sec.table), dtype="<u4"),
+            xp.ascontiguousarray(xp.asarray(sec.gaps), dtype="<u2"),
+            xp.ascontiguousarray(xp.asarray(sec.steps), dtype=np.int8),
+            esc.view(dtype) if len(esc) else xp.empty(0, dtype),
+        )
+
+    # ---- checksums ---------------------------------------------------------------
+
+    def block_digests(self, bufs: list) -> list[np.ndarray]:
+        """xxh3-64 of every 1 MiB block of each 1-D byte array in bufs, in one launch."""
+        xp = self.xp
+        bufs = [self._aligned(b, 8) for b in bufs]  # the hot loop reads aligned 8-byte words
+        sizes = np.array([b.nbytes for b in bufs], dtype=np.uint64)
+        nblocks = (sizes + np.uint64(BLOCK - 1)) // np.uint64(BLOCK)
+        first = exclusive(nblocks)
+        total = int(nblocks.sum())
+        out = xp.empty(total, dtype="<u8")
+        if total:
+            ptrs = np.array([self.rt.ptr(b) for b in bufs], dtype=np.uint64)
+            grid = -(-total * 32 // NT)  # one warp per block
+            self.rt.launch("xxh3_blocks", grid, (xp.asarray(ptrs), xp.asarray(sizes), xp.asarray(first),
+                                                 np.uint32(len(bufs)), np.uint64(total), out))
+        host = self.rt.to_host(out)
+        return [host[int(f) : int(f) + int(k)] for f, k in zip(first, nblocks)]
+
+    def digests(self, bufs: list) -> list[str]:
+        return [combine(d) for d in self.block_digests(bufs)]
+
+    def _aligned(self, x, align: int):
+        """x itself when its data is aligned, else an aligned copy (views with odd offsets are rare)."""
+        return x if x.size == 0 or self.rt.ptr(x) % align == 0 else x.copy()
+
+
+def _check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+
+
+def _or_null(x):
+    return x if len(x) else NULL
+
+
+class _KernelsOver:
+    """The Kernels protocol on numpy arrays, over an _Engine (GPU or host emulation)."""
+
+    name = "cuda"
+
+    def __init__(self, rt):
+        self.engine = _Engine(rt)
+        self.xp = rt.xp
+
+    def delta_encode(self, old: np.ndarray, new: np.ndarray, order: str) -> DeltaSections:
+        xp = self.xp
+        sec = self.engine.encode(xp.ascontiguousarray(xp.asarray(old)), xp.ascontiguousarray(xp.asarray(new)), order)
+        return sections_to_host(sec, new.dtype)
+
+    def delta_decode(self, old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray, np.ndarray]:
+        pos, values = self.engine.decode(self.xp.ascontiguousarray(self.xp.asarray(old)), sec, order)
+        return _host(pos), _host(values).astype(old.dtype, copy=False)
+
+    def checksum(self, buf) -> str:
+        # Host bytes are hashed on the host: xxh3 runs at memory speed there, and a
+        # round trip over PCIe would only add time. Device buffers stay on the device.
+        if _is_device_array(buf):
+            return self.engine.digests([_bits(buf, bytes_only=True)])[0]
+        return host_checksum(buf)
+
+
+class CudaKernels(_KernelsOver):
+    """wsync's kernels on an NVIDIA GPU (see the module docstring)."""
+
+    name = "cuda"
+
+    def __init__(self):
+        super().__init__(_CupyRuntime())
+
+    # ---- GPU-native entry points (torch CUDA tensors or cupy arrays) --------------
+
+    def encode_device(self, old, new, order: str) -> DeltaSections:
+        """Sections of old -> new, left on the GPU (cupy arrays)."""
+        with self._on(new):
+            return self.engine.encode(_bits(old), _bits(new), order)
+
+    def apply_device(self, weights, sections: DeltaSections, order: str, undo: bool = True) -> Undo | None:
+        """Apply sections in place to a contiguous CUDA tensor. Bad sections raise
+        FormatError and leave it untouched. With undo, returns what restore_device
+        needs to put the old values back (e.g. when the engine's digest disagrees)."""
+        with self._on(weights):
+            return self.engine.apply(_bits(weights), sections, order, undo)
+
+    def restore_device(self, weights, undo: Undo) -> None:
+        with self._on(weights):
+            self.engine.restore(_bits(weights), undo)
+
+    def digest_device(self, tensor) -> str:
+        """wsync.checksum.checksum of a contiguous CUDA tensor's bytes, computed on the GPU."""
+        return self.digests_device([tensor])[0]
+
+    def digests_device(self, tensors) -> list[str]:
+        """Checksums of many tensors (on one device) in one launch: a model's worth after a load.
+
+        Each 1 MiB block is one warp's serial xxh3 chain, so a lone k-MiB tensor keeps only
+        k warps busy; hashing all tensors together is what fills the GPU."""
+        tensors = list(tensors)
+        if not tensors:
+            return []
+        with self._on(tensors[0]):
+            return self.engine.digests([_bits(t, bytes_only=True) for t in tensors])
+
+    def fused_change_detect(self, master_before, master_after, nan_bits: tuple[int, int] | None = None) -> DeltaSections:
+        """Sections of bf16(master_before) -> bf16(master_after), straight from two fp32
+        tensors, so the trainer keeps no bf16 copy of the model: equal to
+        delta_ref.encode of their .to(torch.bfloat16) bit patterns, NaN included.
+        nan_bits (for +NaN, -NaN) defaults to what torch's cast gives on that
+        device, probed once."""
+        for t in (master_before, master_after):
+            if str(getattr(t, "dtype", "")) not in ("torch.float32", "float32"):
+                raise TypeError(f"fused_change_detect takes fp32 master weights, got {getattr(t, 'dtype', type(t))}")
+        if tuple(master_before.shape) != tuple(master_after.shape):
+            raise ValueError(f"shapes differ: {tuple(master_before.shape)} vs {tuple(master_after.shape)}")
+        with self._on(master_after):
+            nan = nan_bits or self._torch_bf16_nan(master_after)
+            return self.engine.encode_bf16_from_f32(_bits(master_before), _bits(master_after), nan)
+
+    # ---- helpers -------------------------------------------------------------------
+
+    def _on(self, t):
+        return self.engine.rt.stream_of(t)
+
+    @staticmethod
+    def _torch_bf16_nan(t) -> tuple[int, int]:
+        if not hasattr(t, "is_cuda"):  # a cupy array: assume torch's CUDA cast, cvt.rn's canonical NaN (pass nan_bits to be sure)
+            return (0x7FFF, 0x7FFF)
+        return torch_bf16_nan_bits(str(t.device))
+
+
+@functools.lru_cache(maxsize=None)
+def torch_bf16_nan_bits(device: str) -> tuple[int, int]:
+    """The bf16 patterns torch's .to(torch.bfloat16) gives +NaN and -NaN on a device.
+
+    torch disagrees with itself here (see bf16_rne in csrc/ws_common.cuh): on
+    this CPU build its vectorised cast gives 0xFFFF and its scalar cast 0x7FC0;
+    on sm_80+ GPUs it goes through cvt.rn.bf16.f32, whose NaN PTX documents as
+    canonical (0x7FFF, to be confirmed by tests/test_cuda_kernels.py). So ask
+    it, with a vector long enough for the vectorised path a model's tensors
+    take. Every NaN payload of one sign maps to one pattern on each path; the
+    tests check that too.
+    """
+    import torch
+
+    bits = torch.tensor([0x7FC00000, -0x00400000] * 32, dtype=torch.int32).view(torch.float32).to(device)
+    h = bits.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+    return int(h[0]), int(h[1])
+
+
+def sections_to_host(sec: DeltaSections, dtype=None) -> DeltaSections:
+    """Device sections as numpy arrays with delta_ref's dtypes (for the packed tier's zstd, or the wire)."""
+    esc = _host(sec.escapes)
+    if dtype is not None:
+        esc = esc.astype(np.dtype(dtype).newbyteorder("<"), copy=False)
+    return DeltaSections(_host(sec.table).astype("<u4", copy=False), _host(sec.gaps).astype("<u2", copy=False),
+                         _host(sec.steps).astype(np.int8, copy=False), esc)
+
+
+def _host(x) -> np.ndarray:
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)
+
+
+def _is_device_array(x) -> bool:
+    return hasattr(x, "__cuda_array_interface__") or bool(getattr(x, "is_cuda", False))
+
+
+def _bits(t, bytes_only: bool = False):
+    """A contiguous torch CUDA tensor (or cupy array) as a 1-D cupy array of its bit
+    patterns (u8 bytes if bytes_only), sharing memory through DLPack."""
+    import cupy as cp
+
+    if hasattr(t, "is_cuda"):  # torch
+        if not t.is_cuda:
+            raise TypeError(f"expected a CUDA tensor, got one on {t.device}")
+        if not t.is_contiguous():
+            raise ValueError("the tensor must be contiguous (call .contiguous() first, which copies)")
+        itemsize = t.element_size()
+        x = cp.from_dlpack(t.detach().reshape(-1).view(_torch_u8()))  # u8: every DLPack consumer knows it
+    elif isinstance(t, cp.ndarray):
+        if not t.flags.c_contiguous:
+            raise ValueError("the array must be C-contiguous")
+        itemsize = t.dtype.itemsize
+        x = t.reshape(-1).view(np.uint8)
+    else:
+        raise TypeError(f"expected a torch CUDA tensor or a cupy array, got {type(t).__name__}")
+    return x if bytes_only else x.view(f"<u{itemsize}")
+
+
+def _torch_u8():
+    import torch
+
+    return torch.uint8
+
+
+class _CupyRuntime:
+    """Launches on the current CUDA device through cupy; the module compiles once (cupy caches it on disk)."""
+
+    def __init__(self):
+        try:
+            import cupy as cp
+        except ImportError as e:
+            raise BackendUnavailable(f"cupy is not installed ({e}); {INSTALL_HINT}") from e
+        try:
+            count = cp.cuda.runtime.getDeviceCount()
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            code = str(e).split(":")[0]
+            why = {"cudaErrorInsufficientDriver": "no usable driver", "cudaErrorNoDevice": "no GPU"}.get(code, "CUDA error")
+            raise BackendUnavailable(f"{why} ({code}); {INSTALL_HINT}") from e
+        if count == 0:
+            raise BackendUnavailable(f"no GPU (getDeviceCount() == 0); {INSTALL_HINT}")
+        src = csrc_dir() / "delta_cuda.cu"
+        if not src.exists():
+            raise BackendUnavailable(f"kernel source {src} not found (set WSYNC_CSRC to wsync's csrc/)")
+        try:
+            self.module = cp.RawModule(code=kernel_source(src), options=("-std=c++17",))
+            self.module.compile()
+        except Exception as e:  # a missing libnvrtc, or a compiler that rejects the source
+            raise BackendUnavailable(f"NVRTC could not build {src.name}: {str(e)[:2000]}; {INSTALL_HINT}") from e
+        self.cp = cp
+        self.xp = cp
+        self._fns: dict = {}
+
+    def launch(self, name: str, grid: int, args: tuple) -> None:
+        key = (self.cp.cuda.Device().id, name)  # a loaded function belongs to one device
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = self.module.get_function(name)
+        fn((grid,), (NT,), args)
+
+    def to_host(self, x) -> np.ndarray:
+        return self.cp.asnumpy(x)
+
+    def ptr(self, x) -> int:
+        return x.data.ptr
+
+    def stream_of(self, t):
+        """For torch tensors: run on torch's current stream for t's device, so our kernels
+        order after whatever torch queued (the optimizer step, a load) and before what it
+        queues next, and take scratch and sections from torch's caching allocator, so a
+        training process has one memory pool, not two competing for the same GPU."""
+        cp = self.cp
+        if hasattr(t, "is_cuda") and t.is_cuda:
+            import torch
+
+            dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+            return _Both(cp.cuda.Device(dev),
+                         cp.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream),
+                         cp.cuda.using_allocator(_torch_allocator(cp, dev)))
+        return _Both(cp.cuda.Device(t.device.id) if hasattr(t, "device") else cp.cuda.Device())
+
+
+def _torch_allocator(cp, device: int):
+    """A cupy allocator that takes memory from torch's caching allocator (on torch's current stream)."""
+    import torch
+
+    def alloc(size: int):
+        t = torch.empty(max(size, 1), dtype=torch.uint8, device=f"cuda:{device}")
+        return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(t.data_ptr(), size, t, device), 0)
+
+    return alloc
+
+
+class _Both:
+    """Enter several context managers, leave them in reverse."""
+
+    def __init__(self, *cms):
+        self.cms = cms
+
+    def __enter__(self):
+        for cm in self.cms:
+            cm.__enter__()
+
+    def __exit__(self, *exc):
+        for cm in reversed(self.cms):
+            cm.__exit__(*exc)
+        return False
