@@ -17,6 +17,8 @@ from .base import Kernels
 # Fastest first; "auto" takes the first that loads.
 REGISTRY = {
     "ref": "wsync.backends.ref:RefKernels",
+    "cpu": "wsync.backends.cpu:CpuKernels",
+    "cuda": "wsync.backends.cuda:CudaKernels",
 }
 AUTO_ORDER = ("cuda", "cpu", "ref")
 

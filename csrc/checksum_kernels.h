@@ -1,0 +1,34 @@
+// The block-tree checksum of wsync/checksum.py: xxh3-64 of the concatenated
+// little-endian xxh3-64 digests of each 1 MiB block. The tree exists so blocks
+// can be hashed independently; here OpenMP threads share them.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "xxh3_dispatch.h"
+
+namespace wsync {
+
+constexpr int64_t kBlock = int64_t(1) << 20;  // checksum.BLOCK
+
+inline int64_t nblocks(int64_t nbytes) { return (nbytes + kBlock - 1) / kBlock; }
+
+// The root of the tree from its leaves. The host is little-endian
+// (delta_kernels.h refuses others), so the digest array's bytes are already
+// the "<u8" concatenation the reference hashes.
+inline uint64_t combine_digests(const std::vector<uint64_t>& digests) {
+  return xxh3(digests.data(), digests.size() * sizeof(uint64_t));
+}
+
+inline uint64_t tree_checksum(const uint8_t* p, int64_t n) {
+  const int64_t nb = nblocks(n);
+  std::vector<uint64_t> digests(static_cast<size_t>(nb), 0);
+#pragma omp parallel for schedule(dynamic, 4) if (nb > 1)  // dynamic: a core shared with another process must not stall the other thread
+  for (int64_t i = 0; i < nb; ++i)
+    digests[i] = xxh3(p + i * kBlock, size_t(std::min(kBlock, n - i * kBlock)));
+  return combine_digests(digests);
+}
+
+}  // namespace wsync

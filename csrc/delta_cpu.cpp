@@ -1,0 +1,343 @@
+// wsync._cpu: the C++ CPU backend's Python module (raw CPython API, no numpy or
+// torch headers, so it builds against any numpy and needs only a C++ compiler).
+//
+// Functions take anything with the buffer protocol and return bytearrays that
+// wsync/backends/cpu.py views as numpy arrays without a copy. The kernels run
+// with the GIL released. Invalid delta sections raise _cpu.InvalidSections,
+// which the Python side turns into wsync.errors.FormatError.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "checksum_kernels.h"
+#include "delta_kernels.h"
+
+namespace {
+
+PyObject* InvalidSections = nullptr;
+
+// A Py_buffer released on scope exit, so every early return is leak-free.
+struct Buffer {
+  Py_buffer view{};
+  bool held = false;
+  ~Buffer() {
+    if (held) PyBuffer_Release(&view);
+  }
+  // C-contiguous bytes of obj, writable if asked; sets a Python error on failure.
+  bool get(PyObject* obj, bool writable = false) {
+    held = PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) == 0;
+    return held;
+  }
+  const uint8_t* data() const { return static_cast<const uint8_t*>(view.buf); }
+  uint8_t* writable_data() const { return static_cast<uint8_t*>(view.buf); }  // only after get(obj, true)
+  int64_t size() const { return int64_t(view.len); }
+};
+
+int parse_order(const char* s) {
+  if (!std::strcmp(s, "float")) return wsync::kFloat;
+  if (!std::strcmp(s, "int")) return wsync::kInt;
+  if (!std::strcmp(s, "uint")) return wsync::kUint;
+  return -1;
+}
+
+// Width and order arguments are the caller's, not the payload's: bad ones are
+// programming errors (ValueError), not format errors.
+bool check_kind(int width, int order, const char* order_name) {
+  if (width != 1 && width != 2 && width != 4 && width != 8) {
+    PyErr_Format(PyExc_ValueError, "element width must be 1, 2, 4 or 8 bytes, got %d", width);
+    return false;
+  }
+  if (order < 0) {
+    PyErr_Format(PyExc_ValueError, "order must be 'float', 'int' or 'uint', got '%s'", order_name);
+    return false;
+  }
+  return true;
+}
+
+// A section's element count, or -1 with a ValueError if its bytes do not divide.
+int64_t elements(const Buffer& b, int64_t itemsize, const char* what) {
+  if (b.size() % itemsize) {
+    PyErr_Format(PyExc_ValueError, "%s: %lld bytes is not a whole number of %lld-byte elements", what,
+                 (long long)b.size(), (long long)itemsize);
+    return -1;
+  }
+  return b.size() / itemsize;
+}
+
+// ---- checksum ---------------------------------------------------------------
+
+PyObject* py_checksum(PyObject*, PyObject* arg) {
+  Buffer b;
+  if (!b.get(arg)) return nullptr;
+  uint64_t h;
+  Py_BEGIN_ALLOW_THREADS
+  h = wsync::tree_checksum(b.data(), b.size());
+  Py_END_ALLOW_THREADS
+  return PyLong_FromUnsignedLongLong(h);
+}
+
+// ---- encode -----------------------------------------------------------------
+
+// Bytearrays are released on scope exit unless handed to Python with release().
+struct Owned {
+  PyObject* obj = nullptr;
+  ~Owned() { Py_XDECREF(obj); }
+  bool alloc(int64_t nbytes) {  // uninitialised storage: every byte gets written before it is read
+    obj = PyByteArray_FromStringAndSize(nullptr, Py_ssize_t(nbytes));
+    return obj != nullptr;
+  }
+  uint8_t* bytes() const { return reinterpret_cast<uint8_t*>(PyByteArray_AS_STRING(obj)); }
+  PyObject* release() {
+    PyObject* o = obj;
+    obj = nullptr;
+    return o;
+  }
+};
+
+// The staging area of pass 1, or null if it cannot be had (pass 2 then re-scans).
+// Only the pages that changes land in are ever touched.
+std::unique_ptr<uint8_t[]> staging(int64_t nc, int width) {
+  return std::unique_ptr<uint8_t[]>(new (std::nothrow) uint8_t[size_t(nc * wsync::kStage * (3 + width))]);
+}
+
+PyObject* py_delta_encode(PyObject*, PyObject* args) {
+  PyObject *old_obj, *new_obj;
+  int width, with_checksums = 0;
+  const char* order_name;
+  if (!PyArg_ParseTuple(args, "OOis|p:delta_encode", &old_obj, &new_obj, &width, &order_name, &with_checksums))
+    return nullptr;
+  const int order = parse_order(order_name);
+  Buffer a, b;
+  if (!check_kind(width, order, order_name) || !a.get(old_obj) || !b.get(new_obj)) return nullptr;
+  const int64_t n = elements(a, width, "old");
+  if (n < 0 || elements(b, width, "new") < 0) return nullptr;
+  if (a.size() != b.size()) {
+    PyErr_Format(PyExc_ValueError, "old and new differ in size: %lld vs %lld bytes", (long long)a.size(),
+                 (long long)b.size());
+    return nullptr;
+  }
+  const int64_t nc = wsync::nchunks(n), nb = with_checksums ? wsync::nblocks(a.size()) : 0;
+  Owned table, gaps, steps, escapes;
+  if (!table.alloc(8 * nc)) return nullptr;
+  uint32_t* t = reinterpret_cast<uint32_t*>(table.bytes());  // bytearray storage is malloc-aligned
+  std::unique_ptr<uint8_t[]> stage = staging(nc, width);
+  std::vector<uint64_t> old_digests(static_cast<size_t>(nb)), new_digests(static_cast<size_t>(nb));
+  Py_BEGIN_ALLOW_THREADS
+  wsync::dispatch(width, order, [&](auto zero, auto o) {
+    wsync::encode_pass1<decltype(zero), decltype(o)::value>(a.data(), b.data(), n, t, stage.get(),
+                                                           nb ? old_digests.data() : nullptr, new_digests.data());
+  });
+  Py_END_ALLOW_THREADS
+
+  std::vector<int64_t> offsets(static_cast<size_t>(2 * nc));
+  int64_t total, total_esc;
+  wsync::table_offsets(t, nc, offsets.data(), &total, &total_esc);
+  if (!gaps.alloc(2 * total) || !steps.alloc(total) || !escapes.alloc(width * total_esc)) return nullptr;
+  bool ok = true;
+  Py_BEGIN_ALLOW_THREADS
+  wsync::dispatch(width, order, [&](auto zero, auto o) {
+    ok = wsync::encode_pass2<decltype(zero), decltype(o)::value>(
+        a.data(), b.data(), n, t, offsets.data(), stage.get(), gaps.bytes(),
+        reinterpret_cast<int8_t*>(steps.bytes()), escapes.bytes());
+  });
+  Py_END_ALLOW_THREADS
+  if (!ok) {
+    PyErr_SetString(PyExc_RuntimeError, "delta_encode: old or new was modified while being encoded");
+    return nullptr;
+  }
+  if (!with_checksums)
+    return Py_BuildValue("(NNNN)", table.release(), gaps.release(), steps.release(), escapes.release());
+  return Py_BuildValue("(NNNNKK)", table.release(), gaps.release(), steps.release(), escapes.release(),
+                       (unsigned long long)wsync::combine_digests(old_digests),
+                       (unsigned long long)wsync::combine_digests(new_digests));
+}
+
+// ---- decode and apply ---------------------------------------------------------
+
+// The reference's checks on the table, in its order; false with InvalidSections set.
+bool check_table(const std::vector<uint32_t>& table, int64_t n, int64_t n_gaps, int64_t n_steps,
+                 int64_t n_escapes, int64_t* total, int64_t* total_esc, std::vector<int64_t>& offsets) {
+  const int64_t nc = wsync::nchunks(n);
+  if (int64_t(table.size()) != 2 * nc) {
+    PyErr_Format(InvalidSections, "chunk table has %lld entries, expected %lld", (long long)table.size(),
+                 (long long)(2 * nc));
+    return false;
+  }
+  for (int64_t c = 0; c < nc; ++c) {
+    const int64_t cnt = table[c], esc = table[nc + c], len = wsync::chunk_len(n, c);
+    if (cnt > len || esc > cnt) {
+      PyErr_Format(InvalidSections, "chunk %lld: %lld changes, %lld escapes for %lld elements", (long long)c,
+                   (long long)cnt, (long long)esc, (long long)len);
+      return false;
+    }
+  }
+  offsets.resize(size_t(2 * nc));
+  wsync::table_offsets(table.data(), nc, offsets.data(), total, total_esc);
+  if (n_gaps != *total || n_steps != *total || n_escapes != *total_esc) {
+    PyErr_Format(InvalidSections,
+                 "section sizes gaps=%lld steps=%lld escapes=%lld disagree with the chunk table "
+                 "(%lld changes, %lld escapes)",
+                 (long long)n_gaps, (long long)n_steps, (long long)n_escapes, (long long)*total,
+                 (long long)*total_esc);
+    return false;
+  }
+  return true;
+}
+
+// The base and sections of a decode or apply call, validated up to what the
+// table alone can tell; the per-change checks happen in the kernels.
+struct DecodeArgs {
+  Buffer old, tb, gb, sb, eb;
+  int width = 0, order = -1;
+  int64_t n = 0, total = 0, total_esc = 0;
+  std::vector<uint32_t> table;
+  std::vector<int64_t> offsets;
+
+  bool parse(PyObject* const objs[5], int width_, const char* order_name) {
+    width = width_;
+    order = parse_order(order_name);
+    if (!check_kind(width, order, order_name) || !old.get(objs[0]) || !tb.get(objs[1]) || !gb.get(objs[2]) ||
+        !sb.get(objs[3]) || !eb.get(objs[4]))
+      return false;
+    n = elements(old, width, "old");
+    const int64_t n_table = elements(tb, 4, "table"), n_gaps = elements(gb, 2, "gaps");
+    const int64_t n_esc = elements(eb, width, "escapes");
+    if (n < 0 || n_table < 0 || n_gaps < 0 || n_esc < 0) return false;
+    // A private aligned copy (8 bytes per 64K elements): the payload may be misaligned or change meanwhile.
+    table.resize(size_t(n_table));
+    if (n_table) std::memcpy(table.data(), tb.data(), size_t(4 * n_table));
+    return check_table(table, n, n_gaps, sb.size(), n_esc, &total, &total_esc, offsets);
+  }
+  const int8_t* steps() const { return reinterpret_cast<const int8_t*>(sb.data()); }
+};
+
+// Turn a kernel's verdict into InvalidSections with the reference's message; true if all was well.
+bool report(const wsync::ChunkCheck& r, int64_t n) {
+  if (r.bad_change >= 0) {
+    PyErr_Format(InvalidSections, "change #%lld lands at offset %lld of chunk %lld, which has %lld elements",
+                 (long long)r.bad_change, (long long)r.bad_offset, (long long)r.chunk,
+                 (long long)wsync::chunk_len(n, r.chunk));
+    return false;
+  }
+  if (r.escapes_mismatch) {
+    PyErr_SetString(InvalidSections, "escape markers in the steps disagree with the chunk table's escape counts");
+    return false;
+  }
+  return true;
+}
+
+PyObject* py_delta_decode(PyObject*, PyObject* args) {
+  PyObject* objs[5];
+  int width;
+  const char* order_name;
+  if (!PyArg_ParseTuple(args, "OOOOOis:delta_decode", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &width,
+                        &order_name))
+    return nullptr;
+  DecodeArgs d;
+  Owned positions, values;
+  if (!d.parse(objs, width, order_name) || !positions.alloc(8 * d.total) || !values.alloc(width * d.total))
+    return nullptr;
+  wsync::ChunkCheck r;
+  Py_BEGIN_ALLOW_THREADS
+  wsync::dispatch(width, d.order, [&](auto zero, auto o) {
+    r = wsync::decode_all<decltype(zero), decltype(o)::value>(d.old.data(), d.n, d.table.data(), d.offsets.data(),
+                                                              d.gb.data(), d.steps(), d.eb.data(), positions.bytes(),
+                                                              values.bytes());
+  });
+  Py_END_ALLOW_THREADS
+  if (!report(r, d.n)) return nullptr;
+  return Py_BuildValue("(NN)", positions.release(), values.release());
+}
+
+PyObject* py_delta_apply(PyObject*, PyObject* args) {
+  PyObject *objs[5], *out_obj;
+  int width;
+  const char* order_name;
+  if (!PyArg_ParseTuple(args, "OOOOOisO:delta_apply", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &width,
+                        &order_name, &out_obj))
+    return nullptr;
+  DecodeArgs d;
+  Buffer out;
+  if (!d.parse(objs, width, order_name) || !out.get(out_obj, true)) return nullptr;
+  if (out.size() != d.old.size() || out.data() == d.old.data()) {
+    PyErr_Format(PyExc_ValueError, "out must be a separate buffer of %lld bytes, got %lld bytes%s",
+                 (long long)d.old.size(), (long long)out.size(), out.data() == d.old.data() ? " aliasing old" : "");
+    return nullptr;
+  }
+  const int64_t nb = wsync::nblocks(d.old.size());
+  std::vector<uint64_t> old_digests(static_cast<size_t>(nb)), new_digests(static_cast<size_t>(nb));
+  wsync::ChunkCheck r;
+  Py_BEGIN_ALLOW_THREADS
+  wsync::dispatch(width, d.order, [&](auto zero, auto o) {
+    r = wsync::apply_all<decltype(zero), decltype(o)::value>(
+        d.old.data(), d.n, d.table.data(), d.offsets.data(), d.gb.data(), d.steps(), d.eb.data(),
+        out.writable_data(), old_digests.data(), new_digests.data());
+  });
+  Py_END_ALLOW_THREADS
+  if (!report(r, d.n)) return nullptr;
+  return Py_BuildValue("(KK)", (unsigned long long)wsync::combine_digests(old_digests),
+                       (unsigned long long)wsync::combine_digests(new_digests));
+}
+
+// ---- module -----------------------------------------------------------------
+
+PyMethodDef methods[] = {
+    {"checksum", py_checksum, METH_O,
+     "checksum(buf) -> int: the xxh3-64 block tree of wsync.checksum over a C-contiguous buffer."},
+    {"delta_encode", py_delta_encode, METH_VARARGS,
+     "delta_encode(old, new, width, order, checksums=False) -> (table, gaps, steps, escapes) as bytearrays,\n"
+     "plus (old_checksum, new_checksum) computed in the same pass if checksums."},
+    {"delta_decode", py_delta_decode, METH_VARARGS,
+     "delta_decode(old, table, gaps, steps, escapes, width, order) -> (positions, values) as bytearrays;\n"
+     "raises InvalidSections on sections the reference would reject."},
+    {"delta_apply", py_delta_apply, METH_VARARGS,
+     "delta_apply(old, table, gaps, steps, escapes, width, order, out) -> (old_checksum, new_checksum):\n"
+     "out = old with the changes applied, both checksummed in the same pass; out is garbage on error."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "wsync._cpu", "C++ CPU kernels of the wsync delta format.", -1,
+                      methods, nullptr, nullptr, nullptr, nullptr};
+
+int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// The OpenMP spec date (e.g. 201511), or 0 when built without it: wsync.backend() reports it.
+long openmp_version() {
+#ifdef _OPENMP
+  return _OPENMP;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__cpu(void) {
+  PyObject* m = PyModule_Create(&module);
+  if (!m) return nullptr;
+  InvalidSections = PyErr_NewException("wsync._cpu.InvalidSections", PyExc_ValueError, nullptr);
+  if (!InvalidSections || PyModule_AddObjectRef(m, "InvalidSections", InvalidSections) < 0 ||
+      PyModule_AddIntConstant(m, "max_threads", max_threads()) < 0 ||
+      PyModule_AddIntConstant(m, "openmp", openmp_version()) < 0 ||
+      PyModule_AddIntConstant(m, "chunk_elems", long(wsync::kChunk)) < 0 ||
+      PyModule_AddIntConstant(m, "block_bytes", long(wsync::kBlock)) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

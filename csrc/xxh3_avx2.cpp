@@ -1,0 +1,65 @@
+// xxh3 compiled for AVX2, picked at run time by xxh3_dispatch.h on CPUs that
+// have it. The fused kernels hash every byte of two tensors, and SSE2 xxh3 is
+// compute-bound at about 11 GB/s per core, below what memory delivers; AVX2
+// roughly doubles it. A separate translation unit keeps the rest of the module
+// baseline x86-64, so one build runs on any x86-64 CPU.
+//
+// This file must define no inline or template function that another
+// translation unit also defines: the linker keeps one copy of such functions,
+// and the AVX2 copy would then run on CPUs without AVX2. xxhash.h with
+// XXH_INLINE_ALL makes all of its functions static, so it is safe to include.
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#pragma GCC target("avx2")
+#include <immintrin.h>  // xxhash.h includes it only when __AVX2__ is set on the command line
+#define XXH_VECTOR 2    // XXH_AVX2
+#define WSYNC_XXH3_AVX2 1
+// Leave the upper halves of the ymm registers clean on return: SSE code that
+// runs after dirty AVX state pays a penalty on every instruction.
+#define CLEAN_UPPER() _mm256_zeroupper()
+#else
+#define CLEAN_UPPER() (void)0
+#endif
+
+#define XXH_INLINE_ALL
+#include "third_party/xxhash.h"
+
+#include "xxh3_avx2.h"
+
+namespace wsync {
+namespace avx2 {
+
+bool compiled() {
+#ifdef WSYNC_XXH3_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+uint64_t hash(const void* p, size_t n) {
+  const uint64_t h = XXH3_64bits(p, n);
+  CLEAN_UPPER();
+  return h;
+}
+
+void reset(void* state) {
+  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state));
+  CLEAN_UPPER();
+}
+
+void update(void* state, const void* p, size_t n) {
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state), p, n);
+  CLEAN_UPPER();
+}
+
+uint64_t digest(const void* state) {
+  const uint64_t h = XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state));
+  CLEAN_UPPER();
+  return h;
+}
+
+}  // namespace avx2
+}  // namespace wsync

@@ -1,0 +1,161 @@
+"""Every backend that loads here produces the reference's bytes: sections, decoded values, checksums.
+
+The reference (wsync.codecs.delta_ref, wsync.checksum) is the spec; a backend
+that cannot load on this machine shows up as a skip carrying its reason.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wsync import backends
+from wsync.checksum import BLOCK, checksum
+from wsync.codecs import delta_ref
+from wsync.errors import BackendUnavailable
+
+from kernel_cases import ORDERS, WIDTHS, assert_same_sections, check_case, make_case, make_pair, specials
+
+C = delta_ref.CHUNK_ELEMS
+
+
+def _params():
+    out = []
+    for name in dict.fromkeys(("ref", *backends.REGISTRY, "cpu", "cuda")):
+        try:
+            backends.kernels(name)
+            out.append(name)
+        except BackendUnavailable as e:
+            out.append(pytest.param(name, marks=pytest.mark.skip(reason=str(e))))
+    return out
+
+
+@pytest.fixture(params=_params(), scope="module")
+def kernels(request):
+    return backends.kernels(request.param)
+
+
+# ---- inputs -------------------------------------------------------------------
+
+
+SIZES = (0, 1, 2, 63, 64, 65, 1000, C - 1, C, C + 1, 2 * C + 3, 3 * C)
+pairs = st.builds(
+    lambda seed, width, order, n, density: (make_pair(seed, width, order, n, density), order),
+    seed=st.integers(0, 2**32 - 1),
+    width=st.sampled_from(WIDTHS),
+    order=st.sampled_from(ORDERS),
+    n=st.one_of(st.sampled_from(SIZES), st.integers(0, 3 * C + 100)),
+    density=st.one_of(st.sampled_from([0.0, 1e-4, 0.01, 0.3, 1.0]), st.floats(0, 1)),
+)
+
+
+# ---- encode and decode ----------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=pairs)
+def test_encode_decode_match_reference(kernels, case):
+    (old, new), order = case
+    want = delta_ref.encode(old, new, order)
+    got = kernels.delta_encode(old, new, order)
+    assert_same_sections(got, want)
+    if hasattr(kernels, "delta_encode_checksummed"):  # a backend's fused variant, if it has one
+        sec, old_sum, new_sum = kernels.delta_encode_checksummed(old, new, order)
+        assert_same_sections(sec, want)
+        assert (old_sum, new_sum) == (checksum(old), checksum(new))
+    check_case(kernels, old, want, order)
+    pos, values = kernels.delta_decode(old, want, order)
+    ref_pos, ref_values = delta_ref.decode(old, want, order)
+    assert pos.dtype == ref_pos.dtype and values.dtype == ref_values.dtype
+    assert np.array_equal(pos, ref_pos) and np.array_equal(values, ref_values)
+    out = old.copy()
+    out[pos] = values
+    assert out.tobytes() == new.tobytes()
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_every_step_boundary(kernels, width, order):
+    """Steps -129..129 from every special value and around zero: the i8/escape boundary exactly."""
+    dt = np.dtype(f"<u{width}")
+    starts = np.concatenate([specials(width, order), delta_ref.unkey(np.arange(-3, 4).astype(dt) + dt.type(1 << (8 * width - 1)), order)])
+    steps = np.arange(-129, 130)
+    old = np.repeat(starts, len(steps)).astype(dt)
+    new = delta_ref.unkey((delta_ref.monotone_key(old, order) + np.tile(steps, len(starts)).astype(dt)).astype(dt), order)
+    want = delta_ref.encode(old, new, order)
+    assert_same_sections(kernels.delta_encode(old, new, order), want)
+    assert all(np.array_equal(a, b) for a, b in zip(kernels.delta_decode(old, want, order), delta_ref.decode(old, want, order)))
+
+
+def test_short_last_chunk_and_chunk_edges(kernels):
+    n = 3 * C + 7
+    old = np.zeros(n, np.uint16)
+    new = old.copy()
+    new[[0, C - 1, C, 2 * C - 1, 2 * C, 3 * C - 1, 3 * C, n - 1]] = [1, 0x8001, 0x7F80, 2, 3, 0xFFFF, 0x8000, 5]
+    for order in ORDERS:
+        want = delta_ref.encode(old, new, order)
+        assert_same_sections(kernels.delta_encode(old, new, order), want)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_fused_kernels_across_checksum_blocks(kernels, width):
+    """A backend's fused encode/apply hash 1 MiB blocks as they go: several blocks, a short last one."""
+    if not hasattr(kernels, "delta_apply"):
+        pytest.skip(f"backend {kernels.name} has no fused kernels")
+    old, new = make_pair(width, width, "float", (3 * BLOCK + 7 * width) // width + 1, 0.01)
+    sec, old_sum, new_sum = kernels.delta_encode_checksummed(old, new, "float")
+    assert_same_sections(sec, delta_ref.encode(old, new, "float"))
+    assert (old_sum, new_sum) == (checksum(old), checksum(new))
+    out, old_sum2, new_sum2 = kernels.delta_apply(old, sec, "float")
+    assert out.tobytes() == new.tobytes() and (old_sum2, new_sum2) == (old_sum, new_sum)
+
+
+def test_strided_input(kernels):
+    rng = np.random.default_rng(3)
+    old = rng.integers(0, 1 << 16, size=2 * 70_000, dtype=np.uint16)[::2]
+    new = old.copy()
+    new[::97] += 1
+    assert_same_sections(kernels.delta_encode(old, new, "float"), delta_ref.encode(old, new, "float"))
+
+
+# ---- bad input --------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_hostile_sections_fail_like_the_reference(kernels, data):
+    """Forged sections raise FormatError with the reference's message, or decode to exactly its arrays."""
+    old, sec, order = make_case(lambda lo, hi: data.draw(st.integers(lo, hi)))
+    check_case(kernels, old, sec, order)
+
+
+def test_known_lies(kernels):
+    """Each of the reference's checks, once by hand."""
+    old = np.zeros(10, np.uint16)
+    u4, u2, i1 = (lambda *v: np.array(v, "<u4")), (lambda *v: np.array(v, "<u2")), (lambda *v: np.array(v, np.int8))
+    cases = [
+        delta_ref.DeltaSections(u4(1), u2(0), i1(1), u2()),  # table length
+        delta_ref.DeltaSections(u4(11, 0), u2(*[0] * 11), i1(*[1] * 11), u2()),  # more changes than elements
+        delta_ref.DeltaSections(u4(1, 2), u2(0), i1(-128), u2(1, 2)),  # more escapes than changes
+        delta_ref.DeltaSections(u4(2, 0), u2(0), i1(1), u2()),  # section sizes
+        delta_ref.DeltaSections(u4(2, 0), u2(3, 8), i1(1, 1), u2()),  # position outside the chunk
+        delta_ref.DeltaSections(u4(1, 1), u2(3), i1(5), u2(7)),  # escape count vs markers
+        delta_ref.DeltaSections(u4(2, 1), u2(3, 0), i1(-128, -128), u2(7)),  # markers exceed escapes
+    ]
+    for sec in cases:
+        assert check_case(kernels, old, sec, "float") == "FormatError"
+
+
+# ---- checksum ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 7])
+def test_checksum_matches_reference(kernels, size):
+    data = np.random.default_rng(size).integers(0, 256, size=size, dtype=np.uint8)
+    want = checksum(data)
+    assert kernels.checksum(data) == want
+    assert kernels.checksum(data.tobytes()) == want
+    assert kernels.checksum(memoryview(data.tobytes())) == want
+    if size % 2 == 0:
+        assert kernels.checksum(data.view(np.uint16)) == want

@@ -1,0 +1,118 @@
+"""The C++ CPU backend: the delta and checksum hot loops in wsync._cpu, OpenMP over chunks.
+
+The extension is optional (setup.py builds it when a compiler is present), so
+this module imports it lazily and explains, through BackendUnavailable, why it
+is missing. The kernels write bytearrays that are viewed here as numpy arrays
+without a copy; they must agree with wsync.codecs.delta_ref byte for byte
+(tests/test_backends.py). Payload sections the reference would reject raise
+FormatError with the reference's message.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..codecs.delta_ref import DeltaSections
+from ..errors import BackendUnavailable, FormatError
+
+# setup.py leaves the compiler's complaint here when the optional build fails.
+BUILD_NOTE = Path(__file__).resolve().parent.parent / "_cpu.build-error.txt"
+ORDERS = ("float", "int", "uint")
+
+
+def _import_extension():
+    try:
+        from .. import _cpu
+    except ImportError as e:
+        reason = BUILD_NOTE.read_text().strip() if BUILD_NOTE.is_file() else str(e)
+        raise BackendUnavailable(
+            f"C++ extension wsync._cpu is not built: {reason}; reinstall with a C++ compiler present"
+        ) from e
+    return _cpu
+
+
+def _bits(a: np.ndarray, what: str) -> np.ndarray:
+    """A 1-D C-contiguous unsigned little-endian view, as the kernels expect."""
+    if not isinstance(a, np.ndarray) or a.dtype.kind != "u" or a.dtype.byteorder == ">":
+        raise TypeError(f"{what} must be a numpy array of little-endian unsigned bit patterns, got {getattr(a, 'dtype', type(a))}")
+    return np.ascontiguousarray(a).reshape(-1)
+
+
+def _section(a: np.ndarray, dtype, what: str) -> np.ndarray:
+    """A section in the dtype the format fixes; anything else is the caller's bug, not bad bytes."""
+    if not isinstance(a, np.ndarray) or a.dtype != np.dtype(dtype):
+        raise TypeError(f"{what} must be a numpy array of {np.dtype(dtype)}, got {getattr(a, 'dtype', type(a))}")
+    return np.ascontiguousarray(a)
+
+
+def _order(order: str) -> str:
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    return order
+
+
+class CpuKernels:
+    name = "cpu"
+
+    def __init__(self):
+        self._cpu = _import_extension()
+        # For wsync.backend() reports and benchmark records.
+        self.threads = self._cpu.max_threads
+        self.openmp = bool(self._cpu.openmp)
+
+    def delta_encode(self, old: np.ndarray, new: np.ndarray, order: str) -> DeltaSections:
+        return self._encode(old, new, order, False)[0]
+
+    def delta_decode(self, old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray, np.ndarray]:
+        old = _bits(old, "old")
+        pos, values = self._call(self._cpu.delta_decode, old, sec, order)
+        return np.frombuffer(pos, np.int64), np.frombuffer(values, old.dtype)
+
+    def checksum(self, buf) -> str:
+        return f"{self._cpu.checksum(buf):016x}"
+
+    # Fused kernels, beyond the Kernels protocol: they read each tensor once
+    # where the protocol's calls read it two or three times (see
+    # wsync/bench/kernels.py for what that is worth end to end).
+
+    def delta_encode_checksummed(self, old: np.ndarray, new: np.ndarray, order: str) -> tuple[DeltaSections, str, str]:
+        """delta_encode plus checksum(old) and checksum(new), from the same pass over both."""
+        sec, sums = self._encode(old, new, order, True)
+        return sec, *sums
+
+    def delta_apply(self, old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray, str, str]:
+        """(new bits, checksum(old), checksum(new)): old copied with the changes written in, in one pass.
+
+        Raises FormatError exactly where delta_decode would; old is never written.
+        """
+        old = _bits(old, "old")
+        out = np.empty_like(old)
+        sums = self._call(self._cpu.delta_apply, old, sec, order, out)
+        return out, *(f"{s:016x}" for s in sums)
+
+    def _encode(self, old, new, order, checksums: bool) -> tuple[DeltaSections, tuple]:
+        old, new = _bits(old, "old"), _bits(new, "new")
+        if old.dtype != new.dtype or old.shape != new.shape:
+            raise ValueError(f"old and new differ: {old.dtype}{list(old.shape)} vs {new.dtype}{list(new.shape)}")
+        table, gaps, steps, esc, *sums = self._cpu.delta_encode(old, new, new.dtype.itemsize, _order(order), checksums)
+        sec = DeltaSections(
+            table=np.frombuffer(table, "<u4"),
+            gaps=np.frombuffer(gaps, "<u2"),
+            steps=np.frombuffer(steps, np.int8),
+            escapes=np.frombuffer(esc, new.dtype.newbyteorder("<")),
+        )
+        return sec, tuple(f"{s:016x}" for s in sums)
+
+    def _call(self, fn, old: np.ndarray, sec: DeltaSections, order: str, *out):
+        """Run a decoding kernel on checked sections; bad payload bytes become FormatError."""
+        args = (
+            _section(sec.table, "<u4", "table"),
+            _section(sec.gaps, "<u2", "gaps"),
+            _section(sec.steps, np.int8, "steps"),
+            _section(sec.escapes, old.dtype, "escapes"),
+        )
+        try:
+            return fn(old, *args, old.dtype.itemsize, _order(order), *out)
+        except self._cpu.InvalidSections as e:
+            raise FormatError(str(e)) from None
