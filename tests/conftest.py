@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import struct
 
 import numpy as np
 import pytest
@@ -46,7 +45,7 @@ def rng():
     return np.random.default_rng(1234)
 
 
-def _backends() -> list:
+def backend_params() -> list:
     """Every backend that loads here; the others show up as skips with their reason."""
     from wsync import backends
     from wsync.errors import BackendUnavailable
@@ -61,7 +60,7 @@ def _backends() -> list:
     return out
 
 
-@pytest.fixture(scope="module", params=_backends())
+@pytest.fixture(scope="module", params=backend_params())
 def each_backend(request):
     """Run a whole module once per backend (modules opt in with usefixtures)."""
     import os

@@ -13,25 +13,14 @@ from hypothesis import strategies as st
 from wsync import backends
 from wsync.checksum import BLOCK, checksum
 from wsync.codecs import delta_ref
-from wsync.errors import BackendUnavailable
 
 from kernel_cases import ORDERS, WIDTHS, assert_same_sections, check_case, make_case, make_pair, specials
+from conftest import backend_params
 
 C = delta_ref.CHUNK_ELEMS
 
 
-def _params():
-    out = []
-    for name in dict.fromkeys(("ref", *backends.REGISTRY, "cpu", "cuda")):
-        try:
-            backends.kernels(name)
-            out.append(name)
-        except BackendUnavailable as e:
-            out.append(pytest.param(name, marks=pytest.mark.skip(reason=str(e))))
-    return out
-
-
-@pytest.fixture(params=_params(), scope="module")
+@pytest.fixture(params=backend_params(), scope="module")
 def kernels(request):
     return backends.kernels(request.param)
 
