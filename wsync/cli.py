@@ -109,7 +109,18 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("backend", help="which codec backend runs, and why")
     b.set_defaults(fn=_backend)
+    groups = {"": sub, "bench": bench}
+    for parent, mod in EXTENSIONS:
+        import importlib
+
+        importlib.import_module(mod).add_parsers(groups[parent])
     return p
+
+
+# Modules that add their own subcommands with add_parsers(subparsers). They must
+# import nothing heavy at module level: the parser is built on every call.
+EXTENSIONS = [
+]
 
 
 def main(argv=None) -> int:
