@@ -16,11 +16,13 @@ from .errors import (
 )
 from .manifest import Manifest, TensorSpec
 from .payload import Payload
+from . import engines
+from .sync import Publisher, Subscriber
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "encode", "apply", "apply_state", "apply_to_checkpoint", "inspect", "backend", "Payload", "Manifest", "TensorSpec",
+    "Publisher", "Subscriber", "engines", "encode", "apply", "apply_state", "apply_to_checkpoint", "inspect", "backend", "Payload", "Manifest", "TensorSpec",
     "WsyncError", "FormatError", "ChecksumError", "VersionError", "MismatchError", "TransportError",
     "BackendUnavailable", "__version__",
 ]

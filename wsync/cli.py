@@ -120,6 +120,7 @@ def parser() -> argparse.ArgumentParser:
 # Modules that add their own subcommands with add_parsers(subparsers). They must
 # import nothing heavy at module level: the parser is built on every call.
 EXTENSIONS = [
+    ("", "wsync.serve"),
 ]
 
 

@@ -67,6 +67,21 @@ class Payload:
     @classmethod
     def from_bytes(cls, buf) -> "Payload":
         buf = memoryview(buf).cast("B")
+        manifest, hlen = cls._parse_head(buf, len(buf))
+        return cls(manifest, buf[hlen:])
+
+    @classmethod
+    def from_parts(cls, head, body) -> "Payload":
+        """A payload received as header+manifest bytes and a separate body buffer (no copy of the body)."""
+        head, body = memoryview(head).cast("B"), memoryview(body).cast("B")
+        manifest, hlen = cls._parse_head(head, len(head) + len(body))
+        if hlen != len(head):
+            raise FormatError(f"payload head is {len(head)} bytes, its header says {hlen}")
+        return cls(manifest, body)
+
+    @staticmethod
+    def _parse_head(buf: memoryview, total: int) -> tuple[Manifest, int]:
+        """Check the fixed header and manifest; total is the whole payload's length. Returns (manifest, 32 + M)."""
         if len(buf) < HEADER.size:
             raise FormatError(f"truncated payload: {len(buf)} bytes, the header alone is {HEADER.size}")
         magic, version, mlen, blen, mhash = HEADER.unpack_from(buf)
@@ -77,16 +92,16 @@ class Payload:
         if mlen > MAX_MANIFEST:
             raise FormatError(f"manifest length {mlen} exceeds the {MAX_MANIFEST}-byte limit")
         expect = HEADER.size + mlen + blen
-        if len(buf) != expect:
-            what = "truncated" if len(buf) < expect else "trailing bytes in"
-            raise FormatError(f"{what} payload: header promises {expect} bytes, got {len(buf)}")
+        if total != expect or len(buf) < HEADER.size + mlen:
+            what = "truncated" if total < expect else "trailing bytes in"
+            raise FormatError(f"{what} payload: header promises {expect} bytes, got {total}")
         mbytes = bytes(buf[HEADER.size : HEADER.size + mlen])
         if xxhash.xxh3_64_intdigest(mbytes) != mhash:
             raise ChecksumError("manifest checksum mismatch: the header or manifest is corrupt")
         manifest = Manifest.from_json(mbytes)
         if manifest.body_length != blen:
             raise FormatError(f"manifest describes {manifest.body_length} body bytes, header says {blen}")
-        return cls(manifest, buf[HEADER.size + mlen :])
+        return manifest, HEADER.size + mlen
 
     @classmethod
     def read(cls, path) -> "Payload":

@@ -86,3 +86,38 @@ def digest(state: State, checksums: dict[str, str] | None = None) -> str:
     """Digest of a whole state (names, dtypes, shapes, contents)."""
     checksums = checksums or {n: tb.checksum() for n, tb in state.items()}
     return state_digest((n, tb.dtype.name, tb.shape, checksums[n]) for n, tb in state.items())
+
+
+def owned_copy(obj) -> State:
+    """A state the caller can no longer change: bit patterns copied out of its tensors.
+
+    Tied weights (two names on one storage) are kept once, under the first name.
+    A GPU tensor is copied to the host once (its .cpu() already is a copy).
+    """
+    if not isinstance(obj, dict):
+        return {n: TensorBits(tb.dtype, tb.shape, tb.bits.copy()) for n, tb in as_state(obj).items()}
+    from .engines.hf import unique_tensors
+
+    out = {}
+    for name, t in as_state(unique_tensors(obj)).items():
+        src = obj[name]
+        fresh = not isinstance(src, (np.ndarray, TensorBits)) and getattr(src, "device", None) is not None \
+            and src.device.type != "cpu"
+        out[name] = t if fresh else TensorBits(t.dtype, t.shape, t.bits.copy())
+    return out
+
+
+def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Group tensors, in order, into buckets of about bucket_bytes (a bigger tensor gets its own)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets, cur, fill = [], [], 0
+    for name, n in sizes:
+        if cur and fill + n > bucket_bytes:
+            buckets.append(cur)
+            cur, fill = [], 0
+        cur.append(name)
+        fill += n
+    if cur:
+        buckets.append(cur)
+    return buckets

@@ -1,0 +1,103 @@
+"""The publisher's memory of versions, and how a subscriber catches up from it.
+
+The publisher keeps the newest keyframe (a whole state, immutable) and the
+delta of every version since, each against the version before it. A subscriber
+holding version v gets the deltas v+1..N when all of them are kept, and
+otherwise the keyframe followed by the deltas after it. Each keyframe drops
+the deltas before it, so memory stays flat however many versions pass: at most
+one keyframe state, the newest state, and keyframe_every small deltas.
+
+Everything here is pure planning or plain bookkeeping under the caller's lock;
+the encoding and sending happen in sync.py.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .snapshot import State
+
+
+@dataclass
+class Encoded:
+    """One version as a list of bucket messages, filled in by the encoder as each bucket is ready."""
+
+    version: int
+    base_version: int | None  # None: a keyframe (raw, applies to anything)
+    checksum: str  # digest of the whole state this version produces
+    count: int  # buckets it will have
+    buckets: list = field(default_factory=list)  # transport Messages, in order
+    error: BaseException | None = None  # set if encoding failed; the version is then skipped
+    nbytes: int = 0  # payload bytes so far
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or len(self.buckets) == self.count
+
+
+@dataclass
+class Keyframe:
+    version: int
+    state: State  # never mutated once stored
+    checksum: str
+    encoded: Encoded | None = None  # raw buckets, made the first time a subscriber needs them
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def catchup(have: int | None, newest: int, keyframe: int, deltas) -> tuple[int | None, list[int]]:
+    """What to send a subscriber holding `have` so it reaches `newest`.
+
+    Returns (keyframe version to send first, or None; delta versions after it).
+    `deltas` holds the versions whose delta (against version - 1) is kept.
+    """
+    if have is not None and keyframe <= newest and have <= newest:
+        chain = list(range(have + 1, newest + 1))
+        if all(v in deltas for v in chain):
+            return None, chain
+    return keyframe, [v for v in range(keyframe + 1, newest + 1)]
+
+
+def keyframe_due(version_index: int, since_keyframe: int, keyframe_every: int) -> bool:
+    """The first version is always a keyframe; then every keyframe_every versions (0: never again)."""
+    return version_index == 0 or (keyframe_every > 0 and since_keyframe >= keyframe_every)
+
+
+class History:
+    """Versions since the newest keyframe. Not thread-safe: the Publisher holds its lock around every call."""
+
+    def __init__(self):
+        self.keyframe: Keyframe | None = None
+        self.deltas: dict[int, Encoded] = {}
+        self.newest: int | None = None
+        self.checksums: dict[int, str] = {}  # version -> state digest, for versions still reachable
+
+    def add_keyframe(self, version: int, state: State, checksum: str, delta: Encoded | None) -> None:
+        """A new keyframe at `version`; `delta` (from version - 1) stays for subscribers one behind."""
+        self.keyframe = Keyframe(version, state, checksum)
+        self.deltas = {version: delta} if delta is not None else {}
+        self.checksums = {v: c for v, c in self.checksums.items() if v >= version - 1}
+        self._set_newest(version, checksum)
+
+    def add_delta(self, enc: Encoded) -> None:
+        self.deltas[enc.version] = enc
+        self._set_newest(enc.version, enc.checksum)
+
+    def _set_newest(self, version: int, checksum: str) -> None:
+        self.newest = version
+        self.checksums[version] = checksum
+
+    def drop(self, version: int) -> None:
+        """Forget a version whose encoding failed."""
+        self.deltas.pop(version, None)
+
+    def plan(self, have: int | None, have_checksum: str | None) -> tuple[Keyframe | None, list[Encoded]]:
+        """The keyframe (or None) and deltas that bring a subscriber at `have` to the newest version."""
+        if self.newest is None or self.keyframe is None:
+            return None, []
+        if have is not None and have_checksum is not None and self.checksums.get(have) not in (None, have_checksum):
+            have = None  # it holds something else under that number: start over from the keyframe
+        if have is not None and have not in self.checksums:
+            have = None
+        kf, chain = catchup(have, self.newest, self.keyframe.version, self.deltas)
+        deltas = [self.deltas[v] for v in chain if v in self.deltas and self.deltas[v].error is None]
+        return (self.keyframe if kf is not None else None), deltas

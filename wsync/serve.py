@@ -1,0 +1,203 @@
+"""`wsync serve` and `wsync pull`: a checkpoint folder as a publisher, and a folder that follows one.
+
+    wsync serve ./ckpts --listen 127.0.0.1:7070 --token T    # every checkpoint in ./ckpts, and new ones as they appear
+    wsync pull tcp://127.0.0.1:7070 -o ./replica --token T   # newest version, resumable
+
+serve publishes SRC: a .safetensors file or a checkpoint folder is one version;
+a folder of checkpoints (files or sub-folders whose names end in a number, like
+step_0004) is a series, published in numeric order, and watched for new ones.
+A checkpoint is taken only once it parses and has not changed for
+``settle_s`` seconds, so a half-written one is never sent.
+
+pull writes the newest version to OUT atomically, the version and digest stored
+in the safetensors metadata (and copied to ``OUT/wsync-version.json``). Run again (after an interruption, or later),
+it starts from what OUT holds and fetches only the deltas since.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from .engines.shadow import Shadow
+from .errors import FormatError, WsyncError
+from .fsutil import atomic_write
+
+VERSION_FILE = "wsync-version.json"
+_NUMBER = re.compile(r"(\d+)(?:\.safetensors)?$")
+
+
+def _is_checkpoint(p: Path) -> bool:
+    if p.is_file():
+        return p.suffix == ".safetensors"
+    return p.is_dir() and (any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists())
+
+
+def find_versions(src: Path) -> list[tuple[int, Path]]:
+    """The checkpoints under src with their version numbers, oldest first."""
+    src = Path(src)
+    if not src.exists():
+        raise FileNotFoundError(f"{src} does not exist")
+    if _is_checkpoint(src) and not any(_NUMBER.search(c.name) and _is_checkpoint(c) for c in src.iterdir()
+                                       if src.is_dir()):
+        return [(0, src)]
+    found = []
+    for child in src.iterdir():
+        m = _NUMBER.search(child.name)
+        if m and _is_checkpoint(child):
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def _settled(path: Path, settle_s: float) -> bool:
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return bool(files) and time.time() - max(f.stat().st_mtime for f in files) >= settle_s
+
+
+def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1.0, settle_s: float = 2.0,
+          stop=None, log=print, **config) -> None:
+    """Publish every checkpoint in src, then (watch=True) each new one, until stop() is true."""
+    from .sync import Publisher
+
+    src = Path(src)
+    pub = Publisher(listen, token=token, **config)
+    log(f"serving {src} at {pub.address}")
+    done: set[int] = set()
+    try:
+        while True:
+            for version, path in find_versions(src):
+                if version in done or (pub._last is not None and version <= pub._last):
+                    continue
+                if not _settled(path, settle_s):
+                    break  # later ones wait for this one: versions go out in order
+                try:
+                    ck = read_checkpoint(path)
+                except (WsyncError, OSError) as e:
+                    log(f"skipping {path}: {e}")
+                    done.add(version)
+                    continue
+                pub.publish(ck.state, version=version)
+                done.add(version)
+                log(f"published version {version} from {path}")
+            if not watch or (stop is not None and stop()):
+                pub.flush()
+                return
+            time.sleep(poll_s)
+    finally:
+        pub.close()
+
+
+def read_replica(out: Path) -> Shadow:
+    """The state a previous pull left in out (an empty Shadow if none or unreadable).
+
+    The version and digest live in the safetensors metadata, written in the same
+    atomic step as the weights, so they cannot disagree after a crash.
+    """
+    engine = Shadow()
+    if not Path(out).exists():
+        return engine
+    try:
+        ck = read_checkpoint(out)
+        engine.replace(ck.state)
+        if engine.digest() != ck.metadata["wsync_digest"]:
+            raise FormatError(f"{out}: weights do not match the digest stored with them")
+        engine.version = int(ck.metadata["wsync_version"])
+    except (WsyncError, OSError, ValueError, KeyError) as e:
+        print(f"wsync: ignoring what {out} holds ({e}); fetching a keyframe", file=sys.stderr)
+        engine = Shadow()
+    return engine
+
+
+def pull(address: str, out, *, token=None, timeout: float | None = None, version: int | None = None,
+         progress: bool = True) -> int:
+    """Fetch the newest version (or at least `version`) into out; returns the version written."""
+    from .sync import Subscriber
+
+    out = Path(out)
+    engine = read_replica(out)
+    bar = _Progress() if progress else None
+    sub = Subscriber(address, engine=engine, token=token, apply="poll", progress=bar)
+    try:
+        target = version if version is not None else _newest(sub, timeout)
+        if engine.version is not None and engine.version >= target:
+            return engine.version
+        got = sub.wait_for(target, timeout=timeout)
+    finally:
+        sub.close()
+        if bar:
+            bar.close()
+    held = engine.digest()
+    write_checkpoint(out, Checkpoint(engine.state, None, {"wsync_version": str(got), "wsync_digest": held}))
+    with atomic_write(out / VERSION_FILE) as f:  # for people and scripts; read_replica trusts the metadata
+        f.write(json.dumps({"version": got, "digest": held, "source": address}).encode())
+    return got
+
+
+def _newest(sub, timeout: float | None) -> int:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with sub._cv:
+        while sub.newest_seen is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError("the publisher did not announce a version in time")
+            sub._cv.wait(min(left, 0.5) if left is not None else 0.5)
+        return sub.newest_seen
+
+
+class _Progress:
+    """One status line on stderr: version, bucket, bytes, rate."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def __call__(self, version, bucket, count, nbytes) -> None:
+        now = time.monotonic()
+        if bucket < count and now - self.last < 0.2:
+            return
+        self.last = now
+        rate = nbytes / max(now - self.t0, 1e-9) / 1e6
+        line = f"version {version}: bucket {bucket}/{count}, {nbytes / 1e6:,.1f} MB, {rate:,.1f} MB/s"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+        self.t0 = self.t0 if bucket < count else now
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def add_parsers(sub) -> None:
+    s = sub.add_parser("serve", help="publish a checkpoint (or a folder of them, watched) to subscribers")
+    s.add_argument("src", type=Path)
+    s.add_argument("--listen", required=True, help="HOST:PORT or a full address (tcp://, ucx://, local://)")
+    s.add_argument("--token", help="shared secret subscribers must prove (HMAC)")
+    s.add_argument("--no-watch", action="store_true", help="serve what is there and exit once sent")
+    s.add_argument("--codec", choices=["delta", "raw"], default="delta")
+    s.add_argument("--tier", choices=["sparse", "packed"], default="packed")
+    s.add_argument("--keyframe-every", type=int, default=50)
+    s.set_defaults(fn=_serve_cmd)
+    p = sub.add_parser("pull", help="fetch the newest version from a publisher into a folder (resumable)")
+    p.add_argument("address")
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--token")
+    p.add_argument("--version", type=int, help="wait for at least this version instead of the newest announced")
+    p.add_argument("--timeout", type=float)
+    p.set_defaults(fn=_pull_cmd)
+
+
+def _address(s: str) -> str:
+    return s if "://" in s else f"tcp://{s}"
+
+
+def _serve_cmd(a) -> None:
+    serve(a.src, _address(a.listen), token=a.token, watch=not a.no_watch, codec=a.codec, tier=a.tier,
+          keyframe_every=a.keyframe_every)
+
+
+def _pull_cmd(a) -> None:
+    v = pull(_address(a.address), a.output, token=a.token, timeout=a.timeout, version=a.version)
+    print(f"{a.output} holds version {v} (digest verified)")

@@ -1,0 +1,298 @@
+"""Subscriber (engine side): follow a Publisher, and move an engine from version to version atomically.
+
+    sub = wsync.Subscriber("tcp://trainer:7070", engine=wsync.engines.HF(model), token=...)
+    sub.wait_for(step)          # or, between decode steps: sub.poll()
+
+A receiver thread stages whole versions (every bucket of one version, parsed
+and checked); applying them is a transaction (see ``apply_version``): verify
+every checksum, write the new weights, verify the digest of what the engine
+then holds, and commit the version number. Any failure puts back every element
+written, so the engine serves version N or still N-1, never something between;
+the subscriber then asks the publisher for a keyframe. A dropped connection is
+redialled, and the hello tells the publisher where to resume.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from . import api, backends
+from .errors import ChecksumError, MismatchError, TransportError, WsyncError
+from .payload import Payload
+from .snapshot import as_state, digest, to_torch
+from .transports import Message, TransportTimeout, connect, parse_address
+
+log = logging.getLogger("wsync.sync")
+PROTOCOL = 1
+
+
+class Staged:
+    """One version, received whole and parsed (payload checksums are checked when it is applied)."""
+
+    def __init__(self, meta: dict):
+        self.version: int = meta["version"]
+        self.base_version: int | None = meta["base_version"]
+        self.count: int = meta["count"]
+        self.checksum: str = meta["checksum"]
+        self.payloads: list[Payload] = []
+        self.nbytes = 0
+
+    @property
+    def keyframe(self) -> bool:
+        return all(p.manifest.codec == "raw" for p in self.payloads)
+
+
+class Subscriber:
+    def __init__(self, address: str, *, engine, token=None, apply: str = "background", backend: str | None = None,
+                 connect_opts: dict | None = None, retry_s: float = 0.5, progress=None):
+        if apply not in ("background", "poll"):
+            raise ValueError(f"apply must be 'background' or 'poll', got {apply!r}")
+        self.address, self.engine, self.mode, self.backend = address, engine, apply, backend
+        self._token, self._opts, self._retry_s = token, connect_opts or {}, retry_s
+        self.progress = progress  # called as progress(version, bucket, buckets, bytes) as buckets arrive
+        self.newest_seen: int | None = None  # newest version the publisher has announced
+        self._lockstep = parse_address(address).scheme in ("gloo", "nccl")
+        self._cv = threading.Condition()
+        self._staged: list[Staged] = []
+        self._need_keyframe = False
+        self._closed = False
+        self._link = None
+        self._send_lock = threading.Lock()
+        self.version: int | None = engine.version
+        self.error: WsyncError | None = None  # the last apply failure, kept for callers to inspect
+        self.stats: dict = {"versions": 0, "bytes": 0, "last": None}
+        self._thread = threading.Thread(target=self._run, name="wsync-subscriber", daemon=True)
+        self._thread.start()
+
+    # -- engine-facing -----------------------------------------------------------------------
+
+    def poll(self) -> int | None:
+        """Apply every staged version now, in this thread; return the newest version applied, or None."""
+        applied = None
+        while (st := self._take()) is not None:
+            if self._apply(st):
+                applied = st.version
+        return applied
+
+    def wait_for(self, version: int, timeout: float | None = None) -> int:
+        """Block until the engine serves `version` or newer; returns the version served."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.mode == "poll":
+                self.poll()
+            with self._cv:
+                if self.version is not None and self.version >= version:
+                    return self.version
+                if self._closed:
+                    raise WsyncError("subscriber is closed")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"engine still at version {self.version}, waited for {version}")
+                if not self._staged or self.mode == "background":
+                    self._cv.wait(min(left, 0.5) if left is not None else 0.5)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        link = self._link
+        if link is not None:
+            link.close()
+        self._thread.join(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                self._link = connect(self.address, token=self._token, **self._opts)
+                self._send(Message("hello", {"protocol": PROTOCOL, "version": self.version,
+                                             "checksum": self._served_checksum()}))
+                self._receive(self._link)
+            except WsyncError as e:
+                if self._closed:
+                    return
+                log.warning("subscriber link to %s lost (%s); redialling", self.address, e)
+            finally:
+                if self._link is not None:
+                    self._link.close()
+                    self._link = None
+            time.sleep(self._retry_s)
+
+    def _served_checksum(self) -> str | None:
+        return self.engine.digest() if self.version is not None else None
+
+    def _receive(self, link) -> None:
+        cur: Staged | None = None
+        while not self._closed:
+            try:
+                msg = link.recv(timeout=1.0)
+            except TransportTimeout:
+                continue
+            if msg.kind == "bye":
+                log.info("publisher %s closed", self.address)
+                return
+            if msg.kind == "welcome":
+                self._saw(msg.meta.get("newest"))
+                continue
+            if msg.kind != "bucket" or len(msg.blobs) != 2:
+                raise TransportError(f"unexpected {msg.kind!r} message from the publisher")
+            cur = self._add_bucket(cur, msg)
+            if cur is not None and len(cur.payloads) == cur.count:
+                self._stage(cur)
+                cur = None
+
+    def _add_bucket(self, cur: Staged | None, msg: Message) -> Staged | None:
+        m = msg.meta
+        try:
+            if m["index"] == 0:
+                cur = Staged(m)
+            elif cur is None or m["version"] != cur.version or m["index"] != len(cur.payloads):
+                raise TransportError(f"bucket {m['index']} of version {m['version']} arrived out of order")
+            cur.payloads.append(Payload.from_parts(msg.blobs[0], msg.blobs[1]))
+            cur.nbytes += msg.nbytes
+            self._saw(cur.version)
+            if self.progress is not None:
+                self.progress(cur.version, m["index"] + 1, cur.count, cur.nbytes)
+        except (KeyError, TypeError) as e:
+            raise TransportError(f"malformed bucket message: {e}") from None
+        return cur
+
+    def _stage(self, st: Staged) -> None:
+        with self._cv:
+            self._staged.append(st)
+            self._cv.notify_all()
+        if self.mode == "background":
+            self.poll()
+        if self._lockstep or self.mode == "poll":
+            # point-to-point background subscribers ack after applying (in _apply); the others ack on receipt
+            self._ack(st.version)
+
+    def _saw(self, version) -> None:
+        if isinstance(version, int):
+            with self._cv:
+                self.newest_seen = max(self.newest_seen if self.newest_seen is not None else -1, version)
+                self._cv.notify_all()
+
+    def _take(self) -> Staged | None:
+        with self._cv:
+            return self._staged.pop(0) if self._staged else None
+
+    def _send(self, msg: Message) -> None:
+        link = self._link
+        if link is None:
+            return
+        with self._send_lock:
+            try:
+                link.send(msg)
+            except WsyncError as e:
+                log.warning("could not tell the publisher %s: %s", msg.kind, e)
+
+    def _ack(self, version: int) -> None:
+        self._send(Message("ack", {"version": version, "served": self.version, "need_keyframe": self._need_keyframe}))
+
+    # -- applying ----------------------------------------------------------------------------
+
+    def _apply(self, st: Staged) -> bool:
+        if self.version is not None and st.version <= self.version:
+            return False  # already have it (a catch-up chain may overlap what we hold)
+        if not st.keyframe and (self._need_keyframe or st.base_version != self.version):
+            self._need_keyframe = True
+            log.warning("version %s needs base %s but the engine serves %s; waiting for a keyframe",
+                        st.version, st.base_version, self.version)
+            return False
+        t0 = time.perf_counter()
+        try:
+            apply_version(self.engine, st.payloads, st.checksum, backend=self.backend)
+        except WsyncError as e:
+            self.error = e
+            self._need_keyframe = True
+            log.error("version %s refused, engine stays at %s: %s", st.version, self.version, e)
+            if not self._lockstep:
+                self._send(Message("need", {"served": self.version}))
+            return False
+        with self._cv:
+            self.engine.version = self.version = st.version
+            self._need_keyframe = False
+            self.stats.update(versions=self.stats["versions"] + 1, bytes=self.stats["bytes"] + st.nbytes,
+                              last={"version": st.version, "bytes": st.nbytes, "apply_s": time.perf_counter() - t0,
+                                    "keyframe": st.keyframe})
+            self._cv.notify_all()
+        if self.mode == "background" and not self._lockstep:
+            self._ack(st.version)
+        return True
+
+
+def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: str | None = None) -> None:
+    """Apply one version's payloads to an engine as a transaction (all or nothing).
+
+    Every payload checksum and base checksum is verified before anything is
+    written; then the new values are written (in place when the engine's
+    tensors are writable CPU memory, else into a host copy handed to
+    engine.load); then the digest of what the engine holds must equal
+    `checksum`. On any failure every written element is put back.
+    """
+    names = [s.name for p in payloads for s in p.manifest.tensors]
+    if hasattr(engine, "replace") and all(p.manifest.codec == "raw" for p in payloads):
+        return _replace(engine, payloads, checksum, backend)
+    live = engine.tensors()
+    if sorted(names) != sorted(live):
+        missing, extra = sorted(set(live) - set(names)), sorted(set(names) - set(live))
+        raise MismatchError(f"version does not cover the engine's tensors: engine-only {missing[:5]}, "
+                            f"payload-only {extra[:5]} ({len(missing)} and {len(extra)})")
+    state = as_state(live)
+    inplace = all(_aliases(live[n], state[n].bits) for n in state)
+    decoded = [api.decode({s.name: state[s.name] for s in p.manifest.tensors}, p, backend=backend) for p in payloads]
+    k = backends.kernels(backend)
+    specs = {s.name: s for p in payloads for s in p.manifest.tensors}
+    undo, loaded = [], False
+    try:
+        for dec in decoded:
+            for name, d in dec.items():
+                if specs[name].kind == "same":
+                    continue
+                bits = state[name].bits
+                undo.append((name, d, bits, d.scatter_into(bits)))
+                if k.checksum(bits) != specs[name].checksum:
+                    raise ChecksumError(f"{name}: decoded tensor does not match its checksum")
+        if not inplace:
+            loaded = True
+            engine.load({name: to_torch(state[name]) for name, *_ in undo})
+        held = digest(state, {n: s.checksum for n, s in specs.items()}) if inplace else engine.digest()
+        if held != checksum:
+            raise ChecksumError(f"after loading, the engine's weights digest to {held}, expected {checksum}")
+    except BaseException:
+        for _, d, bits, old in reversed(undo):
+            d.undo(bits, old)
+        if loaded:
+            engine.load({name: to_torch(state[name]) for name, *_ in undo})
+        raise
+
+
+def _replace(engine, payloads: list[Payload], checksum: str, backend) -> None:
+    new = {}
+    for p in payloads:
+        new.update(api.apply_state(None, p, backend=backend))
+    if digest(new) != checksum:
+        raise ChecksumError(f"keyframe digests to {digest(new)}, expected {checksum}")
+    engine.replace(new)
+
+
+def _aliases(t, bits: np.ndarray) -> bool:
+    """Is bits a view of t's own memory (so writing bits writes the engine)?"""
+    if not bits.flags.writeable:
+        return False
+    if isinstance(t, np.ndarray):
+        return np.shares_memory(t, bits)
+    if hasattr(t, "bits"):  # TensorBits
+        return t.bits is bits or np.shares_memory(t.bits, bits)
+    return t.device.type == "cpu" and (bits.size == 0 or bits.__array_interface__["data"][0] == t.data_ptr())

@@ -1,0 +1,375 @@
+"""Publisher (trainer side): versions out to any number of subscribers, over any transport.
+
+    pub = wsync.Publisher("tcp://0.0.0.0:7070", codec="delta", keyframe_every=50, token=...)
+    pub.publish(model.state_dict(), version=step)   # copies the state, returns; encoding and sending run behind
+
+The protocol, in messages (see transports/base.py for how they travel):
+
+    subscriber -> publisher  hello  {version, checksum}      what it holds (None: nothing)
+    publisher -> subscriber  welcome {newest}                the newest version it has (point-to-point only)
+    publisher -> subscriber  bucket {version, base_version, index, count, checksum} + [payload head, payload body]
+    subscriber -> publisher  ack    {version, served, need_keyframe}   once per version received
+    subscriber -> publisher  need   {served}                 an apply failed: send a keyframe (point-to-point only)
+    publisher -> subscriber  bye    {}                        the publisher is closing
+
+Each version is cut into buckets of about ``bucket_bytes`` of model bytes, each
+a self-contained payload; a sender streams bucket k while the encoder works on
+k+1. On broadcast groups (gloo/nccl) every message reaches all members and the
+acks come back as one gather per version, so that path runs in lockstep.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from . import api
+from .errors import TransportError, VersionError, WsyncError
+from .history import Encoded, History, Keyframe, keyframe_due
+from .snapshot import State, digest, owned_copy, plan_buckets
+from .transports import Message, listen
+
+log = logging.getLogger("wsync.sync")
+PROTOCOL = 1
+
+
+@dataclass(kw_only=True)
+class PublisherConfig:
+    codec: str = "delta"  # "delta" between keyframes, or "raw" for every version
+    tier: str = "packed"  # delta tier: "packed" (zstd stage, for TCP/WAN) or "sparse" (fixed width, for fast links)
+    keyframe_every: int = 50  # a keyframe every K versions; 0: only the first (later ones on demand)
+    bucket_bytes: int = 64 << 20  # model bytes per bucket: the unit of encode/send overlap
+    level: int = 1  # zstd level of the packed tier
+    backend: str | None = None  # codec backend (None: WSYNC_BACKEND or auto)
+    max_queued: int = 2  # versions waiting to be encoded before publish() blocks (bounds memory)
+    hello_timeout: float = 30.0  # seconds a new subscriber has to say hello
+
+
+class Publisher:
+    def __init__(self, address: str, *, token=None, listen_opts: dict | None = None, **config):
+        self.config = PublisherConfig(**config)
+        if self.config.codec not in ("delta", "raw"):
+            raise ValueError(f"codec must be 'delta' or 'raw', got {self.config.codec!r}")
+        self._listener = listen(address, token=token, **(listen_opts or {}))
+        self.address = self._listener.address
+        self._history = History()
+        self._cv = threading.Condition()
+        self._state: State | None = None  # newest state handed to the encoder
+        self._published = 0  # versions accepted by publish()
+        self._since_keyframe = 0
+        self._last: int | None = None
+        self._peers: list[_Peer] = []
+        self._error: BaseException | None = None
+        self._closed = False
+        self._queue: queue.Queue = queue.Queue(self.config.max_queued)
+        self.stats: dict = {"versions": 0, "bytes": {}, "encode_s": {}}
+        self._threads = [threading.Thread(target=self._encode_loop, name="wsync-encode", daemon=True),
+                         threading.Thread(target=self._accept_loop, name="wsync-accept", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- trainer-facing ----------------------------------------------------------------------
+
+    def publish(self, state, version: int) -> None:
+        """Snapshot `state` (a state_dict, dict of arrays, or checkpoint path) as `version` and send it behind."""
+        self._raise_pending()
+        if self._closed:
+            raise WsyncError("publisher is closed")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        if self._last is not None and version <= self._last:
+            raise VersionError(f"versions must increase: got {version} after {self._last}")
+        snap = owned_copy(state)
+        self._last = version
+        self._queue.put((version, snap))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every version so far is encoded and acknowledged by every connected subscriber."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._queue.join()
+        with self._cv:
+            while not self._flushed():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"flush: subscribers still behind version {self._history.newest}")
+                self._cv.wait(left if left is not None else 1.0)
+        self._raise_pending()
+
+    def _flushed(self) -> bool:
+        newest = self._history.newest
+        return all(p.dead or p.acked == newest for p in self._peers)
+
+    @property
+    def subscribers(self) -> int:
+        with self._cv:
+            return sum(p.fanout for p in self._peers if not p.dead)
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        self._queue.put(None)
+        self._listener.close()
+        for p in list(self._peers):
+            p.stop()
+        for t in self._threads:
+            t.join(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    # -- encoding ------------------------------------------------------------------------------
+
+    def _encode_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._encode_version(*item)
+            except BaseException as e:  # surfaces at the next publish()/flush()
+                log.exception("encoding a version failed")
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _encode_version(self, version: int, state: State) -> None:
+        cfg, prev = self.config, self._state
+        t0 = time.perf_counter()
+        checksum = digest(state)
+        same_layout = prev is not None and _layout(prev) == _layout(state)
+        make_kf = keyframe_due(self._published, self._since_keyframe, cfg.keyframe_every) or not same_layout
+        delta = None
+        if same_layout:
+            delta = Encoded(version, self._history.newest, checksum, len(self._buckets(state)))
+        with self._cv:
+            self._published += 1
+            if make_kf:
+                self._history.add_keyframe(version, state, checksum, delta)
+                self._since_keyframe = 0
+            else:
+                self._history.add_delta(delta)
+            self._since_keyframe += 1
+            self._state = state
+            self._cv.notify_all()
+        if delta is not None:
+            self._fill(delta, prev, state)
+        self.stats["versions"] += 1
+        self.stats["encode_s"][version] = time.perf_counter() - t0
+        self.stats["bytes"][version] = delta.nbytes if delta else None
+        self._trim_stats()
+
+    def _buckets(self, state: State) -> list[list[str]]:
+        return plan_buckets([(n, tb.nbytes) for n, tb in state.items()], self.config.bucket_bytes)
+
+    def _fill(self, enc: Encoded, base: State | None, state: State) -> None:
+        """Encode `state` bucket by bucket into enc, waking senders after each bucket."""
+        cfg = self.config
+        codec = "raw" if base is None else cfg.codec
+        try:
+            for i, names in enumerate(self._buckets(state)):
+                new = {n: state[n] for n in names}
+                old = {n: base[n] for n in names} if codec == "delta" else None
+                payload = api.encode(old, new, codec=codec, tier=cfg.tier, version=enc.version,
+                                     base_version=enc.base_version, level=cfg.level, backend=cfg.backend)
+                meta = {"version": enc.version, "base_version": enc.base_version, "index": i, "count": enc.count,
+                        "checksum": enc.checksum}
+                msg = Message("bucket", meta, [payload.header(), payload.body])
+                with self._cv:
+                    enc.buckets.append(msg)
+                    enc.nbytes += msg.nbytes
+                    self._cv.notify_all()
+        except BaseException as e:
+            with self._cv:
+                enc.error = e
+                self._history.drop(enc.version)
+                self._cv.notify_all()
+            raise
+
+    def _keyframe_buckets(self, kf: Keyframe) -> Encoded:
+        """The raw encoding of a keyframe, made once on first use (by whichever sender needs it)."""
+        with kf.lock:
+            if kf.encoded is None:
+                enc = Encoded(kf.version, None, kf.checksum, len(self._buckets(kf.state)))
+                self._fill(enc, None, kf.state)
+                kf.encoded = enc
+            return kf.encoded
+
+    def _trim_stats(self) -> None:
+        for key in ("bytes", "encode_s"):
+            d = self.stats[key]
+            while len(d) > 1000:
+                d.pop(next(iter(d)))
+
+    # -- serving subscribers ---------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                link = self._listener.accept(timeout=0.5)
+            except WsyncError as e:
+                log.warning("accept failed: %s", e)
+                continue
+            except OSError:
+                if self._closed:
+                    return
+                raise
+            if link is None:
+                continue
+            peer = _Peer(self, link)
+            with self._cv:
+                self._peers = [p for p in self._peers if not p.dead] + [peer]
+            peer.start()
+
+    def _next_for(self, peer: "_Peer") -> tuple[Keyframe | None, list[Encoded]] | None:
+        """Block until the peer is behind the newest version (or closing); return what to send."""
+        with self._cv:
+            while True:
+                if self._closed or peer.dead:
+                    return None
+                newest = self._history.newest
+                if newest is not None and (peer.need_keyframe or peer.sent != newest):
+                    have = None if peer.need_keyframe else peer.sent
+                    peer.need_keyframe = False
+                    return self._history.plan(have, peer.sent_checksum if have is not None else None)
+                self._cv.wait(1.0)
+
+    def _wait_bucket(self, enc: Encoded, i: int):
+        with self._cv:
+            while len(enc.buckets) <= i and enc.error is None and not self._closed:
+                self._cv.wait(1.0)
+            if enc.error is not None or self._closed:
+                return None
+            return enc.buckets[i]
+
+
+def _layout(state: State) -> list:
+    return [(n, tb.dtype.name, tb.shape) for n, tb in state.items()]
+
+
+class _Peer:
+    """One link (one subscriber, or one broadcast group) and the thread that feeds it."""
+
+    def __init__(self, pub: Publisher, link):
+        self.pub, self.link = pub, link
+        self.fanout = getattr(link, "fanout", 1)
+        self.lockstep = self.fanout > 1
+        self.sent: int | None = None  # newest version fully sent (or held at hello)
+        self.sent_checksum: str | None = None
+        self.acked: int | None = None  # newest version every member acknowledged
+        self.need_keyframe = False
+        self.dead = False
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        t = threading.Thread(target=self._run, name=f"wsync-send-{self.link.peer}", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def stop(self) -> None:
+        try:
+            if not self.dead and not self.lockstep:
+                self.link.send(Message("bye", {}))
+        except WsyncError:
+            pass
+        self._die()
+        self.link.close()
+
+    def _die(self) -> None:
+        with self.pub._cv:
+            self.dead = True
+            self.pub._cv.notify_all()
+
+    def _run(self) -> None:
+        try:
+            self._hello()
+            if not self.lockstep:
+                t = threading.Thread(target=self._read_acks, name=f"wsync-acks-{self.link.peer}", daemon=True)
+                self._threads.append(t)
+                t.start()
+            while (plan := self.pub._next_for(self)) is not None:
+                self._send_plan(*plan)
+        except WsyncError as e:
+            if not self.pub._closed:
+                log.warning("subscriber %s dropped: %s", self.link.peer, e)
+        finally:
+            self._die()
+
+    def _hello(self) -> None:
+        versions, checksums = [], set()
+        for _ in range(self.fanout):
+            msg = self.link.recv(timeout=self.pub.config.hello_timeout)
+            if msg.kind != "hello" or msg.meta.get("protocol") != PROTOCOL:
+                raise TransportError(f"{self.link.peer}: expected a protocol {PROTOCOL} hello, got {msg.kind!r}")
+            versions.append(msg.meta.get("version"))
+            checksums.add(msg.meta.get("checksum"))
+        if None in versions or len(set(versions)) > 1 or len(checksums) > 1:
+            self.sent, self.sent_checksum = None, None  # members disagree: everyone takes the keyframe
+        else:
+            self.sent, self.sent_checksum = versions[0], checksums.pop()
+        log.info("subscriber %s joined holding version %s", self.link.peer, self.sent)
+        if not self.lockstep:
+            with self.pub._cv:
+                newest = self.pub._history.newest
+            self.link.send(Message("welcome", {"newest": newest}))
+
+    def _send_plan(self, kf: Keyframe | None, deltas: list[Encoded]) -> None:
+        versions = ([self.pub._keyframe_buckets(kf)] if kf is not None else []) + deltas
+        for enc in versions:
+            if not self._send_version(enc):
+                continue
+            with self.pub._cv:
+                self.sent, self.sent_checksum = enc.version, enc.checksum
+                self.pub._cv.notify_all()
+            if self.lockstep:
+                self._gather_acks(enc.version)
+
+    def _send_version(self, enc: Encoded) -> bool:
+        for i in range(enc.count):
+            msg = self.pub._wait_bucket(enc, i)
+            if msg is None:
+                return False
+            self.link.send(msg)
+        return True
+
+    def _gather_acks(self, version: int) -> None:
+        need = False
+        for _ in range(self.fanout):
+            msg = self.link.recv(timeout=None)
+            need |= msg.kind == "ack" and bool(msg.meta.get("need_keyframe"))
+        with self.pub._cv:
+            self.acked = version
+            self.need_keyframe |= need
+            self.pub._cv.notify_all()
+
+    def _read_acks(self) -> None:
+        try:
+            while not self.dead:
+                msg = self.link.recv(timeout=None)
+                with self.pub._cv:
+                    if msg.kind == "ack":
+                        self.acked = msg.meta.get("version")
+                        self.need_keyframe |= bool(msg.meta.get("need_keyframe"))
+                    elif msg.kind == "need":
+                        self.need_keyframe = True
+                    elif msg.kind == "bye":
+                        self.dead = True
+                    self.pub._cv.notify_all()
+        except WsyncError:
+            pass
+        finally:
+            self._die()
+
+from .subscriber import Subscriber, apply_version  # noqa: E402  (the engine side of the same protocol)
