@@ -1,0 +1,110 @@
+"""The published figures the systems model must reproduce, and where they do not add up.
+
+Each figure is kept with the assumptions it states. `audit()` recomputes every
+one twice: from the published size (does the figure follow from its own
+numbers?) and from the model config (does it follow from the model?). Units:
+GB = 1e9 bytes, Gbit/s = 1e9 bit/s, as the tables use them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IDLE_USD_PER_GPU_S = 0.01  # the tables' price of an idle GPU-second
+TCP_GBIT, RDMA_GBIT, WAN_GBIT = 50.0, 3200.0, 10.0
+WAN_DELTA_SAVING = 0.98
+
+# (model, size GB, seconds at 50 Gbit/s TCP, seconds at 3.2 Tbit/s RDMA); tolerance 1%
+TRANSFER_TABLE = [
+    ("qwen3-8b", 16.3, 2.62, 0.041),
+    ("qwen3-30b-a3b", 61.1, 9.78, 0.153),
+    ("glm-4.7", 716.7, 114.67, 1.79),
+    ("kimi-k2.6", 595.2, 95.23, 1.49),
+]
+# Qwen3 8B over a 10 Gbit/s WAN: full sync, then delta with 98% of bytes saved
+WAN_ROW = ("qwen3-8b", 12.8, 0.26)
+
+# (model, layout, rank, GB); tolerance 3%
+LORA_TABLE = [
+    ("qwen3-30b-a3b", "shared-outer", 32, 1.0),
+    ("glm-4.7", "shared-outer", 32, 4.7),
+    ("glm-4.7", "per-expert", 32, 18.8),
+    ("kimi-k2.6", "shared-outer", 32, 9.4),
+    ("kimi-k2.6", "per-expert", 32, 41.0),
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Check:
+    figure: str  # what was published, in words
+    published: float
+    from_own_numbers: float | None  # recomputed from the published size and rate (None: no own numbers)
+    from_model: float  # recomputed from the model config
+    note: str  # why they differ, when they do
+
+    def error(self, which: str = "from_model") -> float:
+        v = getattr(self, which)
+        return abs(v - self.published) / self.published
+
+
+def seconds(gb: float, gbit_per_s: float) -> float:
+    return gb * 8.0 / gbit_per_s
+
+
+def _transfer_checks() -> list[Check]:
+    from .models import get_model
+    from .params import checkpoint_bytes
+
+    out = []
+    for name, gb, tcp_s, rdma_s in TRANSFER_TABLE:
+        model_gb = checkpoint_bytes(get_model(name)) / 1e9
+        note = ""
+        if name == "qwen3-8b":
+            note = (f"16.3 GB at 50 Gbit/s is {seconds(16.3, TCP_GBIT):.3f} s, not 2.62 s; 2.62 s follows from the "
+                    f"model's {model_gb:.2f} GB (8.19B x 2 bytes), which rounds to 16.4 GB: the size was truncated")
+        elif name == "kimi-k2.6":
+            note = "595.2 GB is the INT4 checkpoint (routed experts 4-bit, group 32); bf16 would be 2053.8 GB"
+        elif name == "glm-4.7":
+            note = "716.7 GB includes the MTP layer with its own embedding and head copies (11.1 GB)"
+        out.append(Check(figure=f"{name} size GB", published=gb, from_own_numbers=None, from_model=model_gb,
+                         note=note if name != "qwen3-8b" else "published size truncated (16.38 GB)"))
+        for link, rate, pub in (("TCP 50 Gbit/s", TCP_GBIT, tcp_s), ("RDMA 3.2 Tbit/s", RDMA_GBIT, rdma_s)):
+            out.append(Check(figure=f"{name} full sync s, {link}", published=pub,
+                             from_own_numbers=seconds(gb, rate), from_model=seconds(model_gb, rate), note=note))
+    return out
+
+
+def _wan_checks() -> list[Check]:
+    from .models import get_model
+    from .params import checkpoint_bytes
+
+    name, full_s, delta_s = WAN_ROW
+    model_gb = checkpoint_bytes(get_model(name)) / 1e9
+    own = seconds(16.3, WAN_GBIT)
+    note = (f"does not follow: 16.3 GB at 10 Gbit/s is {own:.2f} s and the model's {model_gb:.2f} GB is "
+            f"{seconds(model_gb, WAN_GBIT):.2f} s; 12.8 s would need 16.0 GB, or 16.38 GB at 10.24 Gbit/s "
+            "(a binary-prefixed 10 Gbit/s)")
+    return [
+        Check(figure=f"{name} full sync s, WAN 10 Gbit/s", published=full_s, from_own_numbers=own,
+              from_model=seconds(model_gb, WAN_GBIT), note=note),
+        Check(figure=f"{name} delta sync s, WAN 10 Gbit/s, 98% saved", published=delta_s,
+              from_own_numbers=full_s * (1 - WAN_DELTA_SAVING),
+              from_model=seconds(model_gb, WAN_GBIT) * (1 - WAN_DELTA_SAVING),
+              note="follows from either full-sync time: 2% of 12.8 s is 0.256 s, 2% of 13.10 s is 0.262 s"),
+    ]
+
+
+def _lora_checks() -> list[Check]:
+    from .lora import LoraConfig, lora_size
+    from .models import get_model
+
+    out = []
+    for name, layout, rank, gb in LORA_TABLE:
+        got = lora_size(get_model(name), LoraConfig(rank=rank, layout=layout)).bytes / 1e9
+        out.append(Check(figure=f"{name} LoRA r={rank} {layout} GB", published=gb, from_own_numbers=None,
+                         from_model=got, note="bf16 adapters on every linear layer; fp32 would double it"))
+    return out
+
+
+def audit() -> list[Check]:
+    """Every published figure, recomputed from its own numbers and from the model."""
+    return _transfer_checks() + _wan_checks() + _lora_checks()

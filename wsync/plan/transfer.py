@@ -1,0 +1,135 @@
+"""Weight-update time per link and codec: wire time, and the whole sync with encode and apply.
+
+The published tables price a sync as bytes / line rate. That is the floor; a
+real update also encodes on the trainer and applies on the engine, at the
+codec speeds measured in `benchmarks/results/*.json` (overridable). This module
+computes both, says which term dominates, and prices the idle GPU time.
+Units: GB = 1e9 bytes, Gbit/s = 1e9 bit/s.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .codec_speeds import CodecSpeed, measured_speed
+from .lora import LoraConfig, lora_size
+from .models import ModelConfig, PlanError
+from .params import weight_bytes
+from .published import IDLE_USD_PER_GPU_S
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """A network path between trainer and engines."""
+
+    name: str
+    gbit_per_s: float  # line rate
+    efficiency: float = 1.0  # achieved share of line rate; 1.0 is the published tables' ideal
+    latency_s: float = 0.0  # fixed cost per sync (connection, handshake, commit round trip)
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes * 8.0 / (self.gbit_per_s * 1e9 * self.efficiency)
+
+
+LINKS = {
+    "tcp-50g": Link(name="tcp-50g", gbit_per_s=50.0),
+    "rdma-3.2t": Link(name="rdma-3.2t", gbit_per_s=3200.0),  # 8 x 400 Gbit/s NICs
+    "wan-10g": Link(name="wan-10g", gbit_per_s=10.0),
+    "tcp-100g": Link(name="tcp-100g", gbit_per_s=100.0),
+    "ib-400g": Link(name="ib-400g", gbit_per_s=400.0),
+    "wan-1g": Link(name="wan-1g", gbit_per_s=1.0),
+}
+
+
+def parse_link(spec: str) -> Link:
+    """A preset name, or a rate such as '25g', '400gbit', '3.2t' (Gbit/s unless a 't'/'m' says otherwise)."""
+    if spec in LINKS:
+        return LINKS[spec]
+    m = re.fullmatch(r"(?:(\w+)[-:])?([\d.]+)\s*([mgt]?)(?:bit)?(?:/s)?", spec.strip().lower())
+    if not m:
+        raise PlanError(f"unknown link {spec!r}; use one of {', '.join(LINKS)} or a rate like 25g, 3.2t, 800m")
+    scale = {"m": 1e-3, "g": 1.0, "": 1.0, "t": 1e3}[m.group(3)]
+    rate = float(m.group(2)) * scale
+    if rate <= 0:
+        raise PlanError(f"link rate must be positive, got {spec!r}")
+    return Link(name=spec, gbit_per_s=rate)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Codec:
+    """What goes on the wire."""
+
+    kind: str = "full"  # full | delta | lora
+    saving: float = 0.98  # delta: fraction of full bytes removed (98% = 50x smaller)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # lora: adapter shape
+    tier: str = "packed"  # delta tier whose measured speed is used
+
+    @property
+    def label(self) -> str:
+        if self.kind == "delta":
+            return f"delta -{self.saving:.0%}"
+        if self.kind == "lora":
+            return f"lora r{self.lora.rank} {self.lora.layout}"
+        return "full"
+
+
+def parse_codec(kind: str, *, saving: float = 0.98, lora: LoraConfig | None = None) -> Codec:
+    if kind not in ("full", "delta", "lora"):
+        raise PlanError(f"unknown codec {kind!r}; use full, delta or lora")
+    if not 0.0 <= saving < 1.0:
+        raise PlanError(f"delta saving must be in [0, 1), got {saving}")
+    return Codec(kind=kind, saving=saving, lora=lora or LoraConfig())
+
+
+def payload_bytes(m: ModelConfig, codec: Codec, dtype: str | None = None) -> tuple[float, float]:
+    """(bytes on the wire, bytes the codec reads/writes at each end)."""
+    full = weight_bytes(m, dtype)
+    if codec.kind == "full":
+        return full, full
+    if codec.kind == "delta":  # encode reads old + new weights; speeds are quoted per model byte
+        return full * (1.0 - codec.saving), full
+    adapter = lora_size(m, codec.lora).bytes
+    return adapter, adapter
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncCost:
+    model: str
+    codec: str
+    link: str
+    wire_bytes: float
+    wire_s: float  # bytes / rate: what the published tables print
+    encode_s: float  # trainer side, from the measured codec speed
+    apply_s: float  # engine side, from the measured codec speed
+    pipelined_s: float  # encode, send and apply overlapped over `buckets` buckets
+    serial_s: float  # encode, then send, then apply
+    dominant: str  # which term bounds the pipelined time
+    idle_usd_per_gpu: float  # price of one GPU idling for the pipelined sync
+    speed_source: str  # where the encode/apply speeds come from
+
+
+def sync_cost(m: ModelConfig, link: Link, codec: Codec, *, speed: CodecSpeed | None = None,
+              dtype: str | None = None, buckets: int = 16, encode_workers: int = 1, apply_workers: int = 1,
+              usd_per_gpu_s: float = IDLE_USD_PER_GPU_S) -> SyncCost:
+    """The whole sync of one model version, with its wire-only floor."""
+    if buckets < 1 or encode_workers < 1 or apply_workers < 1:
+        raise PlanError("buckets, encode_workers and apply_workers must be >= 1")
+    wire, coded = payload_bytes(m, codec, dtype)
+    speed = speed or measured_speed(codec.kind, saving=codec.saving, tier=codec.tier)
+    terms = {
+        "encode": coded / (speed.encode_gbps * 1e9 * encode_workers),
+        "wire": link.seconds(wire),
+        "apply": coded / (speed.apply_gbps * 1e9 * apply_workers),
+    }
+    serial = sum(terms.values())
+    top = max(terms, key=terms.get)
+    # a pipeline of equal buckets: the slowest stage runs back to back, the others add one bucket each
+    pipelined = terms[top] + (serial - terms[top]) / buckets
+    return SyncCost(model=m.name, codec=codec.label, link=link.name, wire_bytes=wire, wire_s=terms["wire"],
+                    encode_s=terms["encode"], apply_s=terms["apply"], pipelined_s=pipelined, serial_s=serial,
+                    dominant=top, idle_usd_per_gpu=pipelined * usd_per_gpu_s, speed_source=speed.source)
+
+
+def wire_seconds(m: ModelConfig, link: Link, codec: Codec | None = None, dtype: str | None = None) -> float:
+    """The published tables' number: payload bytes over the line rate, nothing else."""
+    return link.seconds(payload_bytes(m, codec or Codec(), dtype)[0])
