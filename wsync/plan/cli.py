@@ -1,0 +1,94 @@
+"""`wsync plan ...`: the systems model on the command line, every subcommand with --json.
+
+    wsync plan models                         catalog: parameters, active, checkpoint bytes
+    wsync plan transfer [--published]         sync time per model, link and codec, and the idle cost
+    wsync plan lora --model M --rank R --layout L [--targets ...]
+    wsync plan loop [--mode sync|async ...]   decode roofline and one simulated loop (sync vs async)
+    wsync plan sweep [--png out.png]          trainer/sampler splits x batch x staleness cap, Pareto table
+    wsync plan sandboxes --rate R ...         sandbox pool for a rollout rate (Little's law, Poisson quantile)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .report import cmd_loop, cmd_lora, cmd_models, cmd_sandboxes, cmd_sweep, cmd_transfer
+
+
+def _loop_flags(p) -> None:
+    from .loop import LoopConfig
+
+    for f in dataclasses.fields(LoopConfig):
+        if f.name in ("decode_curve",):
+            continue
+        default = f.default
+        kind = float if default is None else type(default)
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default,
+                       help=f"(default {default})")
+    p.add_argument("--decode-curve", default="", help="measured decode curve 'batch:seconds,...' (replaces the roofline)")
+
+
+def add_parsers(sub) -> None:
+    plan = sub.add_parser("plan", help="systems model: sync cost, LoRA size, RL loop, layouts, sandboxes")
+    ps = plan.add_subparsers(dest="plan_cmd", required=True)
+
+    m = ps.add_parser("models", help="catalog models: parameters and bytes from their configs")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=cmd_models)
+
+    t = ps.add_parser("transfer", help="weight-update time per model, link and codec")
+    t.add_argument("--model", action="append", help="catalog name or config.json (repeatable; default: the published four)")
+    t.add_argument("--link", action="append", help="tcp-50g, rdma-3.2t, wan-10g, ... or a rate like 25g (repeatable)")
+    t.add_argument("--codec", action="append", choices=["full", "delta", "lora"], help="repeatable; default all three")
+    t.add_argument("--delta-saving", type=float, default=0.98, help="fraction of bytes a delta removes (default 0.98)")
+    t.add_argument("--tier", choices=["packed", "sparse"], default="packed", help="delta tier whose speed is used")
+    t.add_argument("--lora-rank", type=int, default=32)
+    t.add_argument("--lora-layout", default="shared-outer", choices=["shared-outer", "per-expert", "dense"])
+    t.add_argument("--dtype", help="count every weight in this dtype (default: the checkpoint as published)")
+    t.add_argument("--encode-gbps", type=float, help="override the measured encode speed (GB/s per worker)")
+    t.add_argument("--apply-gbps", type=float, help="override the measured apply speed (GB/s per worker)")
+    t.add_argument("--encode-workers", type=int, default=1, help="trainer ranks encoding shards in parallel")
+    t.add_argument("--apply-workers", type=int, default=1, help="engine ranks applying shards in parallel")
+    t.add_argument("--buckets", type=int, default=16, help="buckets the sync is pipelined over")
+    t.add_argument("--usd-per-gpu-s", type=float, default=0.01, help="price of an idle GPU-second")
+    t.add_argument("--gpus", type=int, default=1, help="GPUs idle during a sync (prices the whole fleet)")
+    t.add_argument("--published", action="store_true", help="reproduce the published tables and say what does not add up")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(fn=cmd_transfer)
+
+    lo = ps.add_parser("lora", help="LoRA adapter bytes for a model, rank and layout")
+    lo.add_argument("--model", required=True)
+    lo.add_argument("--rank", type=int, default=32)
+    lo.add_argument("--layout", default="shared-outer", choices=["shared-outer", "per-expert", "dense"])
+    lo.add_argument("--targets", nargs="+", default=["all-linear"],
+                    help="all-linear, attention, mlp, experts, dense_mlp, shared_experts, or module names")
+    lo.add_argument("--dtype", default="bf16")
+    lo.add_argument("--no-mtp", action="store_true", help="leave MTP layers out of the adapter")
+    lo.add_argument("--json", action="store_true")
+    lo.set_defaults(fn=cmd_lora)
+
+    lp = ps.add_parser("loop", help="decode roofline and a simulated RL loop, sync vs async")
+    _loop_flags(lp)
+    lp.add_argument("--json", action="store_true")
+    lp.set_defaults(fn=cmd_loop)
+
+    sw = ps.add_parser("sweep", help="GPU split x batch x staleness cap: throughput-staleness Pareto table")
+    _loop_flags(sw)
+    sw.add_argument("--total-gpus", type=int, default=16)
+    sw.add_argument("--train-splits", type=int, nargs="+", default=[2, 4, 8], help="trainer GPUs to try")
+    sw.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128])
+    sw.add_argument("--caps", type=int, nargs="+", default=[0, 1, 2, 4], help="staleness caps (0 = sync)")
+    sw.add_argument("--png", help="write a plot here (needs matplotlib)")
+    sw.add_argument("--json", action="store_true")
+    sw.set_defaults(fn=cmd_sweep, steps=8)
+
+    sb = ps.add_parser("sandboxes", help="sandbox pool size for a rollout rate")
+    sb.add_argument("--rate", type=float, required=True, help="rollouts started per second")
+    sb.add_argument("--actions", type=float, default=20.0, help="actions per rollout")
+    sb.add_argument("--action-latency", type=float, default=2.0, help="seconds per action in the sandbox")
+    sb.add_argument("--think", type=float, default=0.0, help="model seconds between actions (sandbox held)")
+    sb.add_argument("--startup", type=float, default=30.0, help="sandbox start-up seconds")
+    sb.add_argument("--failure-rate", type=float, default=0.02)
+    sb.add_argument("--quantile", type=float, default=0.99)
+    sb.add_argument("--json", action="store_true")
+    sb.set_defaults(fn=cmd_sandboxes)
+

@@ -1,0 +1,171 @@
+"""What `wsync plan ...` prints: plain tables for people, the same rows as JSON for scripts.
+
+Imports of the model stay inside the commands so that building the CLI parser
+(done on every `wsync` call) loads nothing beyond this file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+PUBLISHED_MODELS = ["qwen3-8b", "qwen3-30b-a3b", "glm-4.7", "kimi-k2.6"]
+
+
+def _table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
+    """Left-aligned text columns; `cols` is (key, format) with format '' for str()."""
+    cells = [[h for h, _ in cols]] + [[format(r[k], f) if f else str(r[k]) for k, f in cols] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    left = [not f for _, f in cols]  # text columns read left-aligned, numbers right-aligned
+    return "\n".join("  ".join(c[i].ljust(widths[i]) if left[i] else c[i].rjust(widths[i]) for i in range(len(cols)))
+                     for c in cells)
+
+
+def _json(obj) -> None:
+    print(json.dumps(obj, indent=2, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)))
+
+
+def cmd_models(a) -> None:
+    from .models import get_model, model_names
+    from .params import active_params, checkpoint_bytes, total_params
+
+    rows = []
+    for n in model_names():
+        m = get_model(n)
+        rows.append({"model": n, "params_b": total_params(m) / 1e9, "active_b": active_params(m) / 1e9,
+                     "checkpoint_gb": checkpoint_bytes(m) / 1e9, "source": m.source})
+    if a.json:
+        return _json(rows)
+    print(_table(rows, [("model", ""), ("params_b", ".2f"), ("active_b", ".2f"), ("checkpoint_gb", ".1f"), ("source", "")]))
+    print("params/active in billions (active: embeddings + LM head + visited experts); GB = 1e9 bytes")
+
+
+def _published(a) -> None:
+    from .published import audit
+
+    checks = audit()
+    if a.json:
+        return _json([dict(dataclasses.asdict(c), error_vs_model=c.error()) for c in checks])
+    rows = [{"figure": c.figure, "published": c.published,
+             "own": "-" if c.from_own_numbers is None else f"{c.from_own_numbers:.4g}",
+             "model": c.from_model, "err": c.error(), "ok": "yes" if c.error() <= 0.01 or "LoRA" in c.figure
+             and c.error() <= 0.03 else "NO"} for c in checks]
+    print(_table(rows, [("figure", ""), ("published", ".4g"), ("own", ""), ("model", ".4g"), ("err", ".2%"), ("ok", "")]))
+    print("own = recomputed from the published size and rate; model = from the model config. Notes:")
+    for note in dict.fromkeys(c.note for c in checks if c.note):
+        print(" -", note)
+
+
+def cmd_transfer(a) -> None:
+    if a.published:
+        return _published(a)
+    from .codec_speeds import CodecSpeed, measured_speed
+    from .lora import LoraConfig
+    from .models import get_model
+    from .transfer import parse_codec, parse_link, sync_cost
+
+    models = [get_model(n) for n in (a.model or PUBLISHED_MODELS)]
+    links = [parse_link(s) for s in (a.link or ["tcp-50g", "rdma-3.2t", "wan-10g"])]
+    lora = LoraConfig(rank=a.lora_rank, layout=a.lora_layout)
+    codecs = [parse_codec(k, saving=a.delta_saving, lora=lora) for k in (a.codec or ["full", "delta", "lora"])]
+    rows = []
+    for m in models:
+        for c in codecs:
+            c = dataclasses.replace(c, tier=a.tier)
+            speed = measured_speed(c.kind, saving=c.saving, tier=c.tier)
+            if a.encode_gbps or a.apply_gbps:
+                speed = CodecSpeed(encode_gbps=a.encode_gbps or speed.encode_gbps, apply_gbps=a.apply_gbps or
+                                   speed.apply_gbps, saving=speed.saving, source="given on the command line")
+            for link in links:
+                s = sync_cost(m, link, c, speed=speed, dtype=a.dtype, buckets=a.buckets, encode_workers=a.encode_workers,
+                              apply_workers=a.apply_workers, usd_per_gpu_s=a.usd_per_gpu_s)
+                rows.append(dict(dataclasses.asdict(s), gb=s.wire_bytes / 1e9, idle_usd=s.idle_usd_per_gpu * a.gpus))
+    if a.json:
+        return _json(rows)
+    print(_table(rows, [("model", ""), ("codec", ""), ("link", ""), ("gb", ".3f"), ("wire_s", ".3f"), ("encode_s", ".2f"),
+                        ("apply_s", ".2f"), ("pipelined_s", ".2f"), ("dominant", ""), ("idle_usd", ".4f")]))
+    print(f"wire_s = bytes / line rate (what published tables print); encode/apply at measured codec speeds, "
+          f"{a.encode_workers} encode and {a.apply_workers} apply worker(s), pipelined over {a.buckets} buckets.")
+    print(f"idle_usd = pipelined time x {a.gpus} GPU(s) x ${a.usd_per_gpu_s}/GPU-s, per step.")
+    for src in dict.fromkeys(r["speed_source"] for r in rows):
+        print(" speeds:", src)
+
+
+def cmd_lora(a) -> None:
+    from .lora import LoraConfig, lora_size
+    from .models import get_model
+
+    m = get_model(a.model)
+    cfg = LoraConfig(rank=a.rank, layout=a.layout, targets=tuple(a.targets), dtype=a.dtype, include_mtp=not a.no_mtp)
+    size = lora_size(m, cfg)
+    out = {"model": m.name, "rank": a.rank, "layout": a.layout, "dtype": a.dtype, "targets": a.targets,
+           "params": size.params, "bytes": size.bytes, "gb": size.bytes / 1e9, "by_module": size.by_module}
+    if a.json:
+        return _json(out)
+    print(f"{m.name} LoRA r={a.rank} {a.layout} ({a.dtype}): {size.params / 1e6:,.1f}M params, {size.bytes / 1e9:.3f} GB")
+    for k, v in sorted(size.by_module.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:<28} {v / 1e6:>12,.2f}M")
+
+
+def _loop_config(a):
+    from .loop import LoopConfig
+
+    fields = {f.name for f in dataclasses.fields(LoopConfig)} - {"decode_curve"}
+    kw = {k: getattr(a, k) for k in fields if hasattr(a, k)}
+    if getattr(a, "decode_curve", ""):
+        from .models import PlanError
+
+        try:
+            kw["decode_curve"] = tuple((int(b), float(t)) for b, t in (p.split(":") for p in a.decode_curve.split(",")))
+        except ValueError as e:
+            raise PlanError(f"--decode-curve wants 'batch:seconds,...', got {a.decode_curve!r}") from e
+    return LoopConfig(**kw)
+
+
+def cmd_loop(a) -> None:
+    from .loop import decode_curve_table
+    from .sim import simulate
+
+    cfg = _loop_config(a)
+    curve = decode_curve_table(cfg)
+    results = {mode: simulate(dataclasses.replace(cfg, mode=mode)) for mode in ("sync", "async")}
+    if a.json:
+        return _json({"config": cfg, "decode_curve": curve, "results": results})
+    print(f"decode roofline, {cfg.model} on {cfg.gpu} x tp{cfg.tp}:")
+    print(_table(curve, [("batch", "d"), ("step_ms", ".2f"), ("tokens_per_s", ".0f")]))
+    rows = [dict(dataclasses.asdict(r)) for r in results.values()]
+    print(f"\nsimulated loop ({cfg.train_gpus} trainer / {cfg.infer_gpus} sampler GPUs, {cfg.samples_per_step} samples/step, "
+          f"responses lognormal mean {cfg.response_mean:.0f} sigma {cfg.response_sigma}, cap {cfg.max_staleness}):")
+    print(_table(rows, [("mode", ""), ("tokens_per_s", ".0f"), ("step_s", ".2f"), ("staleness_mean", ".2f"),
+                        ("staleness_p99", ".1f"), ("dropped_fraction", ".1%"), ("trainer_idle", ".1%"),
+                        ("sampler_idle", ".1%"), ("sync_s", ".3f")]))
+    s, x = results["sync"], results["async"]
+    print(f"async/sync throughput: {x.tokens_per_s / s.tokens_per_s:.2f}x")
+
+
+def cmd_sweep(a) -> None:
+    from .sweep import as_rows, plot, sweep
+
+    pts = sweep(_loop_config(a), total_gpus=a.total_gpus, train_gpus=a.train_splits, batches=a.batches, caps=a.caps)
+    rows = as_rows(pts)
+    png = plot(pts, a.png) if a.png else None
+    if a.json:
+        return _json({"points": rows, "png": png})
+    print(_table(rows, [("train_gpus", "d"), ("infer_gpus", "d"), ("max_batch", "d"), ("max_staleness", "d"),
+                        ("tokens_per_s", ".0f"), ("staleness_mean", ".2f"), ("staleness_p99", ".1f"),
+                        ("dropped_fraction", ".1%"), ("pareto", "")]))
+    if a.png:
+        print(f"plot: {png}" if png else "plot skipped: matplotlib is not installed (pip install matplotlib)")
+
+
+def cmd_sandboxes(a) -> None:
+    from .sandboxes import SandboxConfig, plan_sandboxes
+
+    cfg = SandboxConfig(rollouts_per_s=a.rate, actions_per_rollout=a.actions, action_latency_s=a.action_latency,
+                        think_s=a.think, startup_s=a.startup, failure_rate=a.failure_rate, quantile=a.quantile)
+    p = plan_sandboxes(cfg)
+    if a.json:
+        return _json({"config": cfg, "plan": p})
+    print(f"mean sandboxes in use (Little's law): {p.mean_in_use:,.1f}")
+    print(f"pool for the {cfg.quantile:.1%} quantile (Poisson): {p.pool_size:,}  -> Erlang-B blocking {p.blocking:.3%}")
+    print(f"hold per attempt {p.hold_s:.1f} s, {p.attempts_per_rollout:.3f} attempts per rollout, "
+          f"{p.sandbox_s_per_rollout:.1f} sandbox-s per rollout, rollout latency {p.rollout_latency_s:.1f} s")
