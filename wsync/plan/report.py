@@ -78,14 +78,16 @@ def cmd_transfer(a) -> None:
             for link in links:
                 s = sync_cost(m, link, c, speed=speed, dtype=a.dtype, buckets=a.buckets, encode_workers=a.encode_workers,
                               apply_workers=a.apply_workers, usd_per_gpu_s=a.usd_per_gpu_s)
-                rows.append(dict(dataclasses.asdict(s), gb=s.wire_bytes / 1e9, idle_usd=s.idle_usd_per_gpu * a.gpus))
+                rows.append(dict(dataclasses.asdict(s), gb=s.wire_bytes / 1e9, idle_usd=s.idle_usd_per_gpu * a.gpus,
+                                 wire_usd=s.wire_s * a.usd_per_gpu_s * a.gpus))
     if a.json:
         return _json(rows)
     print(_table(rows, [("model", ""), ("codec", ""), ("link", ""), ("gb", ".3f"), ("wire_s", ".3f"), ("encode_s", ".2f"),
-                        ("apply_s", ".2f"), ("pipelined_s", ".2f"), ("dominant", ""), ("idle_usd", ".4f")]))
+                        ("apply_s", ".2f"), ("pipelined_s", ".2f"), ("dominant", ""), ("wire_usd", ".4f"),
+                        ("idle_usd", ".4f")]))
     print(f"wire_s = bytes / line rate (what published tables print); encode/apply at measured codec speeds, "
           f"{a.encode_workers} encode and {a.apply_workers} apply worker(s), pipelined over {a.buckets} buckets.")
-    print(f"idle_usd = pipelined time x {a.gpus} GPU(s) x ${a.usd_per_gpu_s}/GPU-s, per step.")
+    print(f"wire_usd / idle_usd = wire / pipelined time x {a.gpus} GPU(s) x ${a.usd_per_gpu_s}/GPU-s, per step.")
     for src in dict.fromkeys(r["speed_source"] for r in rows):
         print(" speeds:", src)
 
