@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "xxh3_dispatch.h"
@@ -28,6 +29,20 @@ inline uint64_t tree_checksum(const uint8_t* p, int64_t n) {
 #pragma omp parallel for schedule(dynamic, 4) if (nb > 1)  // dynamic: a core shared with another process must not stall the other thread
   for (int64_t i = 0; i < nb; ++i)
     digests[i] = xxh3(p + i * kBlock, size_t(std::min(kBlock, n - i * kBlock)));
+  return combine_digests(digests);
+}
+
+// dst = src, and the checksum of the bytes, in one pass: each 1 MiB block is
+// hashed from dst right after it is copied, while it is in cache.
+inline uint64_t copy_tree_checksum(const uint8_t* src, uint8_t* dst, int64_t n) {
+  const int64_t nb = nblocks(n);
+  std::vector<uint64_t> digests(static_cast<size_t>(nb), 0);
+#pragma omp parallel for schedule(dynamic, 4) if (nb > 1)
+  for (int64_t i = 0; i < nb; ++i) {
+    const size_t len = size_t(std::min(kBlock, n - i * kBlock));
+    std::memcpy(dst + i * kBlock, src + i * kBlock, len);
+    digests[i] = xxh3(dst + i * kBlock, len);
+  }
   return combine_digests(digests);
 }
 

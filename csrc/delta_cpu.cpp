@@ -202,10 +202,10 @@ struct DecodeArgs {
   std::vector<uint32_t> table;
   std::vector<int64_t> offsets;
 
-  bool parse(PyObject* const objs[5], int width_, const char* order_name) {
+  bool parse(PyObject* const objs[5], int width_, const char* order_name, bool writable_old = false) {
     width = width_;
     order = parse_order(order_name);
-    if (!check_kind(width, order, order_name) || !old.get(objs[0]) || !tb.get(objs[1]) || !gb.get(objs[2]) ||
+    if (!check_kind(width, order, order_name) || !old.get(objs[0], writable_old) || !tb.get(objs[1]) || !gb.get(objs[2]) ||
         !sb.get(objs[3]) || !eb.get(objs[4]))
       return false;
     n = elements(old, width, "old");
@@ -237,25 +237,29 @@ bool report(const wsync::ChunkCheck& r, int64_t n) {
 
 PyObject* py_delta_decode(PyObject*, PyObject* args) {
   PyObject* objs[5];
-  int width;
+  int width, with_checksum = 0;
   const char* order_name;
-  if (!PyArg_ParseTuple(args, "OOOOOis:delta_decode", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &width,
-                        &order_name))
+  if (!PyArg_ParseTuple(args, "OOOOOis|p:delta_decode", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &width,
+                        &order_name, &with_checksum))
     return nullptr;
   DecodeArgs d;
   Owned positions, values;
   if (!d.parse(objs, width, order_name) || !positions.alloc(8 * d.total) || !values.alloc(width * d.total))
     return nullptr;
+  std::vector<uint64_t> old_digests(static_cast<size_t>(with_checksum ? wsync::nblocks(d.old.size()) : 0));
   wsync::ChunkCheck r;
   Py_BEGIN_ALLOW_THREADS
   wsync::dispatch(width, d.order, [&](auto zero, auto o) {
     r = wsync::decode_all<decltype(zero), decltype(o)::value>(d.old.data(), d.n, d.table.data(), d.offsets.data(),
                                                               d.gb.data(), d.steps(), d.eb.data(), positions.bytes(),
-                                                              values.bytes());
+                                                              values.bytes(),
+                                                              with_checksum ? old_digests.data() : nullptr);
   });
   Py_END_ALLOW_THREADS
   if (!report(r, d.n)) return nullptr;
-  return Py_BuildValue("(NN)", positions.release(), values.release());
+  if (!with_checksum) return Py_BuildValue("(NN)", positions.release(), values.release());
+  return Py_BuildValue("(NNK)", positions.release(), values.release(),
+                       (unsigned long long)wsync::combine_digests(old_digests));
 }
 
 PyObject* py_delta_apply(PyObject*, PyObject* args) {
@@ -268,9 +272,10 @@ PyObject* py_delta_apply(PyObject*, PyObject* args) {
   DecodeArgs d;
   Buffer out;
   if (!d.parse(objs, width, order_name) || !out.get(out_obj, true)) return nullptr;
-  if (out.size() != d.old.size() || out.data() == d.old.data()) {
+  const bool overlap = out.data() < d.old.data() + d.old.size() && d.old.data() < out.data() + out.size();
+  if (out.size() != d.old.size() || (overlap && d.old.size())) {
     PyErr_Format(PyExc_ValueError, "out must be a separate buffer of %lld bytes, got %lld bytes%s",
-                 (long long)d.old.size(), (long long)out.size(), out.data() == d.old.data() ? " aliasing old" : "");
+                 (long long)d.old.size(), (long long)out.size(), overlap ? " overlapping old" : "");
     return nullptr;
   }
   const int64_t nb = wsync::nblocks(d.old.size());
@@ -288,6 +293,57 @@ PyObject* py_delta_apply(PyObject*, PyObject* args) {
                        (unsigned long long)wsync::combine_digests(new_digests));
 }
 
+PyObject* py_delta_apply_inplace(PyObject*, PyObject* args) {
+  PyObject* objs[5];
+  int width;
+  const char* order_name;
+  if (!PyArg_ParseTuple(args, "OOOOOis:delta_apply_inplace", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                        &width, &order_name))
+    return nullptr;
+  DecodeArgs d;
+  Owned positions, saved;
+  if (!d.parse(objs, width, order_name, true) || !positions.alloc(8 * d.total) || !saved.alloc(width * d.total))
+    return nullptr;
+  uint8_t* bits = d.old.writable_data();
+  const int64_t nb = wsync::nblocks(d.old.size()), nc = wsync::nchunks(d.n);
+  std::vector<uint64_t> old_digests(static_cast<size_t>(nb)), new_digests(static_cast<size_t>(nb));
+  std::vector<int64_t> written(static_cast<size_t>(nc), 0);
+  wsync::ChunkCheck r;
+  Py_BEGIN_ALLOW_THREADS
+  wsync::dispatch(width, d.order, [&](auto zero, auto o) {
+    r = wsync::apply_inplace_all<decltype(zero), decltype(o)::value>(
+        bits, d.n, d.table.data(), d.offsets.data(), d.gb.data(), d.steps(), d.eb.data(), positions.bytes(),
+        saved.bytes(), written.data(), old_digests.data(), new_digests.data());
+    // Bad sections: the base goes back to exactly what it was before this call.
+    if (r.bad_change >= 0 || r.escapes_mismatch)
+      wsync::restore_written<decltype(zero)>(bits, nc, d.offsets.data(), written.data(), positions.bytes(),
+                                             saved.bytes());
+  });
+  Py_END_ALLOW_THREADS
+  if (!report(r, d.n)) return nullptr;
+  return Py_BuildValue("(NNKK)", positions.release(), saved.release(),
+                       (unsigned long long)wsync::combine_digests(old_digests),
+                       (unsigned long long)wsync::combine_digests(new_digests));
+}
+
+PyObject* py_copy_checksum(PyObject*, PyObject* args) {
+  PyObject *src_obj, *dst_obj;
+  if (!PyArg_ParseTuple(args, "OO:copy_checksum", &src_obj, &dst_obj)) return nullptr;
+  Buffer src, dst;
+  if (!src.get(src_obj) || !dst.get(dst_obj, true)) return nullptr;
+  const bool overlap = dst.data() < src.data() + src.size() && src.data() < dst.data() + dst.size();
+  if (dst.size() != src.size() || (overlap && src.size())) {
+    PyErr_Format(PyExc_ValueError, "dst must be a separate buffer of %lld bytes, got %lld bytes%s",
+                 (long long)src.size(), (long long)dst.size(), overlap ? " overlapping src" : "");
+    return nullptr;
+  }
+  uint64_t h;
+  Py_BEGIN_ALLOW_THREADS
+  h = wsync::copy_tree_checksum(src.data(), dst.writable_data(), src.size());
+  Py_END_ALLOW_THREADS
+  return PyLong_FromUnsignedLongLong(h);
+}
+
 // ---- module -----------------------------------------------------------------
 
 PyMethodDef methods[] = {
@@ -297,11 +353,18 @@ PyMethodDef methods[] = {
      "delta_encode(old, new, width, order, checksums=False) -> (table, gaps, steps, escapes) as bytearrays,\n"
      "plus (old_checksum, new_checksum) computed in the same pass if checksums."},
     {"delta_decode", py_delta_decode, METH_VARARGS,
-     "delta_decode(old, table, gaps, steps, escapes, width, order) -> (positions, values) as bytearrays;\n"
-     "raises InvalidSections on sections the reference would reject."},
+     "delta_decode(old, table, gaps, steps, escapes, width, order, checksum=False) -> (positions, values) as\n"
+     "bytearrays, plus old's checksum from the same pass if checksum; raises InvalidSections on sections the\n"
+     "reference would reject."},
     {"delta_apply", py_delta_apply, METH_VARARGS,
      "delta_apply(old, table, gaps, steps, escapes, width, order, out) -> (old_checksum, new_checksum):\n"
      "out = old with the changes applied, both checksummed in the same pass; out is garbage on error."},
+    {"delta_apply_inplace", py_delta_apply_inplace, METH_VARARGS,
+     "delta_apply_inplace(bits, table, gaps, steps, escapes, width, order) -> (positions, saved, old_checksum,\n"
+     "new_checksum): the changes written into bits, checksummed before and after in the same pass; positions\n"
+     "(int64) and saved (old bits) say what was overwritten. On InvalidSections bits is left as it was."},
+    {"copy_checksum", py_copy_checksum, METH_VARARGS,
+     "copy_checksum(src, dst) -> int: dst = src (separate buffers of one size) and the checksum, in one pass."},
     {nullptr, nullptr, 0, nullptr},
 };
 

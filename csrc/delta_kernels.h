@@ -303,20 +303,30 @@ inline ChunkCheck first_failure(std::vector<ChunkCheck>& checks) {
   return out;
 }
 
-// Decode every chunk in parallel into (positions int64, values T) arrays.
+// Decode every chunk in parallel into (positions int64, values T) arrays. If
+// old_digests is given, every 1 MiB block of old is hashed too, chunk by chunk
+// while it is in cache, so a caller that must verify the base reads it once.
 template <class T, int O>
 ChunkCheck decode_all(const uint8_t* old, int64_t n, const uint32_t* table, const int64_t* offsets,
                       const uint8_t* gaps, const int8_t* steps, const uint8_t* escapes, uint8_t* positions,
-                      uint8_t* values) {
-  const int64_t nc = nchunks(n);
-  std::vector<ChunkCheck> checks(static_cast<size_t>(nc));
-#pragma omp parallel for schedule(dynamic, 8) if (nc > 1)
-  for (int64_t c = 0; c < nc; ++c)
-    checks[c] = decode_chunk<T, O>(old, c * kChunk, chunk_len(n, c), offsets[c], table[c], offsets[nc + c],
-                                   table[nc + c], gaps, steps, escapes, [&](int64_t k, int64_t pos, T v) {
-                                     store<int64_t>(positions, k, pos);
-                                     store<T>(values, k, v);
-                                   });
+                      uint8_t* values, uint64_t* old_digests = nullptr) {
+  constexpr int W = sizeof(T);
+  const Units units(n, W, old_digests != nullptr);
+  std::vector<ChunkCheck> checks(static_cast<size_t>(units.nc));
+#pragma omp parallel for schedule(dynamic, 1) if (units.count > 1)
+  for (int64_t u = 0; u < units.count; ++u) {
+    BlockHash ho;
+    for (int64_t c = units.first(u); c < units.last(u); ++c) {
+      const int64_t begin = c * kChunk, len = chunk_len(n, c);
+      if (old_digests) ho.add(old + begin * W, len * W);
+      checks[c] = decode_chunk<T, O>(old, begin, len, offsets[c], table[c], offsets[units.nc + c],
+                                     table[units.nc + c], gaps, steps, escapes, [&](int64_t k, int64_t pos, T v) {
+                                       store<int64_t>(positions, k, pos);
+                                       store<T>(values, k, v);
+                                     });
+    }
+    if (old_digests) old_digests[u] = ho.digest();
+  }
   return first_failure(checks);
 }
 
@@ -346,6 +356,55 @@ ChunkCheck apply_all(const uint8_t* old, int64_t n, const uint32_t* table, const
     new_digests[u] = hn.digest();
   }
   return first_failure(checks);
+}
+
+// Fused in-place apply: bits become the new version, and the xxh3 of every
+// 1 MiB block is taken before and after its chunks are written, while they
+// are in cache. Each change's position and overwritten bits go to
+// positions[k] and saved[k] before the new bits are written, and written[c]
+// counts the changes chunk c wrote, so whatever happened (a bad change
+// mid-chunk, a later checksum mismatch) restore_written() can put back
+// exactly what was overwritten. Positions within a chunk strictly increase
+// (gap + 1 >= 1), so no element is written twice and each is read before
+// its own write.
+template <class T, int O>
+ChunkCheck apply_inplace_all(uint8_t* bits, int64_t n, const uint32_t* table, const int64_t* offsets,
+                             const uint8_t* gaps, const int8_t* steps, const uint8_t* escapes, uint8_t* positions,
+                             uint8_t* saved, int64_t* written, uint64_t* old_digests, uint64_t* new_digests) {
+  constexpr int W = sizeof(T);
+  const Units units(n, W, true);
+  std::vector<ChunkCheck> checks(static_cast<size_t>(units.nc));
+#pragma omp parallel for schedule(dynamic, 1) if (units.count > 1)
+  for (int64_t u = 0; u < units.count; ++u) {
+    BlockHash ho, hn;
+    for (int64_t c = units.first(u); c < units.last(u); ++c) {
+      const int64_t begin = c * kChunk, len = chunk_len(n, c);
+      ho.add(bits + begin * W, len * W);
+      int64_t w = 0;
+      checks[c] = decode_chunk<T, O>(bits, begin, len, offsets[c], table[c], offsets[units.nc + c],
+                                     table[units.nc + c], gaps, steps, escapes, [&](int64_t k, int64_t pos, T v) {
+                                       store<int64_t>(positions, k, pos);
+                                       store<T>(saved, k, load<T>(bits, pos));
+                                       store<T>(bits, pos, v);
+                                       ++w;
+                                     });
+      written[c] = w;
+      hn.add(bits + begin * W, len * W);
+    }
+    old_digests[u] = ho.digest();
+    new_digests[u] = hn.digest();
+  }
+  return first_failure(checks);
+}
+
+// Undo apply_inplace_all: the first written[c] changes of every chunk get their saved bits back.
+template <class T>
+void restore_written(uint8_t* bits, int64_t nc, const int64_t* offsets, const int64_t* written,
+                     const uint8_t* positions, const uint8_t* saved) {
+#pragma omp parallel for schedule(dynamic, 8) if (nc > 1)
+  for (int64_t c = 0; c < nc; ++c)
+    for (int64_t k = offsets[c]; k < offsets[c] + written[c]; ++k)
+      store<T>(bits, load<int64_t>(positions, k), load<T>(saved, k));
 }
 
 // Exclusive prefix sums of the table's two halves: where each chunk's changes

@@ -5,6 +5,8 @@ delta format distinguishes. Hostile cases: a base plus sections that may lie
 in any way a payload can: tables of the wrong length or with impossible
 counts, gaps that walk off a chunk, escape markers that disagree with the
 table, sections too short or too long.
+check_case holds every operation that reads sections (decode, and the fused
+decode/apply calls of the Kernels protocol) to the reference's verdict.
 Cases are drawn through `pick(lo, hi)` (an int in [lo, hi]), so hypothesis can
 drive and shrink them while a plain numpy generator drives the ASan subprocess.
 """
@@ -159,8 +161,9 @@ def outcome(fn):
 def check_case(kernels, old: np.ndarray, sec: DeltaSections, order: str) -> str:
     """The backend refuses exactly what the reference refuses, with its message, else returns the same arrays.
 
-    A backend's fused apply (delta_apply), if it has one, is held to the same
-    standard against the reference's decode + copy + scatter + checksums.
+    Its fused operations (decode + checksum, apply out of place, apply in
+    place) are held to the same standard against the reference's decode,
+    copy, scatter and checksums; a refused in-place apply leaves the base as it was.
     """
     want = outcome(lambda: delta_ref.decode(old, sec, order))
     got = outcome(lambda: kernels.delta_decode(old, sec, order))
@@ -171,21 +174,50 @@ def check_case(kernels, old: np.ndarray, sec: DeltaSections, order: str) -> str:
         assert np.array_equal(pg, pw) and np.array_equal(vg, vw)
     else:
         assert got[1] == want[1]
-    if hasattr(kernels, "delta_apply"):
-        _check_fused_apply(kernels, old, sec, order, want)
+    _check_fused_decode(kernels, old, sec, order, want)
+    _check_fused_apply(kernels, old, sec, order, want)
+    _check_inplace_apply(kernels, old, sec, order, want)
     return want[0]
+
+
+def _same_outcome(got, want) -> bool:
+    assert got[0] == want[0], (got, want)
+    if want[0] != "ok":
+        assert got[1] == want[1]
+    return want[0] == "ok"
+
+
+def _check_fused_decode(kernels, old, sec, order, want) -> None:
+    got = outcome(lambda: kernels.delta_decode_checksummed(old, sec, order))
+    if _same_outcome(got, want):
+        pos, values, old_sum = got[1]
+        assert np.array_equal(pos, want[1][0]) and np.array_equal(values, want[1][1])
+        assert pos.dtype == np.int64 and values.dtype == old.dtype and old_sum == checksum(old)
 
 
 def _check_fused_apply(kernels, old, sec, order, want) -> None:
     before = old.tobytes()
     got = outcome(lambda: kernels.delta_apply(old, sec, order))
     assert old.tobytes() == before, "delta_apply wrote into old"
-    assert got[0] == want[0], (got, want)
-    if want[0] != "ok":
-        assert got[1] == want[1]
+    if not _same_outcome(got, want):
         return
     new = old.copy()
     new[want[1][0]] = want[1][1]
     out, old_sum, new_sum = got[1]
     assert out.dtype == old.dtype and out.tobytes() == new.tobytes()
     assert (old_sum, new_sum) == (checksum(old), checksum(new))
+
+
+def _check_inplace_apply(kernels, old, sec, order, want) -> None:
+    bits = old.copy()
+    got = outcome(lambda: kernels.delta_apply_inplace(bits, sec, order))
+    if not _same_outcome(got, want):
+        assert bits.tobytes() == old.tobytes(), "a refused in-place apply changed the base"
+        return
+    new = old.copy()
+    new[want[1][0]] = want[1][1]
+    overwritten, old_sum, new_sum = got[1]
+    assert bits.tobytes() == new.tobytes()
+    assert (old_sum, new_sum) == (checksum(old), checksum(new))
+    overwritten.restore(bits)
+    assert bits.tobytes() == old.tobytes(), "undo did not restore the base"

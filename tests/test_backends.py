@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from wsync import backends
 from wsync.checksum import BLOCK, checksum
 from wsync.codecs import delta_ref
+from wsync.errors import FormatError
 
 from kernel_cases import ORDERS, WIDTHS, assert_same_sections, check_case, make_case, make_pair, specials
 from conftest import backend_params
@@ -49,10 +50,9 @@ def test_encode_decode_match_reference(kernels, case):
     want = delta_ref.encode(old, new, order)
     got = kernels.delta_encode(old, new, order)
     assert_same_sections(got, want)
-    if hasattr(kernels, "delta_encode_checksummed"):  # a backend's fused variant, if it has one
-        sec, old_sum, new_sum = kernels.delta_encode_checksummed(old, new, order)
-        assert_same_sections(sec, want)
-        assert (old_sum, new_sum) == (checksum(old), checksum(new))
+    sec, old_sum, new_sum = kernels.delta_encode_checksummed(old, new, order)
+    assert_same_sections(sec, want)
+    assert (old_sum, new_sum) == (checksum(old), checksum(new))
     check_case(kernels, old, want, order)
     pos, values = kernels.delta_decode(old, want, order)
     ref_pos, ref_values = delta_ref.decode(old, want, order)
@@ -89,15 +89,54 @@ def test_short_last_chunk_and_chunk_edges(kernels):
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_fused_kernels_across_checksum_blocks(kernels, width):
-    """A backend's fused encode/apply hash 1 MiB blocks as they go: several blocks, a short last one."""
-    if not hasattr(kernels, "delta_apply"):
-        pytest.skip(f"backend {kernels.name} has no fused kernels")
+    """Fused kernels hash 1 MiB blocks as they go: several blocks, a short last one, every call agreeing."""
     old, new = make_pair(width, width, "float", (3 * BLOCK + 7 * width) // width + 1, 0.01)
     sec, old_sum, new_sum = kernels.delta_encode_checksummed(old, new, "float")
     assert_same_sections(sec, delta_ref.encode(old, new, "float"))
     assert (old_sum, new_sum) == (checksum(old), checksum(new))
     out, old_sum2, new_sum2 = kernels.delta_apply(old, sec, "float")
     assert out.tobytes() == new.tobytes() and (old_sum2, new_sum2) == (old_sum, new_sum)
+    given_out = np.full_like(old, 7)
+    out, *_ = kernels.delta_apply(old, sec, "float", out=given_out)
+    assert out is given_out and given_out.tobytes() == new.tobytes()
+    assert kernels.delta_decode_checksummed(old, sec, "float")[2] == old_sum
+    bits = old.copy()
+    overwritten, old_sum3, new_sum3 = kernels.delta_apply_inplace(bits, sec, "float")
+    assert bits.tobytes() == new.tobytes() and (old_sum3, new_sum3) == (old_sum, new_sum)
+    overwritten.restore(bits)
+    assert bits.tobytes() == old.tobytes()
+
+
+def test_inplace_refusal_puts_back_earlier_chunks(kernels):
+    """A bad change in the last chunk, after earlier chunks were written: the base comes back whole."""
+    old, new = make_pair(5, 2, "float", 4 * C, 0.05)
+    sec = delta_ref.encode(old, new, "float")
+    sec.gaps = sec.gaps.copy()
+    sec.gaps[-1] = 65535  # the last change walks off its chunk
+    bits = old.copy()
+    with pytest.raises(FormatError, match="lands at offset"):
+        kernels.delta_apply_inplace(bits, sec, "float")
+    assert bits.tobytes() == old.tobytes()
+
+
+def test_out_must_be_separate(kernels):
+    old, new = make_pair(1, 2, "float", 1000, 0.1)
+    sec = delta_ref.encode(old, new, "float")
+    with pytest.raises(ValueError, match="overlap"):
+        kernels.delta_apply(old, sec, "float", out=old)
+    with pytest.raises(ValueError):
+        kernels.delta_apply(old, sec, "float", out=np.empty(999, old.dtype))
+
+
+@pytest.mark.parametrize("size", [0, 1, BLOCK - 1, BLOCK + 3, 3 * BLOCK + 7])
+def test_copy_checksummed(kernels, size):
+    src = np.random.default_rng(size).integers(0, 256, size=size, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    assert kernels.copy_checksummed(src, dst) == checksum(src)
+    assert dst.tobytes() == src.tobytes()
+    dst16 = np.zeros(size // 2, np.uint16)
+    assert kernels.copy_checksummed(memoryview(src.tobytes()[: 2 * (size // 2)]), dst16) == checksum(src[: 2 * (size // 2)])
+    assert dst16.tobytes() == src.tobytes()[: 2 * (size // 2)]
 
 
 def test_strided_input(kernels):

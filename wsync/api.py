@@ -7,14 +7,15 @@ element it changed, so the caller's state is the old version or the new one.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import numpy as np
 
 from . import backends, dtypes
 from .checksum import state_digest
 from .codecs import CODECS
-from .codecs.base import Decoded
-from .errors import ChecksumError, MismatchError, VersionError
+from .codecs.base import Applied, Decoded, Overwritten
+from .errors import ChecksumError, FormatError, MismatchError, VersionError
 from .manifest import Manifest, TensorSpec
 from .payload import Payload, as_payload
 from .snapshot import State, TensorBits, as_state, digest, to_torch
@@ -63,70 +64,180 @@ def encode(base, new, *, codec: str = "delta", tier: str | None = "packed", vers
         base_state = _load(base)[0]
         _check_same_tensors(base_state, [(n, t.dtype.name, t.shape) for n, t in new_state.items()], "new")
     mod = CODECS[codec]
-    specs, blobs, offset = [], [], 0
-    for name, tb in new_state.items():
-        b = base_state[name] if base_state else None
-        kind, parts = mod.encode_tensor(b, tb, tier=tier, kernels=k, level=level)
-        views = {p: memoryview(v).cast("B") if not isinstance(v, bytes) else v for p, v in parts.items()}
-        blob = b"".join(views.values())
-        spec = TensorSpec(name=name, dtype=tb.dtype.name, shape=tb.shape, kind=kind, offset=offset,
-                          parts={p: len(v) for p, v in views.items()}, checksum=k.checksum(tb.bits),
-                          payload_checksum=k.checksum(blob), base_checksum=k.checksum(b.bits) if b else None)
-        specs.append(spec)
-        blobs.append(blob)
-        offset += len(blob)
+    encoded = [(name, tb, base_state[name] if base_state else None) for name, tb in new_state.items()]
+    encoded = [(name, tb, b, mod.encode_tensor(b, tb, tier=tier, kernels=k, level=level)) for name, tb, b in encoded]
+    body, specs = _assemble(encoded, k)
     manifest = Manifest(
         codec=codec, tier=tier, version=version, base_version=base_version,
         checksum=state_digest((s.name, s.dtype, s.shape, s.checksum) for s in specs),
         base_checksum=digest(base_state, {s.name: s.base_checksum for s in specs}) if base_state else None,
         tensors=specs, layout=layout, metadata=metadata,
     )
-    return Payload(manifest, memoryview(b"".join(blobs)))
+    return Payload(manifest, memoryview(body))
+
+
+def _assemble(encoded: list, k) -> tuple[np.ndarray, list[TensorSpec]]:
+    """Lay every tensor's frame into one body, checksumming each frame as it is copied in."""
+    lengths = [{p: memoryview(v).nbytes for p, v in enc.parts.items()} for *_, enc in encoded]
+    body = np.empty(sum(sum(ls.values()) for ls in lengths), np.uint8)
+    specs, offset = [], 0
+    for (name, tb, b, enc), ls in zip(encoded, lengths):
+        frame = body[offset : offset + sum(ls.values())]
+        if len(enc.parts) == 1:  # raw data: copy and checksum in one pass
+            frame_sum = k.copy_checksummed(next(iter(enc.parts.values())), frame)
+        else:
+            at = 0
+            for p, v in enc.parts.items():
+                frame[at : at + ls[p]] = np.frombuffer(v, np.uint8)
+                at += ls[p]
+            frame_sum = k.checksum(frame)
+        new_sum = enc.new_sum or (frame_sum if enc.verbatim else k.checksum(tb.bits))
+        base_sum = enc.base_sum or (k.checksum(b.bits) if b else None)
+        specs.append(TensorSpec(name=name, dtype=tb.dtype.name, shape=tb.shape, kind=enc.kind, offset=offset, parts=ls,
+                                checksum=new_sum, payload_checksum=frame_sum, base_checksum=base_sum))
+        offset += len(frame)
+    body.flags.writeable = False
+    return body, specs
 
 
 def decode(base: State | None, payload: Payload, *, backend: str | None = None) -> dict[str, Decoded]:
-    """Verify and decode every tensor without touching base. Raises on the first problem."""
+    """Verify and decode every tensor without touching base. Raises on the first problem.
+
+    Errors rank as they would if every base checksum were checked first:
+    VersionError (wrong base) before any problem with the payload's bytes.
+    """
     k = backends.kernels(backend)
     man = payload.manifest
+    needs_base = _check_inputs(base, man)
+    out = {}
+    for i, spec in enumerate(man.tensors):
+        b = base[spec.name] if base is not None else None
+        with _base_errors_first(base, man, i, k, needs_base):
+            dec = _decode_one(payload, spec, b, k)
+        if needs_base:
+            _check_base_sum(spec, man, dec.base_sum or k.checksum(b.bits))
+        out[spec.name] = dec
+    return out
+
+
+def _decode_one(payload: Payload, spec: TensorSpec, b: TensorBits | None, k) -> Decoded:
+    _check_frame(payload, spec, k)
+    codec = CODECS[payload.manifest.codec]
+    return codec.decode_tensor(b, spec, payload.parts(spec), kernels=k, dtype=dtypes.by_name(spec.dtype))
+
+
+def _check_inputs(base: State | None, man: Manifest) -> bool:
+    """Base present when needed and shaped like the payload; True if its checksums must be verified."""
     needs_base = man.codec == "delta"
     if base is not None or needs_base:
         if base is None:
             raise VersionError(f"payload is a delta against version {man.base_version}; a base is required")
         _check_same_tensors(base, [(s.name, s.dtype, s.shape) for s in man.tensors], "payload")
-    if needs_base:
-        _check_base(base, man, k)
-    out = {}
-    for spec in man.tensors:
-        if k.checksum(payload.frame(spec)) != spec.payload_checksum:
-            raise ChecksumError(f"{spec.name}: stored bytes do not match their checksum (corrupt in transit or on disk)")
-        dt = dtypes.by_name(spec.dtype)
-        b = base[spec.name] if base is not None else None
-        out[spec.name] = CODECS[man.codec].decode_tensor(b, spec, payload.parts(spec), kernels=k, dtype=dt)
-    return out
+    return needs_base
 
 
-def _check_base(base: State, man: Manifest, k) -> None:
-    for spec in man.tensors:
-        got = k.checksum(base[spec.name].bits)
-        if got != spec.base_checksum:
-            raise VersionError(f"base tensor {spec.name!r} differs from the one this delta was made against "
-                               f"(payload base version {man.base_version}; checksum {got} != {spec.base_checksum})")
+def _check_frame(payload: Payload, spec: TensorSpec, k) -> None:
+    if k.checksum(payload.frame(spec)) != spec.payload_checksum:
+        raise ChecksumError(f"{spec.name}: stored bytes do not match their checksum (corrupt in transit or on disk)")
+
+
+def _check_base_sum(spec: TensorSpec, man: Manifest, got: str) -> None:
+    if got != spec.base_checksum:
+        raise VersionError(f"base tensor {spec.name!r} differs from the one this delta was made against "
+                           f"(payload base version {man.base_version}; checksum {got} != {spec.base_checksum})")
+
+
+@contextmanager
+def _base_errors_first(base: State | None, man: Manifest, i: int, k, needs_base: bool, known: dict | None = None):
+    """A payload error at tensor i yields to a wrong base at tensor i or later (earlier ones passed)."""
+    try:
+        yield
+    except (ChecksumError, FormatError):
+        if needs_base:
+            for spec in man.tensors[i:]:
+                _check_base_sum(spec, man, (known or {}).get(spec.name) or k.checksum(base[spec.name].bits))
+        raise
 
 
 def apply_state(base: State | None, payload, *, backend: str | None = None) -> State:
     """Out-of-place apply on TensorBits states; every checksum verified before returning."""
-    payload = as_payload(payload)
-    k = backends.kernels(backend)
-    result = {}
-    for name, dec in decode(base, payload, backend=backend).items():
+    return _apply(base, as_payload(payload), backends.kernels(backend), inplace=False)
+
+
+def _apply(base: State | None, payload: Payload, k, *, inplace: bool) -> State:
+    """Verify and apply every tensor, each in as few passes as the backend fuses.
+
+    Errors rank as in decode, and a result that misses its checksum only
+    after every tensor passed the other checks. In place, any error puts
+    back every element written, last tensor first.
+    """
+    man = payload.manifest
+    needs_base = _check_inputs(base, man)
+    codec = CODECS[man.codec]
+    shared = _decode_shared(base, payload, k) if inplace else {}
+    known = {n: d.base_sum for n, d in shared.items() if isinstance(d, Decoded)}
+    done: list[Applied] = []
+    late = None
+    try:
+        for i, spec in enumerate(man.tensors):
+            b = base[spec.name] if base is not None else None
+            with _base_errors_first(base, man, i, k, needs_base, known):
+                if spec.name in shared:
+                    a = _scatter(shared[spec.name], b, k)
+                else:
+                    _check_frame(payload, spec, k)
+                    a = codec.apply_tensor(b, spec, payload.parts(spec), kernels=k, dtype=dtypes.by_name(spec.dtype),
+                                           inplace=inplace, base_sum=needs_base)
+            done.append(a)
+            if needs_base:
+                _check_base_sum(spec, man, a.base_sum)
+            if a.new_sum != spec.checksum and late is None:
+                late = ChecksumError(f"{spec.name}: decoded tensor does not match its checksum")
+        if late is not None:
+            raise late
+    except BaseException:
+        for a in reversed(done):
+            a.undo()
+        raise
+    return {s.name: TensorBits(dtypes.by_name(s.dtype), s.shape, a.bits) for s, a in zip(man.tensors, done)}
+
+
+def _decode_shared(base: State | None, payload: Payload, k) -> dict:
+    """Tensors whose memory overlaps another's (tied weights), decoded before anything is written.
+
+    Applied in place one by one, such a tensor would see the writes made for
+    its twin, in its base checksum and in the steps added to it. Decoded
+    against the untouched base, it behaves as if applied alone. A failure is
+    kept (as the exception) and raised when the loop reaches that tensor.
+    """
+    out = {}
+    for name in _overlapping(base or {}):
         spec = payload.manifest.tensors_by_name[name]
-        bits = dec.values.copy() if dec.positions is None else base[name].bits.copy()
-        if dec.positions is not None:
-            bits[dec.positions] = dec.values
-        if k.checksum(bits) != spec.checksum:
-            raise ChecksumError(f"{name}: decoded tensor does not match its checksum")
-        result[name] = TensorBits(dtypes.by_name(spec.dtype), spec.shape, bits)
-    return result
+        try:
+            dec = _decode_one(payload, spec, base[name], k)
+            dec.base_sum = dec.base_sum or k.checksum(base[name].bits)
+            out[name] = dec
+        except (ChecksumError, FormatError) as e:
+            out[name] = e
+    return out
+
+
+def _overlapping(state: State) -> set[str]:
+    spans = sorted((tb.bits.__array_interface__["data"][0], tb.bits.nbytes, n) for n, tb in state.items() if tb.bits.nbytes)
+    out, end, owner = set(), -1, None
+    for start, size, name in spans:
+        if start < end:  # overlaps the span reaching furthest so far
+            out.update((name, owner))
+        if start + size > end:
+            end, owner = start + size, name
+    return out
+
+
+def _scatter(dec, b: TensorBits, k) -> Applied:
+    if isinstance(dec, Exception):
+        raise dec
+    old = dec.scatter_into(b.bits)
+    return Applied(b.bits, k.checksum(b.bits), dec.base_sum, Overwritten(old, dec.positions))
 
 
 def apply(base, payload, *, inplace: bool = False, backend: str | None = None):
@@ -154,19 +265,7 @@ def _apply_inplace(base: dict, state: State, payload: Payload, backend) -> None:
     for name, tb in state.items():
         if not tb.bits.flags.writeable or not _aliases(base[name], tb.bits):
             raise TypeError(f"inplace apply needs writable, contiguous CPU tensors; {name!r} is not")
-    decoded = decode(state, payload, backend=backend)
-    k = backends.kernels(backend)
-    undo = []
-    try:
-        for name, dec in decoded.items():
-            bits = state[name].bits
-            undo.append((dec, bits, dec.scatter_into(bits)))
-            if k.checksum(bits) != payload.manifest.tensors_by_name[name].checksum:
-                raise ChecksumError(f"{name}: decoded tensor does not match its checksum")
-    except BaseException:
-        for dec, bits, old in reversed(undo):
-            dec.undo(bits, old)
-        raise
+    _apply(state, payload, backends.kernels(backend), inplace=True)
 
 
 def _aliases(t, bits: np.ndarray) -> bool:

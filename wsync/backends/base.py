@@ -2,6 +2,13 @@
 
 Backends differ in speed only. Each one must produce the bytes that
 ``wsync.codecs.delta_ref`` specifies; the test suite runs once per backend.
+
+Three operations are the format (`delta_encode`, `delta_decode`, `checksum`).
+The fused operations do what wsync.api needs per tensor (verify the base,
+decode, write the result, checksum it) in as few passes over the tensor as a
+backend can manage; `Composed` builds each of them from the three, so every
+backend offers the same calls and a fast one overrides only what it fuses.
+All checksums here are the hex strings of ``wsync.checksum``.
 """
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..codecs.base import Overwritten
 from ..codecs.delta_ref import DeltaSections
 
 
@@ -22,4 +30,85 @@ class Kernels(Protocol):
         """Validated (positions, new bit patterns); raises FormatError on bad sections."""
 
     def checksum(self, buf) -> str:
-        """xxh3-64 hex digest of a contiguous buffer."""
+        """xxh3-64 tree digest of a contiguous buffer."""
+
+    # ---- fused (Composed provides each from the three above) ----
+
+    def delta_encode_checksummed(self, old: np.ndarray, new: np.ndarray, order: str) -> tuple[DeltaSections, str, str]:
+        """(delta_encode(old, new), checksum(old), checksum(new))."""
+
+    def delta_decode_checksummed(self, old: np.ndarray, sec: DeltaSections,
+                                 order: str) -> tuple[np.ndarray, np.ndarray, str]:
+        """(*delta_decode(old, sec), checksum(old)); FormatError as delta_decode."""
+
+    def delta_apply(self, old: np.ndarray, sec: DeltaSections, order: str,
+                    out: np.ndarray | None = None) -> tuple[np.ndarray, str, str]:
+        """(new bits, checksum(old), checksum(new)), out of place: old is never written.
+
+        out: where the result goes (a fresh array if None); 1-D, old's dtype and
+        length, not overlapping old. FormatError as delta_decode; out is then garbage.
+        """
+
+    def delta_apply_inplace(self, bits: np.ndarray, sec: DeltaSections, order: str) -> tuple[Overwritten, str, str]:
+        """Write the changes into bits: (what was overwritten, checksum before, checksum after).
+
+        On FormatError bits is left exactly as it was.
+        """
+
+    def copy_checksummed(self, src, dst: np.ndarray) -> str:
+        """dst[:] = src (same bytes, no overlap) and return the checksum of those bytes."""
+
+
+def check_out(old: np.ndarray, out: np.ndarray) -> None:
+    if out.dtype != old.dtype or out.shape != old.shape:
+        raise ValueError(f"out must be {old.dtype}{list(old.shape)}, got {out.dtype}{list(out.shape)}")
+    if np.may_share_memory(out, old) and old.size:
+        raise ValueError("out must not overlap old")
+
+
+class Composed:
+    """The fused operations as the Kernels protocol's three calls, one pass each.
+
+    A backend subclasses this and overrides what it can fuse; what it leaves
+    keeps these semantics exactly (tests/kernel_cases.py holds every backend
+    to them against the reference).
+    """
+
+    def delta_encode_checksummed(self, old, new, order):
+        return self.delta_encode(old, new, order), self.checksum(old), self.checksum(new)
+
+    def delta_decode_checksummed(self, old, sec, order):
+        pos, values = self.delta_decode(old, sec, order)
+        return pos, values, self.checksum(old)
+
+    def delta_apply(self, old, sec, order, out=None):
+        pos, values = self.delta_decode(old, sec, order)  # validates before anything is written
+        if out is None:
+            out = np.empty_like(old)
+        check_out(old, out)
+        np.copyto(out, old)
+        out[pos] = values
+        return out, self.checksum(old), self.checksum(out)
+
+    def delta_apply_inplace(self, bits, sec, order):
+        pos, values = self.delta_decode(bits, sec, order)
+        before = self.checksum(bits)
+        saved = Overwritten(bits[pos], pos)
+        bits[pos] = values
+        return saved, before, self.checksum(bits)
+
+    def copy_checksummed(self, src, dst):
+        s, d = _bytes_of(src), _bytes_of(dst)
+        if len(s) != len(d):
+            raise ValueError(f"src has {len(s)} bytes, dst {len(d)}")
+        np.copyto(d, s)
+        return self.checksum(dst)
+
+
+def _bytes_of(buf) -> np.ndarray:
+    """A flat uint8 view of a contiguous array or buffer."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("copy_checksummed needs C-contiguous arrays")
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(buf, np.uint8)

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..codecs.delta_ref import DeltaSections
 from ..errors import BackendUnavailable, FormatError
+from .base import Composed, Overwritten, check_out
 
 # setup.py leaves the compiler's complaint here when the optional build fails.
 BUILD_NOTE = Path(__file__).resolve().parent.parent / "_cpu.build-error.txt"
@@ -52,7 +53,7 @@ def _order(order: str) -> str:
     return order
 
 
-class CpuKernels:
+class CpuKernels(Composed):
     name = "cpu"
 
     def __init__(self):
@@ -72,24 +73,37 @@ class CpuKernels:
     def checksum(self, buf) -> str:
         return f"{self._cpu.checksum(buf):016x}"
 
-    # Fused kernels, beyond the Kernels protocol: they read each tensor once
-    # where the protocol's calls read it two or three times (see
-    # wsync/bench/kernels.py for what that is worth end to end).
+    # The fused operations of the Kernels protocol, each one pass over the
+    # tensor where Composed's take two or three (wsync/bench/kernels.py
+    # measures what that is worth end to end).
 
     def delta_encode_checksummed(self, old: np.ndarray, new: np.ndarray, order: str) -> tuple[DeltaSections, str, str]:
-        """delta_encode plus checksum(old) and checksum(new), from the same pass over both."""
         sec, sums = self._encode(old, new, order, True)
         return sec, *sums
 
-    def delta_apply(self, old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray, str, str]:
-        """(new bits, checksum(old), checksum(new)): old copied with the changes written in, in one pass.
-
-        Raises FormatError exactly where delta_decode would; old is never written.
-        """
+    def delta_decode_checksummed(self, old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray, np.ndarray, str]:
         old = _bits(old, "old")
-        out = np.empty_like(old)
+        pos, values, old_sum = self._call(self._cpu.delta_decode, old, sec, order, True)
+        return np.frombuffer(pos, np.int64), np.frombuffer(values, old.dtype), f"{old_sum:016x}"
+
+    def delta_apply(self, old: np.ndarray, sec: DeltaSections, order: str,
+                    out: np.ndarray | None = None) -> tuple[np.ndarray, str, str]:
+        old = _bits(old, "old")
+        if out is None:
+            out = np.empty_like(old)
+        check_out(old, out)
         sums = self._call(self._cpu.delta_apply, old, sec, order, out)
         return out, *(f"{s:016x}" for s in sums)
+
+    def delta_apply_inplace(self, bits: np.ndarray, sec: DeltaSections, order: str) -> tuple[Overwritten, str, str]:
+        if not isinstance(bits, np.ndarray) or bits.ndim != 1 or not bits.flags.c_contiguous or not bits.flags.writeable:
+            raise TypeError("delta_apply_inplace needs a writable 1-D C-contiguous array of bit patterns")
+        _bits(bits, "bits")  # dtype check
+        pos, saved, before, after = self._call(self._cpu.delta_apply_inplace, bits, sec, order)
+        return Overwritten(np.frombuffer(saved, bits.dtype), np.frombuffer(pos, np.int64)), f"{before:016x}", f"{after:016x}"
+
+    def copy_checksummed(self, src, dst: np.ndarray) -> str:
+        return f"{self._cpu.copy_checksum(src, dst):016x}"
 
     def _encode(self, old, new, order, checksums: bool) -> tuple[DeltaSections, tuple]:
         old, new = _bits(old, "old"), _bits(new, "new")

@@ -37,6 +37,7 @@ from ..checksum import BLOCK, checksum as host_checksum, combine
 from ..codecs.delta_ref import DeltaSections, nchunks
 from ..errors import BackendUnavailable, FormatError
 from ..manifest import CHUNK_ELEMS
+from .base import Composed
 
 INSTALL_HINT = "the GPU backend needs a CUDA driver and `pip install 'wsync[cuda]'` (cupy-cuda12x, nvidia-cuda-nvrtc-cu12)"
 NT = 256  # threads per block in every kernel (ws::NT)
@@ -295,8 +296,13 @@ def _or_null(x):
     return x if len(x) else NULL
 
 
-class _KernelsOver:
-    """The Kernels protocol on numpy arrays, over an _Engine (GPU or host emulation)."""
+class _KernelsOver(Composed):
+    """The Kernels protocol on numpy arrays, over an _Engine (GPU or host emulation).
+
+    The fused host-array operations are Composed's: on host arrays the work
+    is the round trip to the GPU, which fusing would not remove. On the GPU
+    itself, apply_device and digests_device are the fused path.
+    """
 
     name = "cuda"
 

@@ -1,4 +1,11 @@
-"""What every codec hands to, and gets from, the payload assembler."""
+"""What every codec hands to, and gets from, the payload assembler.
+
+A codec module offers encode_tensor (-> Encoded), decode_tensor (-> Decoded,
+the changes as arrays, base untouched) and apply_tensor (-> Applied, the new
+tensor written out of place or into the base, with the checksums the backend
+took on the way). The checksums ride along so wsync.api can verify a tensor
+without reading it again.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +22,7 @@ class Decoded:
 
     values: np.ndarray  # <uW bit patterns
     positions: np.ndarray | None = None  # int64 element indices, increasing
+    base_sum: str | None = None  # checksum of the base, when decoding read all of it anyway
 
     def scatter_into(self, bits: np.ndarray) -> np.ndarray:
         """Write into bits (1-D, writable); return what was overwritten, for undo."""
@@ -31,6 +39,59 @@ class Decoded:
             bits[:] = old
         else:
             bits[self.positions] = old
+
+
+@dataclass
+class Overwritten:
+    """What an in-place write replaced, so that it can be put back."""
+
+    values: np.ndarray  # the old bit patterns: at `positions`, or the whole tensor
+    positions: np.ndarray | None = None  # int64 element indices; None means every element
+
+    def restore(self, bits: np.ndarray) -> None:
+        if self.positions is None:
+            bits[:] = self.values
+        else:
+            bits[self.positions] = self.values
+
+
+@dataclass
+class Encoded:
+    """One tensor's frame, and the checksums its encoder took while reading the tensors."""
+
+    kind: str  # the spec's kind: "raw", "same", "xor", "delta-sparse", ...
+    parts: dict  # part name -> bytes-like, in frame order
+    base_sum: str | None = None  # checksum of the base bits, if the encoder computed it
+    new_sum: str | None = None  # checksum of the new bits, likewise
+    verbatim: bool = False  # the frame is exactly the new bits, so its checksum is theirs
+
+
+@dataclass
+class Applied:
+    """One tensor after apply_tensor: its new bits and what the backend saw on the way."""
+
+    bits: np.ndarray  # the new bit patterns (the base's own memory when applied in place)
+    new_sum: str  # checksum of bits
+    base_sum: str | None = None  # checksum of the base before the apply, when asked for
+    overwritten: Overwritten | None = None  # in place: what to put back to undo it
+
+    def undo(self) -> None:
+        if self.overwritten is not None:
+            self.overwritten.restore(self.bits)
+
+
+def write_whole(values: np.ndarray, base, *, kernels, inplace: bool, base_sum: bool) -> Applied:
+    """A tensor replaced whole by `values` (raw data or an undone xor), each byte read once.
+
+    Out of place into a fresh array; in place into base.bits, after copying
+    what it held aside for undo (and checksumming it on the way).
+    """
+    if not inplace:
+        out = np.empty(len(values), values.dtype)
+        return Applied(out, kernels.copy_checksummed(values, out), kernels.checksum(base.bits) if base_sum else None)
+    saved = np.empty_like(base.bits)
+    before = kernels.copy_checksummed(base.bits, saved)
+    return Applied(base.bits, kernels.copy_checksummed(values, base.bits), before, Overwritten(saved))
 
 
 def zstd_compress(data, level: int) -> bytes:

@@ -14,33 +14,38 @@ Per tensor the encoder picks, from counts it knows before building anything:
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from ..errors import FormatError
 from ..snapshot import TensorBits
 from . import delta_ref
-from .base import Decoded, frombuffer, zstd_compress, zstd_decompress
+from .base import Applied, Decoded, Encoded, Overwritten, frombuffer, write_whole, zstd_compress, zstd_decompress
 from .delta_ref import DeltaSections
 
 
-def encode_tensor(base: TensorBits, new: TensorBits, *, tier: str, kernels, level: int) -> tuple[str, dict]:
-    sec = kernels.delta_encode(base.bits, new.bits, new.dtype.order)
+def encode_tensor(base: TensorBits, new: TensorBits, *, tier: str, kernels, level: int) -> Encoded:
+    # One pass over both tensors yields the sections and both checksums.
+    sec, base_sum, new_sum = kernels.delta_encode_checksummed(base.bits, new.bits, new.dtype.order)
+    sums = {"base_sum": base_sum, "new_sum": new_sum}
     if sec.n_changed == 0:
-        return "same", {}
+        return Encoded("same", {}, **sums)
     if sec.sparse_size() >= new.nbytes:
         if tier == "sparse":
-            return "raw", {"data": new.bits}
-        return "xor", {"data": zstd_compress(base.bits ^ new.bits, level)}
+            return Encoded("raw", {"data": new.bits}, verbatim=True, **sums)
+        return Encoded("xor", {"data": zstd_compress(base.bits ^ new.bits, level)}, **sums)
     if tier == "sparse":
-        return "delta-sparse", {"table": sec.table, "gaps": sec.gaps, "steps": sec.steps, "escapes": sec.escapes}
+        parts = {"table": sec.table, "gaps": sec.gaps, "steps": sec.steps, "escapes": sec.escapes}
+        return Encoded("delta-sparse", parts, **sums)
     g = sec.gaps.view(np.uint8)
-    return "delta-packed", {
+    return Encoded("delta-packed", {
         "table": zstd_compress(sec.table, level),
         "gaps_lo": zstd_compress(np.ascontiguousarray(g[0::2]), level),
         "gaps_hi": zstd_compress(np.ascontiguousarray(g[1::2]), level),
         "steps": zstd_compress(sec.steps, level),
         "escapes": zstd_compress(sec.escapes, level),
-    }
+    }, **sums)
 
 
 def decode_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype) -> Decoded:
@@ -50,14 +55,63 @@ def decode_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype) -> Dec
     if spec.kind == "raw":
         return Decoded(frombuffer(parts["data"], bits_dt, spec.name))
     if spec.kind == "xor":
-        x = zstd_decompress(parts["data"], spec.nbytes, f"{spec.name}: xor data")
-        return Decoded(base.bits ^ np.frombuffer(x, bits_dt))
-    sec = _sparse_sections(spec, parts, bits_dt) if spec.kind == "delta-sparse" else _packed_sections(spec, parts, bits_dt)
+        return Decoded(base.bits ^ _xor_data(spec, parts, bits_dt))
+    sec = _sections(spec, parts, bits_dt)
+    with _named(spec):
+        pos, values, base_sum = kernels.delta_decode_checksummed(base.bits, sec, dtype.order)
+    return Decoded(values, pos, base_sum)
+
+
+def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace: bool, base_sum: bool) -> Applied:
+    """The new tensor, out of place or written into base.bits; base_sum is always taken (it comes free)."""
+    bits_dt = dtype.bits_dtype
+    if spec.kind == "same":
+        if inplace:
+            s = kernels.checksum(base.bits)
+            return Applied(base.bits, s, s)
+        out = np.empty_like(base.bits)
+        s = kernels.copy_checksummed(base.bits, out)
+        return Applied(out, s, s)
+    if spec.kind == "raw":
+        return write_whole(frombuffer(parts["data"], bits_dt, spec.name), base, kernels=kernels, inplace=inplace,
+                           base_sum=True)
+    if spec.kind == "xor":
+        return _apply_xor(base, _xor_data(spec, parts, bits_dt), kernels, inplace)
+    sec = _sections(spec, parts, bits_dt)
+    with _named(spec):
+        if inplace:
+            overwritten, before, after = kernels.delta_apply_inplace(base.bits, sec, dtype.order)
+            return Applied(base.bits, after, before, overwritten)
+        out, before, after = kernels.delta_apply(base.bits, sec, dtype.order)
+    return Applied(out, after, before)
+
+
+def _apply_xor(base: TensorBits, x: np.ndarray, kernels, inplace: bool) -> Applied:
+    # Dense change in the packed tier: zstd dominates, so the plain numpy passes are fine here.
+    if not inplace:
+        out = base.bits ^ x
+        return Applied(out, kernels.checksum(out), kernels.checksum(base.bits))
+    saved = np.empty_like(base.bits)
+    before = kernels.copy_checksummed(base.bits, saved)
+    np.bitwise_xor(base.bits, x, out=base.bits)
+    return Applied(base.bits, kernels.checksum(base.bits), before, Overwritten(saved))
+
+
+def _xor_data(spec, parts: dict, bits_dt) -> np.ndarray:
+    return np.frombuffer(zstd_decompress(parts["data"], spec.nbytes, f"{spec.name}: xor data"), bits_dt)
+
+
+def _sections(spec, parts: dict, bits_dt) -> DeltaSections:
+    return _sparse_sections(spec, parts, bits_dt) if spec.kind == "delta-sparse" else _packed_sections(spec, parts, bits_dt)
+
+
+@contextmanager
+def _named(spec):
+    """Say which tensor a kernel's FormatError is about."""
     try:
-        pos, values = kernels.delta_decode(base.bits, sec, dtype.order)
+        yield
     except FormatError as e:
         raise FormatError(f"{spec.name}: {e}") from None
-    return Decoded(values, pos)
 
 
 def _sparse_sections(spec, parts: dict, bits_dt) -> DeltaSections:

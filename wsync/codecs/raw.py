@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 from ..snapshot import TensorBits
-from .base import Decoded, frombuffer
+from .base import Applied, Decoded, Encoded, frombuffer, write_whole
 
 
-def encode_tensor(base: TensorBits | None, new: TensorBits, *, tier, kernels, level) -> tuple[str, dict]:
-    return "raw", {"data": new.bits}
+def encode_tensor(base: TensorBits | None, new: TensorBits, *, tier, kernels, level) -> Encoded:
+    return Encoded("raw", {"data": new.bits}, verbatim=True)
 
 
 def decode_tensor(base: TensorBits | None, spec, parts: dict, *, kernels, dtype) -> Decoded:
     return Decoded(frombuffer(parts["data"], dtype.bits_dtype, spec.name))
+
+
+def apply_tensor(base: TensorBits | None, spec, parts: dict, *, kernels, dtype, inplace: bool,
+                 base_sum: bool) -> Applied:
+    """The data as the new tensor; base only matters in place (it is the target)."""
+    values = frombuffer(parts["data"], dtype.bits_dtype, spec.name)
+    return write_whole(values, base, kernels=kernels, inplace=inplace, base_sum=base_sum)
