@@ -1,0 +1,161 @@
+"""wsync.api on the fused kernels keeps the contract of the unfused one, on every backend.
+
+The fused path verifies each tensor's base while it applies it, so these pin
+what could drift: which error wins when several things are wrong, that an
+in-place apply refused at its last tensor puts back the first ones, that
+tensors sharing memory (tied weights) are applied as if alone, and that
+encode's checksums and bytes are the reference's.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import wsync
+from wsync import api
+from wsync.checksum import checksum
+from wsync.errors import ChecksumError, FormatError, VersionError
+
+from conftest import rewrite_manifest, states_equal
+
+pytestmark = pytest.mark.usefixtures("each_backend")
+
+
+def _pair(n=3, size=70_000, seed=0):
+    rng = np.random.default_rng(seed)
+    base = {f"t{i}": rng.integers(0, 1 << 16, size=size, dtype=np.uint16) for i in range(n)}
+    new = {}
+    for name, b in base.items():
+        w = b.copy()
+        w[rng.random(size) < 0.01] += 1
+        new[name] = w
+    return base, new
+
+
+def _clone(state):
+    return {k: v.copy() for k, v in state.items()}
+
+
+def _corrupt_frame(blob: bytes, payload, name: str) -> bytes:
+    """Flip one body byte inside tensor `name`'s frame."""
+    spec = payload.manifest.tensors_by_name[name]
+    b = bytearray(blob)
+    b[len(blob) - len(payload.body) + spec.offset] ^= 0xFF
+    return bytes(b)
+
+
+def test_encode_checksums_are_the_references():
+    base, new = _pair()
+    p = wsync.encode(base, new, tier="sparse")
+    for spec in p.manifest.tensors:
+        assert spec.checksum == checksum(new[spec.name])
+        assert spec.base_checksum == checksum(base[spec.name])
+        assert spec.payload_checksum == checksum(bytes(p.frame(spec)))
+    ref = wsync.encode(base, new, tier="sparse", backend="ref")
+    assert p.to_bytes() == ref.to_bytes()
+
+
+def test_raw_keyframe_checksums():
+    _, new = _pair(n=2)
+    p = wsync.encode(None, new, codec="raw")
+    for spec in p.manifest.tensors:
+        assert spec.checksum == spec.payload_checksum == checksum(new[spec.name])
+    out = wsync.apply(None, p)  # torch tensors, since there is no base to take the flavour from
+    assert all(out[n].numpy().tobytes() == new[n].tobytes() for n in new)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_wrong_base_outranks_a_corrupt_earlier_frame(inplace):
+    """t0's frame is corrupt and t2's base is wrong: VersionError, as if every base were checked first."""
+    base, new = _pair()
+    p = wsync.encode(base, new, tier="sparse")
+    blob = _corrupt_frame(p.to_bytes(), p, "t0")
+    target = _clone(base)
+    target["t2"][5] ^= 1
+    before = _clone(target)
+    with pytest.raises(VersionError, match="t2"):
+        wsync.apply(target, blob, inplace=inplace)
+    assert states_equal(target, before)
+    with pytest.raises(VersionError, match="t2"):
+        api.decode(api.as_state(target), wsync.payload.Payload.from_bytes(blob))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_corrupt_frame_outranks_a_wrong_result(inplace):
+    """t0's result checksum lies and t2's frame is corrupt: the frame's ChecksumError is the one raised."""
+    base, new = _pair()
+    blob = wsync.encode(base, new, tier="sparse").to_bytes()
+
+    def lie(doc):
+        doc["tensors"][0]["checksum"] = "0123456789abcdef"
+
+    blob = rewrite_manifest(blob, lie)
+    blob = _corrupt_frame(blob, wsync.payload.Payload.from_bytes(blob), "t2")
+    target = _clone(base)
+    with pytest.raises(ChecksumError, match="t2: stored bytes"):
+        wsync.apply(target, blob, inplace=inplace)
+    assert states_equal(target, base)
+
+
+def test_inplace_format_error_in_last_tensor_restores_the_first(monkeypatch):
+    """t0 and t1 are written before t2's sections turn out bad: all three come back."""
+    base, new = _pair()
+    p = wsync.encode(base, new, tier="sparse")
+    target = _clone(base)
+    from wsync.codecs import delta
+
+    real = delta._sparse_sections
+
+    def lying(spec, parts, bits_dt):
+        sec = real(spec, parts, bits_dt)
+        if spec.name == "t2":
+            sec.gaps = sec.gaps.copy()
+            sec.gaps[-1] = 65535
+        return sec
+
+    monkeypatch.setattr(delta, "_sparse_sections", lying)
+    with pytest.raises(FormatError, match="t2: change"):
+        wsync.apply(target, p, inplace=True)
+    assert states_equal(target, base)
+
+
+@pytest.mark.parametrize("tier", ["sparse", "packed"])
+def test_tied_tensors_in_place(tier):
+    """Two names on one storage, changed alike: applied in place as if each were alone."""
+    emb = (torch.randn(300, 64) * 0.02).to(torch.bfloat16)
+    base = {"embed.weight": emb, "lm_head.weight": emb, "norm": torch.ones(64, dtype=torch.bfloat16)}
+    moved = (emb.float() * 1.01).to(torch.bfloat16)
+    new = {"embed.weight": moved, "lm_head.weight": moved, "norm": torch.ones(64, dtype=torch.bfloat16) * 2}
+    p = wsync.encode({k: v.clone() for k, v in base.items()}, new, tier=tier)
+    out = wsync.apply(base, p, inplace=True)
+    assert out is base and base["embed.weight"].data_ptr() == base["lm_head.weight"].data_ptr()
+    assert states_equal(base, new)
+
+
+def test_tied_tensors_roll_back():
+    emb = (torch.randn(300, 64) * 0.02).to(torch.bfloat16)
+    base = {"a": emb, "b": emb, "c": torch.zeros(10, dtype=torch.bfloat16)}
+    moved = (emb.float() * 1.01).to(torch.bfloat16)
+    new = {"a": moved, "b": moved, "c": torch.ones(10, dtype=torch.bfloat16)}
+    blob = wsync.encode({k: v.clone() for k, v in base.items()}, new, tier="sparse").to_bytes()
+
+    def lie(doc):
+        doc["tensors"][-1]["checksum"] = "0123456789abcdef"
+
+    before = emb.clone()
+    with pytest.raises(ChecksumError, match="c"):
+        wsync.apply(base, rewrite_manifest(blob, lie), inplace=True)
+    assert torch.equal(emb.view(torch.int16), before.view(torch.int16))
+
+
+def test_apply_state_matches_decode_and_scatter():
+    base, new = _pair(seed=3)
+    p = wsync.encode(base, new, tier="packed")
+    state = api.as_state(base)
+    out = api.apply_state(state, p)
+    for name, dec in api.decode(state, p).items():
+        bits = base[name].copy()
+        bits[dec.positions] = dec.values
+        assert out[name].bits.tobytes() == bits.tobytes() == new[name].tobytes()
+    assert states_equal(base, _pair(seed=3)[0])  # out of place never writes the base
