@@ -1,0 +1,94 @@
+"""`wsync plan ...` runs end to end, every subcommand with --json, and stays light to import."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from wsync.cli import main
+
+
+def run_json(capsys, *argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_models(capsys):
+    rows = run_json(capsys, "models")
+    assert {r["model"] for r in rows} >= {"qwen3-8b", "qwen3-30b-a3b", "glm-4.7", "kimi-k2.6"}
+
+
+def test_transfer_published(capsys):
+    checks = run_json(capsys, "transfer", "--published")
+    bad = [c["figure"] for c in checks if c["error_vs_model"] > (0.03 if "LoRA" in c["figure"] else 0.01)]
+    assert bad == ["qwen3-8b full sync s, WAN 10 Gbit/s"]
+    assert main(["plan", "transfer", "--published"]) == 0
+    out = capsys.readouterr().out
+    assert "does not follow" in out and "truncated" in out
+
+
+def test_transfer_rows(capsys):
+    rows = run_json(capsys, "transfer", "--model", "qwen3-8b", "--link", "tcp-50g", "--codec", "full",
+                    "--codec", "lora", "--encode-gbps", "1000", "--apply-gbps", "1000", "--gpus", "8")
+    full = rows[0]
+    assert full["wire_s"] == pytest.approx(2.62, rel=0.01)
+    assert full["idle_usd"] == pytest.approx(8 * 0.01 * full["pipelined_s"])
+    assert rows[1]["codec"].startswith("lora") and rows[1]["gb"] < 1
+
+
+def test_lora(capsys):
+    out = run_json(capsys, "lora", "--model", "kimi-k2.6", "--rank", "32", "--layout", "per-expert")
+    assert out["gb"] == pytest.approx(41.0, rel=0.03)
+    assert main(["plan", "lora", "--model", "glm-4.7", "--layout", "shared-outer"]) == 0
+    assert "GB" in capsys.readouterr().out
+
+
+def test_loop(capsys):
+    out = run_json(capsys, "loop", "--samples-per-step", "16", "--max-batch", "8", "--infer-gpus", "2",
+                   "--steps", "4", "--warmup-steps", "1", "--response-mean", "256")
+    assert out["results"]["sync"]["staleness_max"] == 0
+    assert out["results"]["async"]["staleness_max"] <= 1
+    assert out["decode_curve"][0]["batch"] == 1
+
+
+def test_sweep_with_plot(capsys, tmp_path):
+    png = tmp_path / "pareto.png"
+    out = run_json(capsys, "sweep", "--total-gpus", "4", "--train-splits", "1", "2", "--batches", "8",
+                   "--caps", "0", "1", "--samples-per-step", "16", "--steps", "3", "--warmup-steps", "1",
+                   "--response-mean", "256", "--png", str(png))
+    assert len(out["points"]) == 4 and any(p["pareto"] for p in out["points"])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert out["png"] is None and not png.exists()
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sandboxes(capsys):
+    out = run_json(capsys, "sandboxes", "--rate", "5", "--actions", "10", "--action-latency", "1",
+                   "--startup", "10", "--failure-rate", "0")
+    assert out["plan"]["mean_in_use"] == pytest.approx(100)
+    assert out["plan"]["pool_size"] > 100
+
+
+def test_bad_input_exits_2(capsys):
+    assert main(["plan", "lora", "--model", "nope"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    assert main(["plan", "transfer", "--link", "fast"]) == 2
+    assert main(["plan", "sandboxes", "--rate", "-1"]) == 2
+
+
+def test_plan_cli_imports_nothing_heavy():
+    code = textwrap.dedent("""
+        import sys
+        import wsync.plan.cli, wsync.plan.models, wsync.plan.transfer, wsync.plan.sweep
+        heavy = [m for m in ("torch", "matplotlib", "transformers", "cupy") if m in sys.modules]
+        assert not heavy, heavy
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
