@@ -1,0 +1,337 @@
+"""gloo:// groups for real: broadcast down, gather up, beside a trainer's own default group, and failures.
+
+Multi-process tests spawn real ranks; the rest form the group with threads of
+this process (gloo groups do not care), which keeps the file fast.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import threading
+
+import numpy as np
+import pytest
+import xxhash
+
+torch = pytest.importorskip("torch")
+
+from wsync.errors import ChecksumError, TransportError  # noqa: E402
+from wsync.transports import Message, TransportTimeout, connect, listen  # noqa: E402
+from wsync.transports import groupframe as gf  # noqa: E402
+from wsync.transports.options import parse_size  # noqa: E402
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _big(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _group(n_subs: int, **opts):
+    """Publisher link + subscriber links, the subscribers joining from threads."""
+    lst = listen(f"gloo://127.0.0.1:0?world_size={n_subs + 1}", **opts)
+    subs, errs = [None] * n_subs, []
+
+    def join(i):
+        try:
+            subs[i] = connect(lst.address, rank=i + 1, **opts)
+        except Exception as e:  # surfaced below
+            errs.append(e)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(n_subs)]
+    [t.start() for t in threads]
+    pub = lst.accept(timeout=60)
+    [t.join() for t in threads]
+    assert not errs and pub is not None
+    return lst, pub, subs
+
+
+def _in_thread(fn, *args):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=_catch(fn, *args)))
+    t.start()
+    return t, out
+
+
+def _catch(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e
+
+
+# -- pure pieces ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sizes, chunk, expected", [
+    ([], 4, []),
+    ([0, 0], 4, []),
+    ([3], 4, [[(0, 0, 3)]]),
+    ([4], 4, [[(0, 0, 4)]]),
+    ([9], 4, [[(0, 0, 4)], [(0, 4, 4)], [(0, 8, 1)]]),
+    ([1, 2, 1, 3], 4, [[(0, 0, 1), (1, 0, 2), (2, 0, 1)], [(3, 0, 3)]]),
+    ([1, 6, 1], 4, [[(0, 0, 1)], [(1, 0, 4)], [(1, 4, 2)], [(2, 0, 1)]]),
+    ([2, 0, 2], 4, [[(0, 0, 2), (2, 0, 2)]]),
+])
+def test_plan_pieces(sizes, chunk, expected):
+    assert gf.plan_pieces(sizes, chunk) == expected
+
+
+@pytest.mark.parametrize("text, n", [("1048576", 1 << 20), ("64M", 64 << 20), ("1G", 1 << 30), ("2KiB", 2048), (7, 7), ("1.5M", 3 << 19)])
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("bad", ["", "12X", "-1", "M", -3])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+def test_parse_head_rejects_garbage():
+    good, _ = gf.pack_head(Message("k", {"a": 1}, [b"xy"]), 16)
+    assert gf.parse_head(good) == ("k", {"a": 1}, [2], 16)
+    flipped = bytearray(good)
+    flipped[-3] ^= 1
+    with pytest.raises(ChecksumError):
+        gf.parse_head(bytes(flipped))
+    with pytest.raises(TransportError, match="not a wsync message"):
+        gf.parse_head(b"XXXX" + good[4:])
+    with pytest.raises(TransportError):
+        gf.parse_head(good[:10])
+    with pytest.raises(TransportError):
+        gf.check_head_len(1 << 40)
+
+
+def test_bad_addresses_and_options():
+    with pytest.raises(ValueError, match="world_size"):
+        listen("gloo://127.0.0.1:0")
+    with pytest.raises(ValueError, match="unknown option"):
+        listen("gloo://127.0.0.1:0?world_size=2&colour=red")
+    with pytest.raises(ValueError, match="expected int"):
+        listen("gloo://127.0.0.1:0?world_size=two")
+    with pytest.raises(TransportError, match="cannot reach"):
+        connect(f"gloo://127.0.0.1:{_port()}", join_timeout=0.5)
+
+
+# -- groups in threads ------------------------------------------------------------------
+
+
+def test_lockstep_round_trip_timeouts_and_ranks():
+    lst, pub, (s1, s2) = _group(2, chunk="64K")
+    assert pub.fanout == 2 and s1.fanout == 1
+    with pytest.raises(TransportTimeout):  # nothing published yet; the wait stays resumable
+        s1.recv(timeout=0.2)
+    blobs = [b"abc", b"", _big(1, 300_001), bytearray(b"x" * 100), memoryview(_big(2, 70_000))]
+    t1, r1 = _in_thread(s1.recv, 30)
+    t2, r2 = _in_thread(s2.recv, 30)
+    pub.send(Message("bucket", {"version": 3}, blobs))
+    t1.join(), t2.join()
+    for r in (r1["r"], r2["r"]):
+        assert r.kind == "bucket" and r.meta == {"version": 3}
+        assert [bytes(b) for b in r.blobs] == [bytes(memoryview(b).cast("B")) for b in blobs]
+    with pytest.raises(TransportTimeout):  # no replies yet
+        pub.recv(timeout=0.2)
+    t1, _ = _in_thread(s1.send, Message("ack", {"ok": True}, [b"one"]))
+    t2, _ = _in_thread(s2.send, Message("ack", {"ok": False}, [_big(3, 200_000)]))
+    first, second = pub.recv(timeout=30), pub.recv(timeout=30)
+    t1.join(), t2.join()
+    assert (first.meta, bytes(first.blobs[0])) == ({"ok": True, "rank": 1}, b"one")
+    assert second.meta == {"ok": False, "rank": 2} and bytes(second.blobs[0]) == _big(3, 200_000).tobytes()
+    t1, r1 = _in_thread(s1.recv, 30)
+    t2, r2 = _in_thread(s2.recv, 30)
+    pub.send(Message("empty"))
+    t1.join(), t2.join()
+    assert r1["r"].kind == r2["r"].kind == "empty" and r1["r"].blobs == []
+    for link in (pub, s1, s2):
+        link.close()
+    lst.close()
+
+
+def test_rank_claims_and_full_group():
+    lst = listen("gloo://127.0.0.1:0?world_size=2")
+    t, r = _in_thread(lambda: connect(lst.address))  # auto rank 1
+    pub = lst.accept(timeout=60)
+    t.join()
+    sub = r["r"]
+    assert sub.rank == 1 and pub.rank == 0
+    with pytest.raises(TransportError, match="full"):
+        connect(lst.address)
+    with pytest.raises(TransportError, match="already taken"):
+        connect(lst.address, rank=1)
+    with pytest.raises(TransportError, match="world_size=5"):
+        connect(lst.address, world_size=5)
+    assert lst.accept(timeout=0.1) is None  # one group per listener
+    pub.close(), sub.close()
+
+
+def test_out_of_step_group_fails_loudly():
+    lst, pub, (sub,) = _group(1)
+    t, r = _in_thread(sub.send, Message("ack"))
+    with pytest.raises(TransportError, match="out of step"):
+        pub.send(Message("bucket", {}, [b"zz"]))
+    t.join()
+    assert isinstance(r["r"], TransportError) and "out of step" in str(r["r"])
+    with pytest.raises(TransportError, match="unusable"):
+        pub.send(Message("again"))
+    pub.close(), sub.close()
+
+
+class FlipWire(gf.HostWire):
+    """Corrupts one byte of the second piece on its way out (after the sender hashed the original)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def outgoing(self, t, slot):
+        self.n += 1
+        if self.n != 2:
+            return t
+        bad = t.clone()
+        bad[5] ^= 0xFF
+        return bad
+
+
+def test_corrupt_piece_is_detected():
+    lst, pub, (sub,) = _group(1, chunk="4K")
+    pub.wire = FlipWire()
+    t, r = _in_thread(sub.recv, 30)
+    pub.send(Message("bucket", {}, [_big(4, 20_000)]))
+    t.join()
+    assert isinstance(r["r"], ChecksumError) and "piece 1" in str(r["r"])
+    pub.close(), sub.close()
+
+
+# -- real processes ---------------------------------------------------------------------
+
+
+def _subscriber(address: str, rounds: int, use_default_group: int, q) -> None:
+    try:
+        import torch.distributed as dist
+
+        if use_default_group:  # a trainer's own world, before and after ours
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{use_default_group}", rank=1, world_size=2)
+            before = dict(dist.distributed_c10d._world.pg_map)
+        link = connect(address)
+        for i in range(rounds):
+            m = link.recv(timeout=60)
+            link.send(Message("ack", {"digest": xxhash.xxh3_64_hexdigest(m.blobs[0]), "i": i}, [m.blobs[1]]))
+        if use_default_group:
+            x = torch.ones(4) * (link.rank + 1)
+            dist.all_reduce(x)
+            assert x.tolist() == [3.0] * 4, x
+            assert dict(dist.distributed_c10d._world.pg_map) == before and dist.get_world_size() == 2
+            dist.destroy_process_group()
+        link.close()
+        q.put(("ok", link.rank))
+    except BaseException as e:
+        q.put(("error", repr(e)))
+        raise
+
+
+@pytest.mark.slow
+def test_broadcast_large_messages_to_processes():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    lst = listen("gloo://127.0.0.1:0?world_size=3&chunk=4M")
+    procs = [ctx.Process(target=_subscriber, args=(lst.address, 2, 0, q)) for _ in range(2)]
+    [p.start() for p in procs]
+    try:
+        pub = lst.accept(timeout=120)
+        assert pub is not None and pub.fanout == 2
+        for i in range(2):
+            big = _big(10 + i, (9 << 20) + 12_345)  # several pieces plus a tail
+            pub.send(Message("bucket", {"i": i}, [big, f"tail{i}".encode()]))
+            replies = [pub.recv(timeout=60) for _ in range(2)]
+            assert sorted(r.meta["rank"] for r in replies) == [1, 2]
+            for r in replies:
+                assert r.meta["digest"] == xxhash.xxh3_64_hexdigest(big) and r.meta["i"] == i
+                assert bytes(r.blobs[0]) == f"tail{i}".encode()
+        results = sorted(q.get(timeout=60) for _ in range(2))
+        assert results == [("ok", 1), ("ok", 2)]
+        pub.close()
+    finally:
+        [p.join(timeout=30) for p in procs]
+        [p.kill() for p in procs if p.is_alive()]
+
+
+def _trainer_rank0(address: str, port: int, q) -> None:
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+        lst = listen(address)
+        pub = lst.accept(timeout=120)
+        payload = _big(20, 3 << 20)
+        pub.send(Message("bucket", {}, [payload, b"reply-me"]))
+        r = pub.recv(timeout=60)
+        assert r.meta["digest"] == xxhash.xxh3_64_hexdigest(payload) and bytes(r.blobs[0]) == b"reply-me"
+        x = torch.ones(4)
+        dist.all_reduce(x)
+        assert x.tolist() == [3.0] * 4
+        dist.destroy_process_group()
+        pub.close()
+        q.put(("ok", 0))
+    except BaseException as e:
+        q.put(("error", repr(e)))
+        raise
+
+
+@pytest.mark.slow
+def test_coexists_with_a_default_process_group():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    world, ours = _port(), _port()
+    address = f"gloo://127.0.0.1:{ours}?world_size=2"
+    procs = [ctx.Process(target=_trainer_rank0, args=(address, world, q)),
+             ctx.Process(target=_subscriber, args=(address, 1, world, q))]
+    [p.start() for p in procs]
+    try:
+        assert sorted(q.get(timeout=120) for _ in procs) == [("ok", 0), ("ok", 1)]
+    finally:
+        [p.join(timeout=30) for p in procs]
+        [p.kill() for p in procs if p.is_alive()]
+
+
+def _join_then_die(address: str) -> None:
+    connect(address)
+    os._exit(3)
+
+
+def test_dead_subscriber_is_a_transport_error():
+    ctx = mp.get_context("spawn")
+    lst = listen("gloo://127.0.0.1:0?world_size=2", stall_timeout=30)
+    p = ctx.Process(target=_join_then_die, args=(lst.address,))
+    p.start()
+    pub = lst.accept(timeout=120)
+    p.join(timeout=60)
+    with pytest.raises(TransportError):
+        pub.send(Message("bucket", {}, [_big(5, 1 << 20)]))
+    with pytest.raises(TransportError, match="unusable"):
+        pub.recv(timeout=1)
+    pub.close()
+
+
+@pytest.mark.gpu
+def test_nccl_group_moves_host_bytes_through_the_gpu():
+    if not torch.cuda.is_available() or not hasattr(torch.distributed, "ProcessGroupNCCL"):
+        pytest.skip("nccl:// needs a CUDA GPU and a CUDA build of torch")
+    lst = listen("nccl://127.0.0.1:0?world_size=2&chunk=1M")
+    t, r = _in_thread(lambda: connect(lst.address))
+    pub = lst.accept(timeout=120)
+    t.join()
+    sub = r["r"]
+    big = _big(6, (5 << 20) + 3)
+    t, r = _in_thread(sub.recv, 60)
+    pub.send(Message("bucket", {"v": 1}, [big, b"small"]))
+    t.join()
+    assert bytes(r["r"].blobs[0]) == big.tobytes() and bytes(r["r"].blobs[1]) == b"small"
+    t, _ = _in_thread(sub.send, Message("ack", {}, [b"done"]))
+    assert bytes(pub.recv(timeout=60).blobs[0]) == b"done"
+    t.join()
+    pub.close(), sub.close()

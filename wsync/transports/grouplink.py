@@ -1,0 +1,174 @@
+"""The Link of a torch.distributed group: broadcast down, gather up, in lockstep.
+
+Each message is: (1) an allgather of [direction, header length, sequence] from
+every rank on the control group, checked so that exactly the expected side is
+sending; (2) the header bytes; (3) the payload pieces (groupframe) on the data
+group; (4) a trailer of per-piece xxh3-64 digests, checked by the receiver.
+Publisher -> subscribers uses broadcasts; subscriber -> publisher uses
+point-to-point sends that the publisher drains one rank per ``recv``.
+
+Only step (1) may wait for a long time (a subscriber idles between versions),
+and it runs on gloo where waiting on a Work with a timeout leaves the operation
+pending: a ``recv`` that times out raises TransportTimeout and the next
+``recv`` resumes the same wait. Every later step is bounded by ``stall_timeout``;
+a failure there leaves the group out of step, so the link is marked broken.
+"""
+from __future__ import annotations
+
+import datetime
+from collections import deque
+
+import numpy as np
+
+from ..errors import TransportError
+from . import groupframe as gf
+from .base import Message, TransportTimeout
+from .pool import BufferPool
+
+SEND, RECV = 1, 2  # a rank's part in the next message
+TAG = 0x5753  # point-to-point tag for subscriber -> publisher messages
+STALL = object()  # "wait at most stall_timeout", the bound for every step after the first
+
+
+class GroupLink:
+    def __init__(self, *, ctrl, data, wire, rank: int, size: int, cfg, peer: str, store):
+        self.ctrl, self.data, self.wire = ctrl, data, wire
+        self.rank, self.size, self.cfg, self.peer = rank, size, cfg, peer
+        self.fanout = size - 1 if rank == 0 else 1
+        self._store = store  # the TCPStore must outlive the groups built on it
+        self._seq = 0  # messages completed; every rank counts the same
+        self._pending = None  # (direction, work, table) of a first step that timed out
+        self._replies = deque()  # publisher: (rank, header length) still to drain after a gather
+        self._pool = BufferPool(cfg.pool_bytes)  # receive buffers, recycled once the caller drops them
+        self._broken = None
+
+    # -- public verbs -------------------------------------------------------------------
+
+    def send(self, msg: Message) -> None:
+        self._usable()
+        if self._replies:
+            raise TransportError(f"{len(self._replies)} subscriber replies are still unread; recv them before sending")
+        head, sizes = gf.pack_head(msg, self.cfg.chunk)
+        self._guard(self._send, head, sizes, [memoryview(b).cast("B") for b in msg.blobs])
+
+    def recv(self, timeout: float | None = None) -> Message:
+        self._usable()
+        return self._guard(self._recv, timeout)
+
+    def close(self) -> None:
+        self._broken = self._broken or "closed"
+        for pg in {id(self.ctrl): self.ctrl, id(self.data): self.data}.values():
+            try:
+                pg.abort()
+            except (RuntimeError, AttributeError):
+                pass
+        self._store = None
+        self._pool.clear()
+
+    # -- one message --------------------------------------------------------------------
+
+    def _send(self, head: bytes, sizes: list[int], views: list) -> None:
+        self._step(SEND, len(head), self.cfg.stall_timeout)
+        if self.rank == 0:
+            ctrl, data = self._bcast(self.ctrl), self._bcast(self.data)
+        else:
+            ctrl, data = self._p2p_send(self.ctrl), self._p2p_send(self.data)
+        self._wait(ctrl(gf._u8(head)))
+        digests = gf.send_pieces(views, gf.plan_pieces(sizes, self.cfg.chunk), data, self.wire, self._wait)
+        if digests:
+            self._wait(ctrl(gf._u8(memoryview(np.array(digests, dtype=np.uint64)).cast("B"))))
+
+    def _recv(self, timeout: float | None) -> Message:
+        if self.rank == 0:
+            if not self._replies:
+                table = self._step(RECV, 0, timeout)
+                self._replies.extend((r, int(table[r, 1])) for r in range(1, self.size))
+            src, hlen = self._replies.popleft()
+            ctrl, data = self._p2p_recv(self.ctrl, src), self._p2p_recv(self.data, src)
+        else:
+            src, hlen = 0, int(self._step(RECV, 0, timeout)[0, 1])
+            ctrl, data = self._bcast(self.ctrl), self._bcast(self.data)
+        raw = bytearray(gf.check_head_len(hlen))
+        self._wait(ctrl(gf._u8(raw)))
+        kind, meta, sizes, chunk = gf.parse_head(bytes(raw))
+        pieces = gf.plan_pieces(sizes, chunk)
+        blobs = [self._pool.take(n) for n in sizes]
+        got = gf.recv_pieces(blobs, pieces, data, self.wire, self._wait)
+        expected = np.zeros(len(pieces), dtype=np.uint64)
+        if pieces:
+            self._wait(ctrl(gf._u8(memoryview(expected).cast("B"))))
+        gf.verify(got, expected)
+        if self.rank == 0:
+            meta = {**meta, "rank": src}
+        return Message(kind, meta, blobs)
+
+    def _step(self, direction: int, hlen: int, timeout: float | None) -> np.ndarray:
+        """Allgather every rank's [direction, header length, seq] and check the group is in step."""
+        import torch
+
+        if self._pending is None:
+            mine = torch.tensor([direction, hlen, self._seq], dtype=torch.int64)
+            table = torch.zeros(self.size, 3, dtype=torch.int64)
+            work = self.ctrl.allgather([list(table.unbind(0))], [mine])
+            self._pending = (direction, work, table)
+        elif self._pending[0] != direction:
+            raise TransportError("a recv timed out and its wait is still pending; call recv again before sending")
+        _, work, table = self._pending
+        try:
+            self._wait(work, timeout)
+        except TransportTimeout:
+            if direction == SEND:
+                raise TransportError(f"subscribers did not start receiving within {timeout}s") from None
+            raise
+        self._pending = None
+        self._seq += 1
+        return self._check_step(table.numpy(), direction)
+
+    def _check_step(self, table: np.ndarray, direction: int) -> np.ndarray:
+        sender = direction == SEND if self.rank == 0 else direction == RECV
+        expect = [SEND if sender else RECV] + [RECV if sender else SEND] * (self.size - 1)
+        if table[:, 0].tolist() != expect or len(set(table[:, 2].tolist())) != 1:
+            raise TransportError(f"group out of step at message {self._seq - 1}: directions "
+                                 f"{table[:, 0].tolist()} (1=send, 2=recv) and sequences {table[:, 2].tolist()}; "
+                                 "the publisher and subscribers must alternate send and recv")
+        return table
+
+    # -- operations ---------------------------------------------------------------------
+
+    def _bcast(self, pg):
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return lambda t: pg.broadcast([t], opts)
+
+    def _p2p_send(self, pg):
+        return lambda t: pg.send([t], 0, TAG)
+
+    def _p2p_recv(self, pg, src: int):
+        return lambda t: pg.recv([t], src, TAG)
+
+    def _wait(self, work, timeout=STALL) -> None:
+        t = self.cfg.stall_timeout if timeout is STALL else timeout
+        try:
+            work.wait() if t is None else work.wait(datetime.timedelta(seconds=t))
+        except RuntimeError as e:
+            if "timed out" in str(e).lower() and not work.is_completed():
+                raise TransportTimeout(f"no message from {self.peer} within {t}s") from None
+            raise TransportError(f"{self.peer}: {(str(e).strip().splitlines() or ['error'])[0][:300]}") from None
+
+    def _guard(self, fn, *args):
+        """Run one message; anything but a first-step timeout leaves the group out of step for good."""
+        try:
+            return fn(*args)
+        except TransportTimeout:
+            if self._pending is None:
+                self._broken = f"a part of a message from {self.peer} stalled"
+            raise
+        except Exception as e:
+            self._broken = f"{type(e).__name__}: {e}"
+            raise
+
+    def _usable(self) -> None:
+        if self._broken:
+            raise TransportError(f"link to {self.peer} is unusable ({self._broken}); make a new group")
