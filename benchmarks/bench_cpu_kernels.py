@@ -43,6 +43,8 @@ def _kernels(name):
 
 
 def _gbps(benchmark, pair):
+    if benchmark.stats is None:  # --benchmark-disable: the functions ran once, as tests
+        return
     model = sum(tb.nbytes for tb in pair[1].values())
     benchmark.extra_info.update(model_bytes=model, gbps_best=model / benchmark.stats.stats.min / 1e9)
 
@@ -67,11 +69,42 @@ def test_encode_end_to_end(benchmark, pair, payload, name):
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_apply_end_to_end(benchmark, pair, payload, name):
+    """Out of place: fresh result arrays (their pages are faulted in, as numpy's copy_fresh baseline's are)."""
     _kernels(name)
     base, new = pair
     benchmark.group = "apply (wsync.apply_state)"
     out = benchmark(lambda: wsync.apply_state(base, payload, backend=name))
     assert all(out[n].bits.tobytes() == new[n].bits.tobytes() for n in new)
+    _gbps(benchmark, pair)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_apply_inplace_end_to_end(benchmark, pair, payload, name):
+    """In place into resident arrays, reset (untimed) before every round: an engine updating its weights."""
+    import torch
+
+    _kernels(name)
+    base, new = pair
+    bits = {n: tb.bits.copy() for n, tb in base.items()}
+    target = {n: torch.from_numpy(b).view(torch.bfloat16) for n, b in bits.items()}  # what an engine holds
+
+    def reset():
+        for n, tb in base.items():
+            np.copyto(bits[n], tb.bits)
+        return (), {}
+
+    benchmark.group = "apply in place (wsync.apply, inplace=True)"
+    benchmark.pedantic(lambda: wsync.apply(target, payload, inplace=True, backend=name), setup=reset, rounds=5,
+                       warmup_rounds=1)
+    assert all(bits[n].tobytes() == new[n].bits.tobytes() for n in new)
+    _gbps(benchmark, pair)
+
+
+def test_copy_fresh_baseline(benchmark, pair):
+    """numpy copy into fresh arrays: what any out-of-place result pays for its new pages."""
+    base = pair[0]
+    benchmark.group = "baseline"
+    benchmark(lambda: [tb.bits.copy() for tb in base.values()])
     _gbps(benchmark, pair)
 
 
@@ -107,21 +140,43 @@ def test_kernel_checksum(benchmark, pair, name):
     _gbps(benchmark, pair)
 
 
-def test_kernel_fused_encode(benchmark, pair):
-    """cpu's delta_encode + both checksums in one pass: what encode costs if api.py calls it."""
-    k = _kernels("cpu")
+@pytest.mark.parametrize("name", BACKENDS)
+def test_kernel_fused_encode(benchmark, pair, name):
+    """delta_encode + checksums of both tensors, as wsync.encode calls it."""
+    k = _kernels(name)
     base, new = pair
-    benchmark.group = "kernel: fused (cpu only)"
+    benchmark.group = "kernel: fused encode"
     benchmark(lambda: [k.delta_encode_checksummed(base[n].bits, new[n].bits, "float") for n in new])
     _gbps(benchmark, pair)
 
 
-def test_kernel_fused_apply(benchmark, pair):
-    """cpu's copy + scatter + both checksums in one pass: what an out-of-place apply costs if api.py calls it."""
-    k, ref = _kernels("cpu"), backends.kernels("ref")
+@pytest.mark.parametrize("name", BACKENDS)
+def test_kernel_fused_apply(benchmark, pair, name):
+    """copy + scatter + checksums of base and result, as an out-of-place wsync.apply calls it."""
+    k, ref = _kernels(name), backends.kernels("ref")
     base, new = pair
     secs = {n: ref.delta_encode(base[n].bits, new[n].bits, "float") for n in new}
-    benchmark.group = "kernel: fused (cpu only)"
+    benchmark.group = "kernel: fused apply"
     out = benchmark(lambda: {n: k.delta_apply(base[n].bits, secs[n], "float") for n in new})
     assert all(out[n][0].tobytes() == new[n].bits.tobytes() for n in new)
+    _gbps(benchmark, pair)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_kernel_fused_apply_inplace(benchmark, pair, name):
+    """checksum of base + scatter with undo record + checksum of result, into resident arrays."""
+    k, ref = _kernels(name), backends.kernels("ref")
+    base, new = pair
+    secs = {n: ref.delta_encode(base[n].bits, new[n].bits, "float") for n in new}
+    target = {n: tb.bits.copy() for n, tb in base.items()}
+
+    def reset():
+        for n, tb in base.items():
+            np.copyto(target[n], tb.bits)
+        return (), {}
+
+    benchmark.group = "kernel: fused apply in place"
+    benchmark.pedantic(lambda: [k.delta_apply_inplace(target[n], secs[n], "float") for n in new], setup=reset,
+                       rounds=5, warmup_rounds=1)
+    assert all(target[n].tobytes() == new[n].bits.tobytes() for n in new)
     _gbps(benchmark, pair)

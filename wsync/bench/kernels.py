@@ -1,20 +1,26 @@
 """Codec kernel throughput: each backend end to end and kernel by kernel, on one data set.
 
-`run_kernel_bench` builds one bf16 state (default ~256 MiB, 1% of elements
-changed, mostly by ±1 representable value, a few escapes), then times, in the
-same process on the same arrays: a numpy copy of the state (the baseline every
-ratio is against), `wsync.encode(tier="sparse")` and `wsync.apply` end to end
-per backend, and the pieces they are made of (delta kernels, checksums, the
-copy and scatter of an out-of-place apply), so a slow end-to-end number can
-be pinned on the piece that costs it. `apply` is out of place (fresh result
-tensors, whose pages the kernel must fault in); `apply_inplace` writes into
-resident tensors, as an engine updating its weights does. Throughput is GB/s (1e9 bytes) of model
-bytes, best of `repeats` after a warm-up; every backend's output is checked
+`run_kernel_bench` builds one bf16 state (default 256 MiB in 16 tensors, 1%
+of elements changed, mostly by ±1 representable value, a few escapes), then
+times, in the same process on the same arrays: a numpy copy of the state into
+resident memory (the baseline every ratio is against) and into fresh memory,
+`wsync.encode(tier="sparse")` and `wsync.apply` end to end per backend, and
+the pieces they are made of (the plain and fused kernels, checksums, the copy
+and scatter of an unfused apply), so a slow end-to-end number can be pinned on
+the piece that costs it. `apply` is out of place (fresh result tensors, whose
+pages must be faulted in, as for `copy_fresh`); `apply_inplace` writes into
+resident tensors, as an engine updating its weights does. Throughput is GB/s
+(1e9 bytes) of model bytes, best of `repeats` rounds after a warm-up, all
+operations interleaved round by round; every backend's output is checked
 byte for byte against the reference's.
+
+    python -m wsync.bench.kernels --backends cpu --json result.json
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -50,14 +56,32 @@ def _steps(rng, k: int) -> np.ndarray:
     return np.where(rng.random(k) < 0.5, mag, (-mag.astype(np.int32)).astype(np.uint16)).astype(np.uint16)
 
 
-def _best(fn, repeats: int) -> float:
-    fn()  # warm-up: page faults, lazy imports, first-touch of outputs
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+@dataclass
+class Op:
+    """One timed operation; setup runs untimed before every run of it."""
+
+    fn: Callable[[], object]
+    setup: Callable[[], object] | None = None
+
+
+def interleaved(ops: dict, rounds: int) -> dict:
+    """Best seconds of each op over `rounds` rounds, after a warm-up round.
+
+    Every round runs every op once, baseline included, so a burst of load
+    from another process on the machine slows both sides of a ratio alike
+    instead of one op's whole series.
+    """
+    best = {name: float("inf") for name in ops}
+    for r in range(rounds + 1):
+        for name, op in ops.items():
+            if op.setup is not None:
+                op.setup()
+            t = time.perf_counter()
+            op.fn()
+            dt = time.perf_counter() - t
+            if r:  # round 0 warms up: page faults, lazy imports, first touch of outputs
+                best[name] = min(best[name], dt)
+    return best
 
 
 def _torch_state(state: dict) -> dict:
@@ -73,54 +97,56 @@ def _same(out: dict, new: dict) -> bool:
     return all(torch.equal(out[n].view(torch.int16), torch.from_numpy(tb.bits.view(np.int16))) for n, tb in new.items())
 
 
-def _end_to_end(base, new, tbase, name: str, repeats: int, model_bytes: int) -> dict:
+def _end_to_end(base, new, tbase, name: str) -> tuple[dict, dict]:
+    """wsync.encode / wsync.apply (out of place, and in place into resident tensors), and facts checked once."""
     payload = api.encode(base, new, tier="sparse", backend=name)
-    row = {"encode_gbps": model_bytes / _best(lambda: api.encode(base, new, tier="sparse", backend=name), repeats) / 1e9}
-    row["apply_gbps"] = model_bytes / _best(lambda: api.apply(tbase, payload, backend=name), repeats) / 1e9
-    row["apply_inplace_gbps"] = model_bytes / _best_inplace(tbase, payload, name, repeats) / 1e9
-    row["exact"] = _same(api.apply(tbase, payload, backend=name), new)
-    row["payload_bytes"] = payload.nbytes
-    return row
-
-
-def _best_inplace(tbase: dict, payload, name: str, repeats: int) -> float:
-    """wsync.apply(inplace=True) into a copy of base that is reset, untimed, before each run.
-
-    The copy is made once, so its pages are resident: this is an engine
-    updating the weights it already holds, with no fresh memory to fault in.
-    """
+    # In place: an engine updating weights it already holds. The target is
+    # allocated once (resident pages) and reset, untimed, before every run.
     target = {n: t.clone() for n, t in tbase.items()}
-    times = []
-    for i in range(repeats + 1):
+
+    def reset():
         for n, t in target.items():
             t.copy_(tbase[n])
-        s = time.perf_counter()
-        api.apply(target, payload, inplace=True, backend=name)
-        times.append(time.perf_counter() - s)
-    return min(times[1:])  # the first run is the warm-up
+
+    ops = {
+        "encode": Op(lambda: api.encode(base, new, tier="sparse", backend=name)),
+        "apply": Op(lambda: api.apply(tbase, payload, backend=name)),
+        "apply_inplace": Op(lambda: api.apply(target, payload, inplace=True, backend=name), reset),
+    }
+    reset()
+    api.apply(target, payload, inplace=True, backend=name)
+    facts = {"exact": _same(api.apply(tbase, payload, backend=name), new) and _same(target, new),
+             "payload_bytes": payload.nbytes}
+    return ops, facts
 
 
-def _pieces(k, base, new, repeats: int, model_bytes: int) -> dict:
-    """Each piece that encode/apply spend time on, timed alone over the whole state."""
+def _pieces(k, base, new) -> dict:
+    """Each piece that encode/apply spend time on, as an op over the whole state."""
     names = list(new)
     secs = {n: k.delta_encode(base[n].bits, new[n].bits, "float") for n in names}
     decoded = {n: k.delta_decode(base[n].bits, secs[n], "float") for n in names}
+    scratch = {n: base[n].bits.copy() for n in names}  # resident, for the in-place and copy pieces
 
     def copy_scatter():
         for n in names:
             out = base[n].bits.copy()
             out[decoded[n][0]] = decoded[n][1]
 
-    timers = {
-        "delta_encode": lambda: [k.delta_encode(base[n].bits, new[n].bits, "float") for n in names],
-        "delta_decode": lambda: [k.delta_decode(base[n].bits, secs[n], "float") for n in names],
-        "checksum": lambda: [k.checksum(new[n].bits) for n in names],
-        "copy_and_scatter": copy_scatter,
+    def reset():
+        for n in names:
+            np.copyto(scratch[n], base[n].bits)
+
+    return {
+        "delta_encode": Op(lambda: [k.delta_encode(base[n].bits, new[n].bits, "float") for n in names]),
+        "delta_decode": Op(lambda: [k.delta_decode(base[n].bits, secs[n], "float") for n in names]),
+        "checksum": Op(lambda: [k.checksum(new[n].bits) for n in names]),
+        "copy_and_scatter": Op(copy_scatter),
+        "fused_encode": Op(lambda: [k.delta_encode_checksummed(base[n].bits, new[n].bits, "float") for n in names]),
+        "fused_decode": Op(lambda: [k.delta_decode_checksummed(base[n].bits, secs[n], "float") for n in names]),
+        "fused_apply": Op(lambda: [k.delta_apply(base[n].bits, secs[n], "float") for n in names]),
+        "fused_apply_inplace": Op(lambda: [k.delta_apply_inplace(scratch[n], secs[n], "float") for n in names], reset),
+        "copy_checksummed": Op(lambda: [k.copy_checksummed(base[n].bits, scratch[n]) for n in names]),
     }
-    if hasattr(k, "delta_apply"):  # fused kernels: what encode/apply would cost if api.py called them
-        timers["fused_encode"] = lambda: [k.delta_encode_checksummed(base[n].bits, new[n].bits, "float") for n in names]
-        timers["fused_apply"] = lambda: [k.delta_apply(base[n].bits, secs[n], "float") for n in names]
-    return {f"{p}_gbps": model_bytes / _best(fn, repeats) / 1e9 for p, fn in timers.items()}
 
 
 def _check_kernels(k, ref, base, new) -> bool:
@@ -135,16 +161,19 @@ def _check_kernels(k, ref, base, new) -> bool:
     return True
 
 
-def run_kernel_bench(size_bytes: int = 256 << 20, density: float = 0.01, *, tensors: int = 16, repeats: int = 3,
+def run_kernel_bench(size_bytes: int = 256 << 20, density: float = 0.01, *, tensors: int = 16, repeats: int = 5,
                      backends_: tuple[str, ...] = ("ref", "cpu")) -> dict:
     """Throughput of every loadable backend on one bf16 state; see the module docstring."""
     base, new = make_pair(size_bytes, density, tensors)
     tbase = _torch_state(base)
     model_bytes = sum(tb.nbytes for tb in new.values())
-    scratch = np.empty_like(next(iter(base.values())).bits)
-    copy_s = _best(lambda: [np.copyto(scratch, tb.bits) for tb in base.values()], repeats)
+    scratch = {n: np.empty_like(tb.bits) for n, tb in base.items()}
+    ops = {
+        ("numpy", "copy"): Op(lambda: [np.copyto(scratch[n], tb.bits) for n, tb in base.items()]),
+        ("numpy", "copy_fresh"): Op(lambda: [tb.bits.copy() for tb in base.values()]),
+    }
     result = {"hardware": hardware.describe(), "model_bytes": model_bytes, "tensors": tensors, "density": density,
-              "numpy_copy_gbps": model_bytes / copy_s / 1e9, "backends": {}}
+              "repeats": repeats, "backends": {}}
     ref = backends.kernels("ref")
     for name in backends_:
         try:
@@ -152,22 +181,30 @@ def run_kernel_bench(size_bytes: int = 256 << 20, density: float = 0.01, *, tens
         except BackendUnavailable as e:
             result["backends"][name] = {"skipped": str(e)}
             continue
-        row = _end_to_end(base, new, tbase, name, repeats, model_bytes)
-        row.update(_pieces(k, base, new, repeats, model_bytes))
-        row["kernels_match_ref"] = _check_kernels(k, ref, base, new)
-        row["threads"] = getattr(k, "threads", 1)
-        result["backends"][name] = row
+        e2e, facts = _end_to_end(base, new, tbase, name)
+        ops.update({(name, op): fn for op, fn in {**e2e, **_pieces(k, base, new)}.items()})
+        facts["kernels_match_ref"] = _check_kernels(k, ref, base, new)
+        facts["threads"] = getattr(k, "threads", 1)
+        result["backends"][name] = facts
+    best = interleaved(ops, repeats)
+    result["numpy_copy_gbps"] = model_bytes / best["numpy", "copy"] / 1e9
+    result["numpy_copy_fresh_gbps"] = model_bytes / best["numpy", "copy_fresh"] / 1e9
+    for (name, op), secs in best.items():
+        if name != "numpy":
+            result["backends"][name][f"{op}_gbps"] = model_bytes / secs / 1e9
     return result
 
 
 def render(result: dict) -> str:
     """A markdown table, ratios against the numpy copy measured in the same run."""
     base = result["numpy_copy_gbps"]
-    cols = ["encode", "apply", "apply_inplace", "delta_encode", "delta_decode", "checksum", "copy_and_scatter", "fused_encode",
-            "fused_apply"]
+    cols = ["encode", "apply", "apply_inplace", "fused_encode", "fused_apply", "fused_apply_inplace", "fused_decode",
+            "delta_encode", "delta_decode", "checksum", "copy_checksummed", "copy_and_scatter"]
     lines = [f"{result['model_bytes'] / 2**20:.0f} MiB bf16 in {result['tensors']} tensors, density {result['density']:.2%}; "
              f"{hardware.one_line(result['hardware'])}",
-             f"numpy copy: {base:.2f} GB/s (= 1.00x)", "",
+             f"numpy copy: {base:.2f} GB/s (= 1.00x); numpy copy into fresh memory: "
+             f"{result['numpy_copy_fresh_gbps']:.2f} GB/s ({result['numpy_copy_fresh_gbps'] / base:.2f}x); "
+             f"best of {result['repeats']} interleaved rounds", "",
              "| backend | " + " | ".join(f"{c} GB/s" for c in cols) + " | exact |",
              "|---|" + "---:|" * len(cols) + "---|"]
     for name, row in result["backends"].items():
@@ -180,5 +217,25 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def main(argv=None) -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="wsync codec kernel throughput (see wsync/bench/kernels.py)")
+    ap.add_argument("--mib", type=int, default=256, help="model size in MiB of bf16")
+    ap.add_argument("--density", type=float, default=0.01, help="fraction of elements changed")
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (best of)")
+    ap.add_argument("--backends", default="ref,cpu")
+    ap.add_argument("--json", help="also write the result dict here")
+    args = ap.parse_args(argv)
+    result = run_kernel_bench(args.mib << 20, args.density, tensors=args.tensors, repeats=args.repeats,
+                              backends_=tuple(args.backends.split(",")))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(render(result))
+
+
 if __name__ == "__main__":
-    print(render(run_kernel_bench()))
+    main()
