@@ -1,0 +1,292 @@
+"""``local://name``: publisher and subscribers on one host, payload through shared memory.
+
+A Unix socket in a private runtime directory (mode 0700, peers must run as our
+uid) carries small JSON frames; payload bytes are written once into a
+**memfd** segment whose file descriptor travels with the frame (SCM_RIGHTS),
+and the reader maps it copy-on-write and hands out views: no second copy, and
+the caller may still write to what it got. Segments have no name anywhere, so
+nothing can leak into /dev/shm: when both processes close their descriptors
+and mappings, or die, the kernel frees the memory.
+
+Segments are reused: the reader tells the writer (frame ``F``) once the caller
+has dropped every view of a message (checked at its next send/recv), and the
+writer recycles that segment for a later message of the same or smaller size,
+so steady-state syncs fault no fresh pages. Payload is hashed per piece
+(xxh3-64) while it is copied in, and checked per piece when mapped, on a small
+thread pool. CUDA tensors given as blobs travel as CUDA IPC handles (see
+local_cuda) and come back as CUDA tensors on the same memory.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import queue
+import socket
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+from ..errors import ChecksumError, TransportError
+from . import local_cuda, options
+from .base import Address, Message, TransportTimeout
+from .local_segments import Outbox, copy_in, verify_pieces
+
+FRAME = struct.Struct("<cI")  # frame type, JSON body length
+HELLO = FRAME.pack(b"H", 0)  # a subscriber's first bytes
+MAX_FRAME = 16 << 20
+
+
+@dataclass(kw_only=True)
+class LocalConfig:
+    dir: str | None = None  # rendezvous directory; default $XDG_RUNTIME_DIR/wsync or /tmp/wsync-<uid>
+    pool_bytes: int = 4 << 30  # released segments kept for reuse by this writer
+    piece: int = 8 << 20  # bytes per checksummed piece (the unit of parallel copy/hash)
+
+
+KINDS = {"pool_bytes": "size", "piece": "size"}
+
+
+def _socket_path(addr: Address, cfg: LocalConfig) -> str:
+    name = addr.path
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ValueError(f"local:// names may use letters, digits, '-', '_' and '.', got {name!r}")
+    d = cfg.dir or os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"wsync-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise TransportError(f"{d} must belong to uid {os.getuid()} with mode 0700 so no other user can reach the socket")
+    path = os.path.join(d, name + ".sock")
+    if len(path.encode()) > 107:
+        raise ValueError(f"socket path {path!r} is longer than a Unix socket allows; use a shorter name or dir")
+    return path
+
+
+def listen(addr: Address, **opts) -> "LocalListener":
+    return LocalListener(addr, options.build(LocalConfig, addr.params, opts, KINDS))
+
+
+def connect(addr: Address, **opts) -> "LocalLink":
+    cfg = options.build(LocalConfig, addr.params, opts, KINDS)
+    path = _socket_path(addr, cfg)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError as e:
+        sock.close()
+        raise TransportError(f"no local publisher at {path} ({e.strerror}); is it listening on {addr}?") from None
+    sock.sendall(HELLO)  # tells the listener this is a subscriber, not a probe for a live socket
+    return LocalLink(sock, cfg, f"local://{addr.path}")
+
+
+class LocalListener:
+    def __init__(self, addr: Address, cfg: LocalConfig):
+        self.cfg, self.path, self.address = cfg, _socket_path(addr, cfg), str(addr)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(self.path)
+            raise TransportError(f"another publisher already listens on {self.address} ({self.path})")
+        except (FileNotFoundError, ConnectionRefusedError):
+            if os.path.exists(self.path):  # left by a process that died: nobody answers on it
+                os.unlink(self.path)
+        finally:
+            probe.close()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        self.sock.listen(64)
+
+    def accept(self, timeout: float | None = None) -> "LocalLink | None":
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.sock.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                return None
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            if struct.unpack("3i", creds)[1] == os.getuid() and _said_hello(conn):
+                conn.settimeout(None)
+                return LocalLink(conn, self.cfg, self.address)
+            conn.close()  # a probe, or another user (the 0700 directory should already stop them)
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _said_hello(conn: socket.socket) -> bool:
+    conn.settimeout(5.0)
+    got = b""
+    try:
+        while len(got) < len(HELLO):
+            more = conn.recv(len(HELLO) - len(got))
+            if not more:
+                return False
+            got += more
+    except OSError:
+        return False
+    return got == HELLO
+
+
+class LocalLink:
+    fanout = 1
+
+    def __init__(self, sock: socket.socket, cfg: LocalConfig, peer: str):
+        self.sock, self.cfg, self.peer = sock, cfg, peer
+        self._out = Outbox(cfg.pool_bytes)  # segments we write
+        self._in_fds: dict[int, int] = {}  # the peer's segments we may map, by id
+        self._held: list[tuple[int, mmap.mmap]] = []  # mappings handed to our caller, freed once unused
+        self._inbox: queue.Queue = queue.Queue()
+        self._wlock = threading.Lock()
+        self._closed = False
+        self._reader = threading.Thread(target=self._read_loop, name=f"wsync-local-{peer}", daemon=True)
+        self._reader.start()
+
+    # -- sending ------------------------------------------------------------------------
+
+    def send(self, msg: Message) -> None:
+        self._reap()
+        for seg_id in self._out.evict():
+            self._frame(b"D", {"seg": seg_id})
+        host, entries = [], []
+        for b in msg.blobs:
+            if local_cuda.is_cuda(b):
+                entries.append({"cuda": local_cuda.share(b)})
+            else:
+                v = memoryview(b).cast("B")
+                host.append(v)
+                entries.append({"n": len(v)})
+        total = sum(len(v) for v in host)
+        seg = self._out.take(total) if total else None
+        if seg is not None:
+            sums = copy_in(seg.mm, host, self.cfg.piece)
+            off = 0
+            for e in (e for e in entries if "n" in e):
+                e["off"], e["sums"], off = off, sums.pop(0), off + e["n"]
+        head = {"kind": msg.kind, "meta": msg.meta, "blobs": entries, "piece": self.cfg.piece,
+                "seg": seg.id if seg else None, "seg_size": seg.size if seg else 0}
+        fds = [seg.fd] if seg is not None and not seg.shared else []
+        self._frame(b"M", head, fds)
+        if seg is not None:
+            seg.shared = True
+
+    def _frame(self, kind: bytes, body: dict, fds=()) -> None:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        try:
+            with self._wlock:
+                if fds:
+                    socket.send_fds(self.sock, [FRAME.pack(kind, len(data))], list(fds))
+                    self.sock.sendall(data)
+                else:
+                    self.sock.sendall(FRAME.pack(kind, len(data)) + data)
+        except OSError as e:
+            raise TransportError(f"send to {self.peer} failed: {e}") from None
+
+    # -- receiving ----------------------------------------------------------------------
+
+    def recv(self, timeout: float | None = None) -> Message:
+        self._reap()
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TransportTimeout(f"no message from {self.peer} within {timeout}s") from None
+        if isinstance(item, Exception):
+            self._inbox.put(item)  # every later recv sees the same failure
+            raise item
+        return self._open(item)
+
+    def _open(self, head: dict) -> Message:
+        try:
+            entries, seg = head["blobs"], head["seg"]
+            view = mm = None
+            if seg is not None:
+                mm = mmap.mmap(self._in_fds[seg], head["seg_size"], access=mmap.ACCESS_COPY)
+                view = memoryview(mm)
+            blobs = []
+            for e in entries:
+                if "cuda" in e:
+                    blobs.append(local_cuda.open_shared(e["cuda"]))
+                else:
+                    blobs.append(view[e["off"]:e["off"] + e["n"]] if e["n"] else bytearray())
+            host = [(b, e["sums"]) for b, e in zip(blobs, entries) if "cuda" not in e and e["n"]]
+        except (KeyError, TypeError, ValueError, OSError) as e:
+            raise TransportError(f"malformed local message header from {self.peer}: {e!r}") from None
+        if mm is not None:
+            self._held.append((seg, mm))
+        bad = verify_pieces(host, head["piece"])
+        if bad is not None:
+            del blobs, host, view
+            self._reap()
+            raise ChecksumError(f"local message piece {bad} failed its checksum (shared memory changed under us)")
+        return Message(head["kind"], head["meta"], blobs)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                kind, body, fds = self._read_frame()
+                if kind == b"M":
+                    if fds:
+                        self._in_fds[body["seg"]] = fds[0]
+                    self._inbox.put(body)
+                elif kind == b"F":
+                    self._out.release(body["seg"])
+                elif kind == b"D":
+                    os.close(self._in_fds.pop(body["seg"]))
+        except Exception as e:  # EOF, a dead peer, or garbage: every waiting recv learns it
+            err = e if isinstance(e, TransportError) else TransportError(f"{self.peer}: {e!r}")
+            self._inbox.put(err if not self._closed else TransportError(f"link to {self.peer} is closed"))
+
+    def _read_frame(self):
+        prefix, fds = b"", []
+        while len(prefix) < FRAME.size:  # descriptors ride on the first byte of a frame
+            data, got, _flags, _addr = socket.recv_fds(self.sock, FRAME.size - len(prefix), 4)
+            if not data:
+                raise TransportError(f"{self.peer} closed the connection")
+            prefix, fds = prefix + data, fds + list(got)
+        kind, n = FRAME.unpack(prefix)
+        if kind not in (b"M", b"F", b"D") or n > MAX_FRAME:
+            raise TransportError(f"{self.peer} sent a bad frame (type {kind!r}, {n} bytes)")
+        body = bytearray()
+        while len(body) < n:
+            more = self.sock.recv(n - len(body))
+            if not more:
+                raise TransportError(f"{self.peer} closed the connection mid-frame")
+            body += more
+        return kind, json.loads(body), fds
+
+    def _reap(self) -> None:
+        """Give back segments whose views our caller has dropped."""
+        keep = []
+        for seg, mm in self._held:
+            try:
+                mm.close()
+            except BufferError:  # a view of it is still alive
+                keep.append((seg, mm))
+                continue
+            if not self._closed:
+                try:
+                    self._frame(b"F", {"seg": seg})
+                except TransportError:
+                    pass  # the peer is gone; its segments went with it
+        self._held = keep
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._reader.join(timeout=5)
+        for fd in self._in_fds.values():
+            os.close(fd)
+        self._in_fds.clear()
+        self._out.close()
+        self._reap()  # mappings still viewed by the caller stay valid until it drops them
