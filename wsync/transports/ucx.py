@@ -1,0 +1,285 @@
+"""``ucx://host:port``: messages over UCX through UCXX (``pip install 'wsync[ucx]'``, package ucxx-cu12).
+
+UCX picks the fastest path it has: shared memory or TCP on a plain host, RDMA
+and GPU-direct where present. UCX-Py is discontinued; UCXX is its successor.
+UCXX is asyncio-based, so this module runs one private event loop thread per
+process (UCXX keeps one context and worker per process) and offers the usual
+blocking Link on top: every call hands a coroutine to that loop and waits.
+
+On the wire: a u64 header length, the header (base.py's envelope, with a
+``cuda`` flag per blob), then each non-empty blob as one tagged UCX message.
+Host blobs carry xxh3-64 sums checked on arrival; CUDA blobs (torch tensors or
+anything with ``__cuda_array_interface__``) go device to device and arrive as
+uint8 CUDA tensors, unchecked here (the sync layer's digest covers them).
+A recv that times out leaves its receive pending and the next recv resumes it,
+so no bytes are lost or matched out of order.
+
+Listeners need UCX's tcp transport (``UCX_TLS=tcp`` or ``sm,tcp``; ``sm``
+alone cannot connect through a listener); the ``tls`` option sets it for this
+process when UCX_TLS is unset, before UCX starts.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from ..errors import BackendUnavailable, ChecksumError, TransportError
+from . import options
+from .base import ENVELOPE, MAGIC, MAX_BLOB, MAX_HEADER, Address, Message, TransportTimeout
+from .pool import BufferPool
+
+
+@dataclass(kw_only=True)
+class UcxConfig:
+    connect_timeout: float = 30.0  # seconds to reach a listener
+    stall_timeout: float = 120.0  # once a message has started, the longest wait for the rest of it
+    pool_bytes: int = 1 << 30  # received host buffers kept for reuse once the caller drops them
+    tls: str | None = None  # UCX_TLS for this process if the environment does not set it (e.g. "tcp,sm,self")
+
+
+KINDS = {"connect_timeout": float, "stall_timeout": float, "pool_bytes": "size"}
+_LOOP = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _ucxx():
+    try:
+        import ucxx
+    except ImportError as e:
+        raise BackendUnavailable(f"ucx:// needs UCXX ({e}); install it with: pip install 'wsync[ucx]' (ucxx-cu12)") from None
+    return ucxx
+
+
+def _loop(cfg: UcxConfig) -> "_Loop":
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            if cfg.tls and "UCX_TLS" not in os.environ:
+                os.environ["UCX_TLS"] = cfg.tls
+            _LOOP = _Loop(_ucxx())
+        return _LOOP
+
+
+class _Loop:
+    """The process's UCXX event loop, on a daemon thread."""
+
+    def __init__(self, ucxx):
+        self.ucxx = ucxx
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="wsync-ucx", daemon=True).start()
+        self.run(self._init())
+
+    async def _init(self):
+        self.ucxx.init()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout: float | None = None):
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TransportTimeout(f"UCX operation did not finish within {timeout}s") from None
+
+
+def _errors(e: BaseException, peer: str) -> Exception:
+    if isinstance(e, (TransportError, ChecksumError, BackendUnavailable)):
+        return e
+    return TransportError(f"UCX link to {peer}: {type(e).__name__}: {e}")
+
+
+def listen(addr: Address, **opts) -> "UcxListener":
+    return UcxListener(addr, options.build(UcxConfig, addr.params, opts, KINDS))
+
+
+def connect(addr: Address, **opts) -> "UcxLink":
+    cfg = options.build(UcxConfig, addr.params, opts, KINDS)
+    lp = _loop(cfg)
+    peer = f"{addr.host}:{addr.port}"
+    try:
+        ep = lp.run(lp.ucxx.create_endpoint(addr.host, addr.port, connect_timeout=cfg.connect_timeout),
+                    cfg.connect_timeout + 5)
+    except Exception as e:
+        raise TransportError(f"cannot reach a ucx publisher at {peer}: {e}") from None
+    return UcxLink(lp, ep, cfg, peer)
+
+
+class UcxListener:
+    def __init__(self, addr: Address, cfg: UcxConfig):
+        self.cfg, self.lp, self._joined = cfg, _loop(cfg), queue.Queue()
+
+        async def on_connect(ep):
+            self._joined.put(ep)
+
+        async def start():
+            return self.lp.ucxx.create_listener(on_connect, port=addr.port or None)
+
+        try:
+            self._listener = self.lp.run(start(), 30)
+        except Exception as e:
+            raise TransportError(f"cannot listen on ucx port {addr.port}: {e}") from None
+        self.address = str(Address("ucx", addr.host, self._listener.port, "", addr.params))
+
+    def accept(self, timeout: float | None = None) -> "UcxLink | None":
+        try:
+            ep = self._joined.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return UcxLink(self.lp, ep, self.cfg, f"ucx subscriber of {self.address}")
+
+    def close(self) -> None:
+        self.lp.loop.call_soon_threadsafe(self._listener.close)
+
+
+def _is_cuda(b) -> bool:
+    return getattr(b, "is_cuda", False) is True or hasattr(b, "__cuda_array_interface__")
+
+
+def _cuda_nbytes(b) -> int:
+    if hasattr(b, "element_size"):
+        return b.numel() * b.element_size()
+    return int(b.nbytes)
+
+
+def pack_head(msg: Message) -> tuple[bytes, list]:
+    """Envelope + JSON header; returns it and the buffers to send (non-empty blobs, in order)."""
+    sizes, sums, cuda, bufs = [], [], [], []
+    for b in msg.blobs:
+        if _is_cuda(b):
+            n, s, c, buf = _cuda_nbytes(b), "", True, b
+        else:
+            buf = memoryview(b).cast("B")
+            n, s, c = len(buf), xxhash.xxh3_64_hexdigest(buf), False
+        sizes.append(n), sums.append(s), cuda.append(c)
+        if n:
+            bufs.append(buf)
+    head = json.dumps({"kind": msg.kind, "meta": msg.meta, "sizes": sizes, "sums": sums, "cuda": cuda},
+                      separators=(",", ":")).encode()
+    return ENVELOPE.pack(MAGIC, len(head), xxhash.xxh3_64_intdigest(head)) + head, bufs
+
+
+def parse_head(raw: bytes) -> tuple[str, dict, list[int], list[str], list[bool]]:
+    magic, hlen, hsum = ENVELOPE.unpack_from(raw)
+    if magic != MAGIC or hlen != len(raw) - ENVELOPE.size:
+        raise TransportError(f"peer sent a frame that is not a wsync message (magic {magic!r})")
+    if xxhash.xxh3_64_intdigest(raw[ENVELOPE.size:]) != hsum:
+        raise ChecksumError("message header checksum mismatch (corrupt in transit)")
+    try:
+        d = json.loads(raw[ENVELOPE.size:])
+        kind, meta, sizes, sums, cuda = d["kind"], d["meta"], d["sizes"], d["sums"], d["cuda"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise TransportError(f"malformed message header: {e}") from None
+    ok = (isinstance(kind, str) and isinstance(meta, dict) and isinstance(sizes, list) and len(sizes) == len(sums) == len(cuda)
+          and all(type(n) is int and 0 <= n <= MAX_BLOB for n in sizes) and all(isinstance(s, str) for s in sums))
+    if not ok:
+        raise TransportError("malformed message header: bad field types or blob sizes")
+    return kind, meta, sizes, sums, [bool(c) for c in cuda]
+
+
+class UcxLink:
+    fanout = 1
+
+    def __init__(self, lp: _Loop, ep, cfg: UcxConfig, peer: str):
+        self.lp, self.ep, self.cfg, self.peer = lp, ep, cfg, peer
+        self._pool = BufferPool(cfg.pool_bytes)
+        self._pending = None  # a receive that outlived its caller's timeout; the next recv resumes it
+
+    def send(self, msg: Message) -> None:
+        head, bufs = pack_head(msg)
+        try:
+            self.lp.run(self._send(head, bufs), None)
+        except Exception as e:
+            raise _errors(e, self.peer) from None
+
+    async def _send(self, head: bytes, bufs: list) -> None:
+        await self.ep.send(np.array([len(head)], dtype=np.uint64))
+        await self.ep.send(np.frombuffer(head, dtype=np.uint8))
+        for b in bufs:
+            await self.ep.send(b if _is_cuda(b) else np.frombuffer(b, dtype=np.uint8))
+
+    def recv(self, timeout: float | None = None) -> Message:
+        if self._pending is None:
+            self._pending = self.lp.submit(self._recv())
+        try:
+            msg = self._pending.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransportTimeout(f"no message from {self.peer} within {timeout}s") from None
+        except Exception as e:
+            self._pending = None
+            raise _errors(e, self.peer) from None
+        self._pending = None
+        return msg
+
+    async def _recv(self) -> Message:
+        n = np.zeros(1, dtype=np.uint64)
+        await self.ep.recv(n)
+        if not ENVELOPE.size < int(n[0]) <= ENVELOPE.size + MAX_HEADER:
+            raise TransportError(f"{self.peer} announced a message header of {int(n[0])} bytes")
+        raw = np.empty(int(n[0]), dtype=np.uint8)
+        await asyncio.wait_for(self.ep.recv(raw), self.cfg.stall_timeout)
+        kind, meta, sizes, sums, cuda = parse_head(raw.tobytes())
+        blobs = []
+        for i, (size, s, c) in enumerate(zip(sizes, sums, cuda)):
+            blobs.append(await self._recv_blob(i, size, s, c))
+        return Message(kind, meta, blobs)
+
+    async def _recv_blob(self, i: int, size: int, expected: str, cuda: bool):
+        if cuda:
+            import torch
+
+            buf = torch.empty(size, dtype=torch.uint8, device="cuda")
+        else:
+            buf = self._pool.take(size)
+        if size:
+            await asyncio.wait_for(self.ep.recv(buf if cuda else np.frombuffer(buf, dtype=np.uint8)), self.cfg.stall_timeout)
+        if not cuda and xxhash.xxh3_64_hexdigest(buf) != expected:
+            raise ChecksumError(f"message blob {i} failed its checksum (corrupt in transit)")
+        return buf
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+        try:
+            self.lp.run(self.ep.close(), 10)
+        except Exception:
+            pass  # closing a link whose peer is gone is not an error
+        self._pool.clear()
+
+
+class RawPair:
+    """The bench baseline: one plain UCXX endpoint, one tagged send/recv of the whole buffer."""
+
+    def __init__(self, role: str, host: str, port: int, size: int):
+        self.role, self.lp = role, _loop(UcxConfig())
+        self.buf = np.zeros(size, dtype=np.uint8) if role == "recv" else None
+        if role == "recv":
+            lst = UcxListener(Address("ucx", host, port, "", {}), UcxConfig())
+            link = lst.accept(timeout=120)
+            self.ep, self._lst = link.ep, lst
+        else:
+            self.ep, self._lst = connect(Address("ucx", host, port, "", {})).ep, None
+
+    def raw(self, buf):
+        if self.role == "send":
+            self.lp.run(self.ep.send(np.frombuffer(buf, dtype=np.uint8)))
+            return None
+        self.lp.run(self.ep.recv(self.buf))
+        return self.buf
+
+    def close(self) -> None:
+        try:
+            self.lp.run(self.ep.close(), 10)
+        except Exception:
+            pass
+        if self._lst:
+            self._lst.close()
