@@ -121,6 +121,7 @@ def parser() -> argparse.ArgumentParser:
 # import nothing heavy at module level: the parser is built on every call.
 EXTENSIONS = [
     ("", "wsync.serve"),
+    ("bench", "wsync.bench.transport"),
     ("", "wsync.plan.cli"),
 ]
 

@@ -1,0 +1,189 @@
+"""`wsync bench transport`: one message of SIZE bytes through our transport, beside a raw baseline.
+
+Two worker processes (a sender and a receiver, started fresh with
+``python -m wsync.bench.transport``) run the raw baseline and our Link in
+turns, ``repeats`` times each after a warm-up. The receiver times each move
+(from its "ready" byte on a side socket to the last byte in hand, checksum
+checks included for our Link, as a caller would see it) and checks every
+received buffer against the sender's xxh3-64. Results are ratios against the
+baseline of the same run, with the hardware named.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+TRANSPORTS = ("tcp", "ucx", "gloo", "nccl", "local")
+
+
+def add_parsers(subparsers) -> None:
+    p = subparsers.add_parser("transport", help="GB/s of one message through a transport vs a raw baseline")
+    p.add_argument("--transport", required=True, choices=TRANSPORTS)
+    p.add_argument("--size", default="256M", help="message bytes, e.g. 1048576, 256M, 1G (default 256M)")
+    p.add_argument("--streams", type=int, default=1, help="tcp: parallel streams (the baseline uses as many sockets)")
+    p.add_argument("--chunk", default="64M", help="gloo/nccl: bytes per collective (default 64M)")
+    p.add_argument("--repeats", type=int, default=5, help="timed moves of each kind after one warm-up (default 5)")
+    p.add_argument("--json", metavar="OUT", help="also write the result as JSON here")
+    p.set_defaults(fn=_cli)
+
+
+def _cli(a) -> None:
+    from ..transports.options import parse_size
+
+    res = run(a.transport, parse_size(a.size), streams=a.streams, repeats=a.repeats, chunk=parse_size(a.chunk))
+    print(report(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+def run(transport: str, size: int, *, streams: int = 1, repeats: int = 5, chunk: int = 64 << 20, timeout: float = 600) -> dict:
+    """Run both workers and collect their timings; raises WsyncError if any received byte was wrong."""
+    from ..errors import TransportError
+    from . import hardware
+
+    if transport not in TRANSPORTS or size < 1 or repeats < 1 or streams < 1:
+        raise ValueError(f"need --transport in {TRANSPORTS}, --size >= 1, --repeats >= 1 and --streams >= 1")
+    with tempfile.TemporaryDirectory(prefix="wsync-bench-") as tmp:
+        spec = {"transport": transport, "size": size, "streams": streams, "repeats": repeats, "chunk": chunk,
+                "side_port": _free_port(), "port": _free_port(), "raw_port": _free_port(), "seed": 7,
+                "token": secrets.token_hex(16), "name": f"bench-{secrets.token_hex(4)}", "raw_path": os.path.join(tmp, "raw.sock")}
+        procs = {role: _spawn(role, spec) for role in ("recv", "send")}
+        outs = {}
+        try:
+            for role, p in procs.items():
+                outs[role] = p.communicate(timeout=timeout)
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for role, p in procs.items():
+        if p.returncode != 0:
+            raise TransportError(f"bench {role} worker failed (exit {p.returncode}): {outs[role][1].strip()[-2000:]}")
+    rows = [json.loads(line) for line in outs["recv"][0].splitlines() if line.startswith("{")]
+    bad = [r for r in rows if not r["ok"]]
+    if bad:
+        raise TransportError(f"{len(bad)} moves delivered wrong bytes, e.g. {bad[0]}")
+    return _summarise(spec, rows, hardware.describe())
+
+
+def _summarise(spec: dict, rows: list[dict], hw: dict) -> dict:
+    out = {"transport": spec["transport"], "size": spec["size"], "streams": spec["streams"], "chunk": spec["chunk"],
+           "repeats": spec["repeats"], "hardware": hw, "checked": "xxh3-64 of every received buffer", "runs": {}}
+    for kind in ("raw", "ours"):
+        secs = [r["seconds"] for r in rows if r["kind"] == kind and not r["warmup"]]
+        gbps = [spec["size"] / s / 1e9 for s in secs]
+        out["runs"][kind] = {"seconds": secs, "gbps_median": statistics.median(gbps), "gbps_best": max(gbps)}
+    out["ratio_median"] = out["runs"]["ours"]["gbps_median"] / out["runs"]["raw"]["gbps_median"]
+    out["ratio_best"] = out["runs"]["ours"]["gbps_best"] / out["runs"]["raw"]["gbps_best"]
+    return out
+
+
+def report(res: dict) -> str:
+    from .hardware import one_line
+
+    raw, ours = res["runs"]["raw"], res["runs"]["ours"]
+    extra = f", {res['streams']} streams" if res["transport"] == "tcp" else ""
+    return (f"{res['transport']}: {res['size']:,} bytes{extra}, {res['repeats']} repeats, every byte checked\n"
+            f"  raw baseline  {raw['gbps_median']:.2f} GB/s median, {raw['gbps_best']:.2f} best\n"
+            f"  wsync link    {ours['gbps_median']:.2f} GB/s median, {ours['gbps_best']:.2f} best\n"
+            f"  ratio         {res['ratio_median']:.1%} median, {res['ratio_best']:.1%} best\n"
+            f"  on {one_line(res['hardware'])}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(role: str, spec: dict) -> subprocess.Popen:
+    env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp,sm,self")} if spec["transport"] == "ucx" else None
+    return subprocess.Popen([sys.executable, "-m", "wsync.bench.transport", role, json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+# -- inside a worker process ------------------------------------------------------------
+
+
+def payload(size: int, seed: int):
+    """Incompressible-looking bytes, cheap to make: a random MiB tiled, each copy stamped with its index."""
+    import numpy as np
+
+    block = np.random.default_rng(seed).integers(0, 256, 1 << 20, dtype=np.uint8)
+    out = np.empty(size, dtype=np.uint8)
+    n = size >> 20
+    rows = out[: n << 20].reshape(n, 1 << 20)
+    rows[:] = block
+    rows[:, :8] = np.arange(n, dtype=np.uint64).view(np.uint8).reshape(n, 8)
+    out[n << 20:] = block[: size - (n << 20)]
+    return out
+
+
+def worker(role: str, spec: dict) -> None:
+    import xxhash
+
+    from .transport_pairs import make
+
+    side = _side_channel(role, spec["side_port"])
+    data = payload(spec["size"], spec["seed"]) if role == "send" else None
+    if role == "send":
+        side.sendall(xxhash.xxh3_64_digest(data))
+        expected = None
+    else:
+        expected = _recv_n(side, 8)
+    pair = make(spec["transport"], role, spec)
+    for rep in range(1 + spec["repeats"]):
+        for kind in ("raw", "ours"):
+            move = pair.raw if kind == "raw" else pair.ours
+            if role == "send":
+                _recv_n(side, 1)  # the receiver is ready
+                move(data)
+                continue
+            side.sendall(b"R")
+            t0 = time.perf_counter()
+            got = move(None)
+            dt = time.perf_counter() - t0
+            ok = len(memoryview(got).cast("B")) == spec["size"] and xxhash.xxh3_64_digest(got) == expected
+            del got  # let our link recycle the buffer, as a subscriber does after applying
+            print(json.dumps({"kind": kind, "rep": rep, "warmup": rep == 0, "seconds": dt, "ok": ok}), flush=True)
+    pair.close()
+    side.close()
+
+
+def _side_channel(role: str, port: int) -> socket.socket:
+    if role == "recv":
+        srv = socket.create_server(("127.0.0.1", port))
+        s = srv.accept()[0]
+        srv.close()
+        return s
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port))
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _recv_n(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        more = sock.recv(n - len(buf))
+        if not more:
+            raise ConnectionError("bench peer went away")
+        buf += more
+    return buf
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], json.loads(sys.argv[2]))
