@@ -69,10 +69,16 @@ def run(transport: str, size: int, *, streams: int = 1, repeats: int = 5, chunk:
         if p.returncode != 0:
             raise TransportError(f"bench {role} worker failed (exit {p.returncode}): {outs[role][1].strip()[-2000:]}")
     rows = [json.loads(line) for line in outs["recv"][0].splitlines() if line.startswith("{")]
+    _check_rows(rows)
+    return _summarise(spec, rows, hardware.describe())
+
+
+def _check_rows(rows: list[dict]) -> None:
+    from ..errors import TransportError
+
     bad = [r for r in rows if not r["ok"]]
     if bad:
         raise TransportError(f"{len(bad)} moves delivered wrong bytes, e.g. {bad[0]}")
-    return _summarise(spec, rows, hardware.describe())
 
 
 def _summarise(spec: dict, rows: list[dict], hw: dict) -> dict:
