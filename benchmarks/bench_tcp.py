@@ -1,0 +1,137 @@
+"""tcp:// against a plain-socket baseline measured in the same run, sender and receiver in two processes.
+
+    python benchmarks/bench_tcp.py [--size-mib 1024] [--streams 1 4] [--repeat 3] [--host 127.0.0.1]
+
+Baseline: one TCP connection, ``sendall(memoryview)`` on one side and
+``recv_into`` a preallocated buffer on the other, the fastest plain Python
+moves bytes. Ours: one message of the same size over a tcp:// link (frames,
+per-frame xxh3, reassembly). Runs alternate (baseline, ours, baseline, ...)
+so background load hits both alike; the best of --repeat is kept for each.
+The receiver is a child process (optionally in a network namespace, see
+``--netns``, used by the WAN benchmark) and checks every run byte for byte by
+comparing the xxh3-128 of what it got with that of what was sent.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import xxhash
+
+
+def _recv_main(a) -> None:
+    """Child: accept runs one by one and print "ok <digest>" after each."""
+    from wsync.transports import listen
+
+    raw = socket.create_server((a.host, 0))
+    lst = listen(f"tcp://{a.host}:0")
+    print(raw.getsockname()[1], lst.address, flush=True)
+    buf = bytearray(a.size_mib << 20)
+    for line in sys.stdin:
+        if line.startswith("raw"):
+            c, _ = raw.accept()
+            view, got, n = memoryview(buf), 0, len(buf)
+            while got < n:
+                k = c.recv_into(view[got:], min(n - got, 16 << 20))
+                if not k:
+                    raise SystemExit("baseline sender went away")
+                got += k
+            c.sendall(b"k")  # the sender's clock stops when the last byte has landed here
+            c.close()
+            digest = xxhash.xxh3_128_hexdigest(buf)
+        else:
+            link = lst.accept(timeout=60)
+            m = link.recv(600)
+            link.send(__import__("wsync.transports", fromlist=["Message"]).Message("done"))
+            digest = xxhash.xxh3_128_hexdigest(m.blobs[0])
+            link.close()
+        print("ok", digest, flush=True)
+
+
+def baseline(port: int, host: str, data: memoryview) -> float:
+    s = socket.create_connection((host, port))
+    t0 = time.perf_counter()
+    s.sendall(data)
+    s.recv(1)
+    dt = time.perf_counter() - t0
+    s.close()
+    return len(data) / dt / 1e9
+
+
+def ours(address: str, data: memoryview, streams: int) -> float:
+    from wsync.transports import Message, connect
+
+    link = connect(address, streams=streams)
+    t0 = time.perf_counter()
+    link.send(Message("bench", {}, [data]))
+    link.recv(600)  # "done": the receiver holds the whole message, checked
+    dt = time.perf_counter() - t0
+    link.close()
+    return len(data) / dt / 1e9
+
+
+def run(size_mib: int, streams: list[int], repeat: int, host: str = "127.0.0.1", netns: str | None = None) -> dict:
+    data = memoryview(np.random.default_rng(0).integers(0, 255, size_mib << 20, dtype=np.uint8))
+    want = xxhash.xxh3_128_hexdigest(data)
+    cmd = [sys.executable, os.path.abspath(__file__), "--role", "recv", "--size-mib", str(size_mib), "--host", host]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns] + cmd
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        raw_port, address = child.stdout.readline().split()
+
+        def once(what, fn, *args):
+            child.stdin.write(what + "\n")
+            child.stdin.flush()
+            g = fn(*args)
+            status, digest = child.stdout.readline().split()
+            if digest != want:
+                raise SystemExit(f"{what}: received bytes differ from those sent")
+            return g
+
+        res = {"hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+               "size_bytes": len(data), "baseline_gbps": 0.0}
+        for n in streams:
+            res[f"tcp_streams{n}_gbps"] = 0.0
+        for _ in range(repeat):
+            for n in streams:
+                res["baseline_gbps"] = max(res["baseline_gbps"], once("raw", baseline, int(raw_port), host, data))
+                key = f"tcp_streams{n}_gbps"
+                res[key] = max(res[key], once("tcp", ours, address, data, n))
+        for n in streams:
+            res[f"tcp_streams{n}_ratio"] = res[f"tcp_streams{n}_gbps"] / res["baseline_gbps"]
+        return res
+    finally:
+        child.stdin.close()
+        child.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", default="send", choices=["send", "recv"])
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--host", default="127.0.0.1", help="where the receiver listens")
+    ap.add_argument("--netns", help="run the receiver inside this network namespace")
+    ap.add_argument("--json", help="write results here")
+    a = ap.parse_args()
+    if a.role == "recv":
+        return _recv_main(a)
+    res = run(a.size_mib, a.streams, a.repeat, a.host, a.netns)
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

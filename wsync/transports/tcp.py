@@ -1,0 +1,200 @@
+"""tcp:// — the transport for links between hosts: racks apart or across a WAN.
+
+Built for long fat pipes and for links that drop:
+
+* **several streams** per link (``streams=4``): each message is cut into frames
+  (``frame_bytes``, 4 MiB) that any stream may carry, each with its own header
+  (message, blob, offset, length, xxh3-64), and reassembled in place;
+* **large socket buffers** (``sndbuf``/``rcvbuf``, 16 MiB) and TCP_NODELAY;
+* **resume**: if connections drop, the subscriber reconnects within
+  ``resume_window`` seconds and the link carries on from the last good frame,
+  with nothing lost or repeated; after the window both sides see TransportError;
+* **auth**: with ``token=...`` every connection runs an HMAC-SHA256
+  challenge-response both ways, and a peer without the token is refused and
+  logged (logger ``wsync.transports.tcp``) before ``accept()`` ever sees it.
+  **Without a token on the listener anyone who reaches the port may connect.**
+* **TLS** with ``tls=`` an ``ssl.SSLContext`` or a ``TlsConfig``/dict of files.
+
+Usage (through ``wsync.transports``)::
+
+    lst = listen("tcp://0.0.0.0:7070", token="s3cret")
+    link = connect("tcp://trainer:7070?streams=8", token="s3cret")
+
+Options come from address parameters (``?streams=8&resume_window=60``) and
+keyword arguments (which win). ``send`` returns once every byte is in the
+kernel; the link keeps a reference to the blobs until the peer acknowledges
+them, so call ``link.flush()`` before changing a buffer you sent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import socket
+import threading
+from dataclasses import dataclass
+
+from ..errors import TransportError
+from . import options
+from .base import Address
+from .tcp_auth import Refused, TlsConfig, client_context, reply, server_context, server_handshake, tune
+from .tcp_link import TcpLink, shut
+from .tcp_roles import ClientLink, ServerLink
+
+__all__ = ["TcpConfig", "TcpListener", "TcpLink", "TlsConfig", "connect", "listen"]
+
+log = logging.getLogger("wsync.transports.tcp")
+
+
+@dataclass(kw_only=True)
+class TcpConfig:
+    streams: int = 4  # TCP connections per direction; a message's frames spread over them (dialling side decides)
+    frame_bytes: int = 4 << 20  # bytes per frame: the unit of striping, checksumming and resending
+    sndbuf: int = 16 << 20  # SO_SNDBUF per connection (0: kernel autotuning)
+    rcvbuf: int = 16 << 20  # SO_RCVBUF per connection (0: kernel autotuning)
+    resume_window: float = 30.0  # seconds a dropped link may take to reconnect before TransportError
+    connect_timeout: float = 10.0  # seconds per TCP connect attempt
+    handshake_timeout: float = 10.0  # seconds for a connection's handshake (TLS + token + join)
+    user_timeout: float = 20.0  # TCP_USER_TIMEOUT: unacknowledged data this old breaks the connection (0: off)
+    stall_timeout: float = 120.0  # longest wait for a frame's message header before giving up
+    max_message: int = 64 << 30  # largest message accepted from the peer (bounds allocation)
+    recv_window: int = 512 << 20  # complete messages not yet taken by recv() before reading pauses
+    max_resends: int = 3  # times one frame may fail its checksum in a row before ChecksumError
+    linger: float = 5.0  # close(): seconds to wait for the peer to acknowledge what was sent
+    congestion: str | None = None  # TCP_CONGESTION for every connection, e.g. "bbr" or "cubic" (None: system)
+    pool_bytes: int = 1 << 30  # received buffers kept for reuse once the caller drops them (fresh pages are slow)
+
+    @classmethod
+    def from_options(cls, params: dict, opts: dict) -> "TcpConfig":
+        """Address parameters (strings; sizes like 16M) overridden by keyword options."""
+        cfg = options.build(cls, params, opts, KINDS)
+        if not 1 <= cfg.streams <= 64:
+            raise ValueError(f"streams must be 1..64, got {cfg.streams}")
+        if not 64 << 10 <= cfg.frame_bytes <= 64 << 20:
+            raise ValueError(f"frame_bytes must be 64K..64M, got {cfg.frame_bytes}")
+        return cfg
+
+
+KINDS = {"streams": int, "frame_bytes": "size", "sndbuf": "size", "rcvbuf": "size", "resume_window": float,
+         "connect_timeout": float, "handshake_timeout": float, "user_timeout": float, "stall_timeout": float,
+         "max_message": "size", "recv_window": "size", "max_resends": int, "linger": float, "pool_bytes": "size"}
+
+
+def listen(addr: Address, *, token=None, tls=None, **opts) -> "TcpListener":
+    return TcpListener(addr, TcpConfig.from_options(addr.params, opts), token, server_context(tls))
+
+
+def connect(addr: Address, *, token=None, tls=None, timeout: float = 30.0, **opts) -> TcpLink:
+    """Open a link; TransportError if it is not up (all streams joined) within timeout seconds."""
+    import time
+
+    cfg = TcpConfig.from_options(addr.params, opts)
+    link = ClientLink(cfg, addr.host, addr.port, token, client_context(tls))
+    link.bring_up(False, time.monotonic() + timeout)
+    return link
+
+
+class TcpListener:
+    """Accepts subscribers; each authenticated, fully joined one comes out of accept() as its own link."""
+
+    def __init__(self, addr: Address, cfg: TcpConfig, token, tls):
+        self.cfg, self.token, self.tls = cfg, token, tls
+        info = socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        self._sock = socket.socket(info[0], socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        tune(self._sock, cfg)  # accepted sockets inherit the buffer sizes (and so the window scale)
+        try:
+            self._sock.bind(info[4])
+        except OSError as e:
+            self._sock.close()
+            raise TransportError(f"cannot listen on {addr}: {e}") from None
+        self._sock.listen(128)
+        self.address = str(dataclasses.replace(addr, port=self._sock.getsockname()[1]))
+        self._ready: queue.Queue = queue.Queue()
+        self._links: dict[str, ServerLink] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept_loop, daemon=True, name="wsync-listen").start()
+
+    def accept(self, timeout: float | None = None) -> TcpLink | None:
+        if self._closed:
+            raise TransportError(f"listener {self.address} is closed")
+        try:
+            link = self._ready.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if link is None:
+            raise TransportError(f"listener {self.address} is closed")
+        return link
+
+    def close(self) -> None:
+        """Stop admitting subscribers (links already accepted carry on, but can no longer resume)."""
+        self._closed = True
+        shut(self._sock)
+        self._sock.close()
+        while not self._ready.empty():
+            link = self._ready.get()
+            if link is not None:
+                link.close()
+        self._ready.put(None)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, where = self._sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            peer = f"{where[0]}:{where[1]}"
+            threading.Thread(target=self._admit, args=(conn, peer), daemon=True, name="wsync-admit").start()
+
+    def _admit(self, conn, peer: str) -> None:
+        try:
+            tune(conn, self.cfg)
+            conn.settimeout(self.cfg.handshake_timeout)
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            req = server_handshake(conn, self.token, peer)
+            _check_request(req)
+            conn.settimeout(None)
+            self._link_for(req, peer).attach(conn, req)
+        except Refused as ex:
+            log.warning("tcp listener %s refused %s: %s", self.address, peer, ex)
+            reply(conn, error=str(ex))
+            conn.close()
+        except (TransportError, OSError, ValueError) as ex:
+            log.warning("tcp listener %s dropped %s: %s", self.address, peer, ex)
+            conn.close()
+
+    def _link_for(self, req: dict, peer: str) -> ServerLink:
+        sid = req["session"]
+        with self._lock:
+            if self._closed:
+                raise Refused("listener is closing")
+            if req["op"] != "open":
+                link = self._links.get(sid)
+                if link is None:
+                    raise Refused("unknown session (it ended, expired, or the listener restarted)")
+                return link
+            if sid in self._links:
+                raise Refused("session id already in use")
+            link = self._links[sid] = ServerLink(self.cfg, peer, sid, self._on_ready, self._on_end)
+            return link
+
+    def _on_ready(self, link: ServerLink) -> None:
+        self._ready.put(link)
+
+    def _on_end(self, link: ServerLink) -> None:
+        self._links.pop(link.session, None)  # no lock: called under the link's lock, a dict pop is atomic
+
+
+def _check_request(req: dict) -> None:
+    ok = (req.get("op") in ("open", "resume", "join") and isinstance(req.get("session"), str)
+          and len(req["session"]) == 32 and type(req.get("epoch")) is int and req["epoch"] > 0
+          and req.get("dir") in ("up", "down") and type(req.get("index")) is int)
+    if ok and req["op"] != "join":
+        ok = (type(req.get("streams")) is int and 1 <= req["streams"] <= 64 and req["dir"] == "up"
+              and req["index"] == 0 and isinstance(req.get("state"), str))
+    if not ok:
+        raise Refused(f"malformed connection request {str(req)[:200]}")

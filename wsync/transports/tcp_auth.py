@@ -1,0 +1,192 @@
+"""The tcp:// connection handshake: protocol version, HMAC token proof, stream join; socket tuning; TLS.
+
+Every TCP connection of a link (each stream, and each reconnect) runs this
+handshake before any record flows, so no unauthenticated byte ever reaches the
+link. Both sides prove the shared token without sending it::
+
+    C -> S  b"WSH1" u16 version, 32-byte client nonce
+    S -> C  b"WSH1" u16 version, u8 auth, 32-byte server nonce,
+            HMAC-SHA256(token, "wsync-server" | client nonce | server nonce)
+    C -> S  HMAC-SHA256(token, "wsync-client" | server nonce | client nonce | request),
+            u32 length, request JSON (session id, epoch, stream index, stream count, resume state)
+    S -> C  u32 length, reply JSON ({"ok": true, ...} or {"ok": false, "error": ...})
+
+Nonces come from ``secrets`` and MACs are compared with ``hmac.compare_digest``.
+A listener without a token runs the same exchange with auth = 0 and checks
+nothing (anyone who can reach the port can connect: use a token, or TLS and a
+token, off loopback). A client that holds a token refuses a server that cannot
+prove it.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+import ssl
+import struct
+from dataclasses import dataclass
+
+from ..errors import TransportError
+
+VERSION = 1
+HELLO_C = struct.Struct("<4sH32s")
+HELLO_S = struct.Struct("<4sHB32s32s")
+LEN = struct.Struct("<I")
+MAGIC = b"WSH1"
+MAX_JSON = 1 << 20  # request/reply JSON (a resume state lists held frames: small)
+
+
+class Refused(TransportError):
+    """The other side said no (token, version, unknown session): retrying the same request will not help."""
+
+
+@dataclass(kw_only=True)
+class TlsConfig:
+    """TLS from files, for callers who do not build an ssl.SSLContext themselves."""
+
+    certfile: str | None = None  # PEM certificate chain (required on the listener)
+    keyfile: str | None = None  # PEM private key for certfile
+    cafile: str | None = None  # PEM CA (or self-signed cert) the client trusts; None = system store
+    check_hostname: bool = True  # client: the certificate must name the host dialled
+
+
+def server_context(tls) -> ssl.SSLContext | None:
+    if tls is None or isinstance(tls, ssl.SSLContext):
+        return tls
+    cfg = tls if isinstance(tls, TlsConfig) else TlsConfig(**tls)
+    if not cfg.certfile:
+        raise ValueError("a TLS listener needs certfile (and keyfile) or an ssl.SSLContext")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cfg.certfile, cfg.keyfile)
+    return ctx
+
+
+def client_context(tls) -> ssl.SSLContext | None:
+    if tls is None or isinstance(tls, ssl.SSLContext):
+        return tls
+    cfg = tls if isinstance(tls, TlsConfig) else TlsConfig(**tls)
+    ctx = ssl.create_default_context(cafile=cfg.cafile)
+    ctx.check_hostname = cfg.check_hostname
+    return ctx
+
+
+def tune(sock: socket.socket, cfg) -> None:
+    """Socket options for long fat pipes: big buffers, no Nagle, dead-peer detection."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt, force, n in ((socket.SO_SNDBUF, 32, cfg.sndbuf), (socket.SO_RCVBUF, 33, cfg.rcvbuf)):
+        if n:  # 0 leaves the kernel's autotuning alone
+            sock.setsockopt(socket.SOL_SOCKET, opt, n)
+            if sock.getsockopt(socket.SOL_SOCKET, opt) < n:
+                try:  # SO_*BUFFORCE (as root) passes net.core.[rw]mem_max
+                    sock.setsockopt(socket.SOL_SOCKET, force, n)
+                except OSError:
+                    pass
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, val in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), val)
+    if cfg.user_timeout and hasattr(socket, "TCP_USER_TIMEOUT"):
+        # unacknowledged data older than this breaks the connection, so a silently dead path resumes
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(cfg.user_timeout * 1000))
+    if cfg.congestion:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg.congestion.encode())
+        except OSError as e:
+            raise TransportError(f"congestion control {cfg.congestion!r} is not available here: {e}") from None
+
+
+def read_exact(sock: socket.socket, n: int, peer: str) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            raise TransportError(f"{peer} did not finish the handshake in time") from None
+        except OSError as e:
+            raise TransportError(f"connection to {peer} lost during the handshake: {e}") from None
+        if not k:
+            raise TransportError(f"{peer} closed the connection during the handshake")
+        got += k
+    return bytes(buf)
+
+
+def _mac(token: bytes, label: bytes, *parts: bytes) -> bytes:
+    return hmac.new(token, label + b"".join(parts), hashlib.sha256).digest()
+
+
+def _send_json(sock, doc) -> None:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    sock.sendall(LEN.pack(len(body)) + body)
+
+
+def _read_json(sock, peer: str) -> tuple[bytes, dict]:
+    (n,) = LEN.unpack(read_exact(sock, LEN.size, peer))
+    if n > MAX_JSON:
+        raise TransportError(f"{peer} sent a {n}-byte handshake document (limit {MAX_JSON})")
+    body = read_exact(sock, n, peer)
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise TransportError(f"{peer} sent a malformed handshake document")
+    return body, doc
+
+
+def _token(token) -> bytes | None:
+    return token.encode() if isinstance(token, str) else token
+
+
+def client_handshake(sock: socket.socket, token, request: dict, peer: str) -> dict:
+    """Prove the token, check the server's proof, send request; the server's reply (ok) or TransportError."""
+    key, nc = _token(token), secrets.token_bytes(32)
+    try:
+        sock.sendall(HELLO_C.pack(MAGIC, VERSION, nc))
+        magic, version, auth, ns, mac_s = HELLO_S.unpack(read_exact(sock, HELLO_S.size, peer))
+        if magic != MAGIC:
+            raise Refused(f"{peer} is not a wsync tcp listener (it answered {magic!r})")
+        if version != VERSION:
+            raise Refused(f"{peer} speaks wsync tcp protocol v{version}, this side v{VERSION}; "
+                          "run the same wsync version on both ends")
+        if key is not None and not auth:
+            raise Refused(f"{peer} does not check tokens; refusing to connect with one (give it the token)")
+        if key is not None and not hmac.compare_digest(mac_s, _mac(key, b"wsync-server", nc, ns)):
+            raise Refused(f"{peer} failed to prove the shared token (wrong token on one side?)")
+        body = json.dumps(request, separators=(",", ":")).encode()
+        mac_c = _mac(key, b"wsync-client", ns, nc, body) if key is not None else bytes(32)
+        sock.sendall(mac_c + LEN.pack(len(body)) + body)
+        _, reply = _read_json(sock, peer)
+    except OSError as e:
+        raise TransportError(f"handshake with {peer} failed: {e}") from None
+    if not reply.get("ok"):
+        hint = "; pass token=..." if auth and key is None else ""
+        raise Refused(f"{peer} refused the connection: {reply.get('error', 'no reason given')}{hint}")
+    return reply
+
+
+def server_handshake(sock: socket.socket, token, peer: str) -> dict:
+    """Check the client's hello and token proof; returns its request. The caller answers with reply():
+    the request's outcome, or the error of a Refused raised here."""
+    key, ns = _token(token), secrets.token_bytes(32)
+    magic, version, nc = HELLO_C.unpack(read_exact(sock, HELLO_C.size, peer))
+    if magic != MAGIC:
+        raise TransportError(f"not a wsync client (it sent {magic!r})")
+    mac_s = _mac(key, b"wsync-server", nc, ns) if key is not None else bytes(32)
+    sock.sendall(HELLO_S.pack(MAGIC, VERSION, key is not None, ns, mac_s))
+    if version != VERSION:
+        raise TransportError(f"client speaks protocol v{version}, this listener v{VERSION}")  # it reads ours
+    mac_c = read_exact(sock, 32, peer)
+    body, request = _read_json(sock, peer)
+    if key is not None and not hmac.compare_digest(mac_c, _mac(key, b"wsync-client", ns, nc, body)):
+        raise Refused("bad or missing token")
+    return request
+
+
+def reply(sock: socket.socket, error: str | None = None, **fields) -> None:
+    try:
+        _send_json(sock, {"ok": False, "error": error} if error else {"ok": True, **fields})
+    except OSError:
+        pass

@@ -1,0 +1,323 @@
+"""One tcp:// link: 2N one-way TCP connections, reader/writer threads, and resume after a drop.
+
+A link owns N connections for each direction (each connection has one writer
+and one reader, so a TLS connection is never used by two threads at once).
+Everything the connections carry belongs to an *epoch*. When any connection
+fails, the whole epoch ends: all its sockets are shut down and its threads
+exit, so nothing is in flight anymore and each side's inbox is exactly what it
+holds. The connecting side then dials a new epoch (bounded retries within
+``resume_window``), both sides swap what they hold, and each resends only what
+the other lacks (tcp_outbox). The application sees a delay, nothing else;
+after the window it sees TransportError.
+
+States: connecting -> up <-> broken; up -> closing -> closed; any -> failed.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import Counter
+
+import xxhash
+
+from ..errors import ChecksumError, TransportError
+from .base import Message, TransportTimeout
+from . import tcp_frames as tf
+from .tcp_inbox import Inbox
+from .tcp_outbox import Outbox, as_views, write
+
+log = logging.getLogger("wsync.transports.tcp")
+
+
+class ConnectionLost(TransportError):
+    """A connection of the link failed; the link resumes unless the window runs out."""
+
+
+def recv_into(sock, view: memoryview, peer: str) -> None:
+    got = 0
+    while got < len(view):
+        try:
+            n = sock.recv_into(view[got:])
+        except OSError as e:
+            raise ConnectionLost(f"connection to {peer} lost: {e}") from None
+        if not n:
+            raise ConnectionLost(f"{peer} closed a connection")
+        got += n
+
+
+def read(sock, n: int, peer: str) -> bytes:
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf), peer)
+    return bytes(buf)
+
+
+def shut(sock) -> None:
+    try:  # the plain-socket shutdown, also for SSLSocket: wakes blocked threads, leaves the TLS object alone
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class TcpLink:
+    """A Link (see base.py). Extra verbs: flush(timeout) waits until the peer holds every sent message."""
+
+    fanout = 1
+
+    def __init__(self, cfg, *, peer: str, session: str, on_end=None):
+        self.cfg, self.peer, self.session = cfg, peer, session
+        self.cv = threading.Condition()
+        self.out = Outbox(self.cv, cfg.frame_bytes)
+        self.inbox = Inbox(self.cv, cfg.max_message, cfg.recv_window, cfg.pool_bytes)
+        self.state, self.epoch, self.error = "connecting", 0, None
+        self.reconnects = 0  # epochs started after a drop (tests and logs read it)
+        self._socks: list = []
+        self._threads: list[threading.Thread] = []
+        self._old: list = []  # (threads, sockets) of ended epochs, joined and closed by _reap
+        self._corrupt: Counter = Counter()  # checksum failures per (message, blob, frame) since the last progress
+        self._peer_closed = False  # the peer said goodbye first
+        self._on_end = on_end
+
+    # -- application verbs ------------------------------------------------------------------
+
+    def send(self, msg: Message) -> None:
+        views = as_views(msg.blobs)
+        with self.cv:
+            self._check_open()
+            try:
+                om = self.out.add(msg.kind, msg.meta, views)
+            except TypeError as e:
+                raise ValueError(f"message meta must be JSON-serialisable: {e}") from None
+            om.pending = -1  # not queued in any epoch yet
+            if self.state == "up":
+                self.out.queue(om)
+                self.cv.notify_all()
+            while om.pending != 0:
+                self._check_open()
+                self.cv.wait()
+
+    def recv(self, timeout: float | None = None) -> Message:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cv:
+            while True:
+                m = self.inbox.pop()
+                if m is not None:
+                    return m
+                self._check_open()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransportTimeout(f"no message from {self.peer} within {timeout}s")
+                self.cv.wait(left)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the peer acknowledged every message sent (after this, buffers may be reused)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cv:
+            while self.out.retained:
+                self._check_open()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransportTimeout(f"{self.peer} did not acknowledge within {timeout}s")
+                self.cv.wait(left)
+
+    def close(self) -> None:
+        try:
+            self.flush(self.cfg.linger)  # let the peer get what we sent before saying goodbye
+        except TransportError:
+            pass
+        with self.cv:
+            if self.state == "up":
+                self.state = "closing"
+                self.out.control.append(("close",))
+                self.cv.notify_all()
+                self.cv.wait_for(lambda: self.state != "closing", timeout=2.0)  # the peer answers CLOSE
+            self._end(TransportError(f"link to {self.peer} was closed by this side"))
+        self._reap()
+
+    def _check_open(self) -> None:
+        if self.state in ("failed", "closed"):
+            raise self.error
+
+    # -- epochs -----------------------------------------------------------------------------
+
+    def _live(self, e: int) -> bool:
+        return self.epoch == e and self.state in ("up", "closing")
+
+    def _start(self, e: int, outs: list, ins: list, peer_state: str) -> None:
+        """Run epoch e on these sockets (called under cv, once the peer's held state is known)."""
+        if self.state not in ("connecting", "broken"):
+            raise TransportError(f"link to {self.peer} ended while reconnecting")
+        nxt, partial = tf.decode_state(peer_state.encode(), self.out.next_seq)
+        try:
+            self.out.plan(nxt, partial)
+        except ValueError as ex:
+            raise TransportError(f"bad resume state from {self.peer}: {ex}") from None
+        if self.state == "broken":
+            self.reconnects += 1
+            log.info("link %s resumed (epoch %d, %d reconnects)", self.peer, e, self.reconnects)
+        self.epoch, self.state, self._socks = e, "up", outs + ins
+        self._threads = [threading.Thread(target=self._writer, args=(e, k, s), daemon=True, name=f"wsync-tx{k}")
+                         for k, s in enumerate(outs)]
+        self._threads += [threading.Thread(target=self._reader, args=(e, s), daemon=True, name=f"wsync-rx{k}")
+                          for k, s in enumerate(ins)]
+        for t in self._threads:
+            t.start()
+        self.cv.notify_all()
+
+    def _break(self, e: int, why: Exception) -> None:
+        with self.cv:
+            if e != self.epoch or self.state not in ("up", "closing"):
+                return
+            if self.state == "closing":
+                return self._end(TransportError(f"link to {self.peer} was closed by this side"))
+            self.state = "broken"
+            self._retire()
+            log.warning("link %s: connection lost (%s); resuming within %ss", self.peer, why, self.cfg.resume_window)
+            self._on_break(e)
+
+    def _on_break(self, e: int) -> None:
+        """Role hook, under cv: the dialling side reconnects, the listening side waits for it."""
+
+    def _fail(self, err: Exception) -> None:
+        with self.cv:
+            if self.state in ("failed", "closed"):
+                return
+            self.state, self.error = "failed", err
+            self._retire()
+            log.error("link %s failed: %s", self.peer, err)
+            self._finish()
+
+    def _end(self, err: Exception) -> None:
+        """Orderly end (under cv); messages already complete stay readable by recv()."""
+        if self.state in ("failed", "closed"):
+            return
+        self.state, self.error = "closed", err
+        self._retire()
+        self._finish()
+
+    def _finish(self) -> None:
+        self.cv.notify_all()
+        if self._on_end is not None:
+            self._on_end(self)
+
+    def _retire(self) -> None:
+        for s in self._socks:
+            shut(s)
+        self._old.append((self._threads, self._socks))
+        self._threads, self._socks = [], []
+        self.cv.notify_all()
+
+    def _reap(self) -> None:
+        """Join the threads of ended epochs and close their sockets (never from one of those threads)."""
+        with self.cv:
+            old, self._old = self._old, []
+        me = threading.current_thread()
+        for threads, socks in old:
+            for t in threads:
+                if t is not me:
+                    t.join(10.0)
+            for s in socks:
+                s.close()
+
+    # -- threads ------------------------------------------------------------------------------
+
+    def _writer(self, e: int, k: int, sock) -> None:
+        live = lambda: self._live(e)  # noqa: E731
+        try:
+            while True:
+                with self.cv:
+                    job = self.out.take(k, live)
+                if job is None:
+                    return
+                write(sock, job)
+                with self.cv:
+                    self.out.written(job)
+                    if job[0] == "close" and self._peer_closed:
+                        self._end(TransportError(f"{self.peer} closed the link"))
+        except OSError as ex:
+            self._break(e, ConnectionLost(f"send to {self.peer} failed: {ex}"))
+
+    def _reader(self, e: int, sock) -> None:
+        try:
+            while self._read_one(e, sock):
+                pass
+        except tf.CorruptRecord as ex:
+            self._corrupted(e, ex)
+        except ConnectionLost as ex:
+            self._break(e, ex)
+        except TransportError as ex:  # the peer broke the protocol: resending would not help
+            self._fail(ex)
+
+    def _read_one(self, e: int, sock) -> bool:
+        live = lambda: self._live(e)  # noqa: E731
+        rec = tf.unpack(read(sock, tf.REC_SIZE, self.peer))
+        if rec.type == tf.FRAME:
+            return self._read_frame(e, sock, rec, live)
+        if rec.type == tf.HEAD:
+            if rec.length > tf.MAX_HEAD:
+                raise TransportError(f"{self.peer} sent a {rec.length}-byte message header (limit {tf.MAX_HEAD})")
+            body = read(sock, rec.length, self.peer)
+            if xxhash.xxh3_64_intdigest(body) != rec.body_sum:
+                raise tf.CorruptRecord(f"header of message {rec.seq} failed its checksum", (rec.seq, -1, -1))
+            with self.cv:
+                self.inbox.on_head(rec.seq, body, live)
+                self._queue_ack()
+        elif rec.type == tf.ACK:
+            with self.cv:
+                if rec.seq > self.out.next_seq:
+                    raise TransportError(f"{self.peer} acknowledged message {rec.seq} that was never sent")
+                self.out.acked(rec.seq)
+        else:  # CLOSE: the peer's goodbye, or its answer to ours
+            with self.cv:
+                if self.state == "up":  # answer first, so the peer shuts down only once we stopped reading
+                    self.state, self._peer_closed = "closing", True
+                    self.out.control.append(("close",))
+                    self.cv.notify_all()
+                else:
+                    self._end(TransportError(f"link to {self.peer} was closed by this side"))
+            return False
+        return live()
+
+    def _read_frame(self, e: int, sock, rec: tf.Record, live) -> bool:
+        if rec.length > tf.MAX_FRAME:
+            raise TransportError(f"{self.peer} sent a {rec.length}-byte frame (limit {tf.MAX_FRAME})")
+        with self.cv:
+            target = self.inbox.claim(rec, live, self.cfg.stall_timeout)
+        if not live():
+            return False
+        if target is None:  # a frame we already hold: read it into nothing
+            left = rec.length
+            while left:
+                left -= len(read(sock, min(left, 1 << 20), self.peer))
+            return True
+        m, i, view = target
+        ok = False
+        try:
+            recv_into(sock, view, self.peer)
+            ok = xxhash.xxh3_64_intdigest(view) == rec.body_sum
+        finally:
+            with self.cv:
+                self.inbox.release(rec.seq, m, rec.blob, i, ok)
+                self._queue_ack()
+        if not ok:
+            raise tf.CorruptRecord(f"frame {i} of blob {rec.blob} of message {rec.seq} failed its checksum",
+                                   (rec.seq, rec.blob, i))
+        return live()
+
+    def _queue_ack(self) -> None:
+        if self.inbox.new_ack:
+            self.inbox.new_ack = False
+            self._corrupt.clear()  # progress: resend counts are "in a row"
+            self.out.ack = self.inbox.complete_below
+            self.cv.notify_all()
+
+    def _corrupted(self, e: int, ex: tf.CorruptRecord) -> None:
+        with self.cv:
+            self._corrupt[ex.key] += 1
+            n = self._corrupt[ex.key]
+        if n > self.cfg.max_resends:
+            self._fail(ChecksumError(f"{ex} from {self.peer} {n} times in a row; giving up (a sender that changed "
+                                     "a buffer before flush(), or a link that damages data)"))
+        else:
+            self._break(e, ex)  # the new epoch resends what failed

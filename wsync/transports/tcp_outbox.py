@@ -1,0 +1,134 @@
+"""The sending half of a tcp:// link: message numbering, striping into frames, retention for resume.
+
+``send`` numbers a message, queues its HEAD (on stream 0) and its frames (on a
+queue every stream's writer thread takes from, so a faster stream simply
+carries more frames), and waits until every byte is in a kernel socket buffer.
+The message stays *retained* (by reference, never copied) until the peer
+acknowledges it complete; after a reconnect the peer says which frames it holds
+and only the others are queued again. Frame checksums are computed once, on the
+first write, and reused on a resend, so a buffer changed by the caller before
+the peer acknowledged it shows up as a ChecksumError, never as silent damage.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+
+import xxhash
+
+from . import tcp_frames as tf
+
+MISSING = object()  # the peer holds nothing of this message, not even its HEAD
+
+
+class OutMsg:
+    __slots__ = ("seq", "head", "views", "frame", "sums", "pending")
+
+    def __init__(self, seq: int, kind: str, meta: dict, views: list[memoryview], frame: int):
+        body = tf.encode_head(kind, meta, [len(v) for v in views], frame)
+        rec = tf.Record(tf.HEAD, seq, length=len(body), body_sum=xxhash.xxh3_64_intdigest(body))
+        self.seq, self.views, self.frame = seq, views, frame
+        self.head = tf.pack(rec) + body
+        self.sums: dict[tuple[int, int], int] = {}  # (blob, frame) -> xxh3 of its first transmission
+        self.pending = 0  # HEAD + frames queued but not yet written in this epoch
+
+    def all_frames(self):
+        for b, v in enumerate(self.views):
+            for i in range(tf.frame_count(len(v), self.frame)):
+                yield b, i
+
+
+def as_views(blobs) -> list[memoryview]:
+    out = []
+    for i, b in enumerate(blobs):
+        try:
+            out.append(memoryview(b).cast("B"))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"blob {i} ({type(b).__name__}) must be a C-contiguous buffer: {e}; "
+                             "pass bytes, bytearray, memoryview or a contiguous numpy array") from None
+    return out
+
+
+class Outbox:
+    """Queues shared by the writer threads; every method runs under the session's condition ``cv``."""
+
+    def __init__(self, cv: threading.Condition, frame: int):
+        self.cv, self.frame = cv, frame
+        self.next_seq = 0
+        self.retained: OrderedDict[int, OutMsg] = OrderedDict()  # sent, not yet acknowledged
+        self.control: deque = deque()  # HEAD/CLOSE jobs, written on stream 0 first
+        self.frames: deque = deque()  # (msg, blob, frame) jobs, taken by any stream
+        self.ack: int | None = None  # newest cumulative ACK still to write
+
+    def add(self, kind: str, meta: dict, views: list[memoryview]) -> OutMsg:
+        om = OutMsg(self.next_seq, kind, meta, views, self.frame)
+        self.next_seq += 1
+        self.retained[om.seq] = om
+        return om
+
+    def queue(self, om: OutMsg, held=MISSING) -> None:
+        """Queue what the peer lacks of om: everything, or the frames not in held (per-blob sets)."""
+        if held is None:  # the peer has it complete
+            om.pending = 0
+            return
+        if held is MISSING:
+            self.control.append(("head", om))
+            jobs = list(om.all_frames())
+        else:
+            if len(held) != len(om.views):
+                raise ValueError(f"peer's resume state lists {len(held)} blobs for a {len(om.views)}-blob message")
+            jobs = [(b, i) for b, i in om.all_frames() if i not in held[b]]
+        om.pending = (held is MISSING) + len(jobs)
+        self.frames.extend(("frame", om, b, i) for b, i in jobs)
+
+    def plan(self, nxt: int, partial: dict) -> None:
+        """New epoch: drop what the peer completed and queue again everything it lacks."""
+        self.control.clear()
+        self.frames.clear()
+        self.acked(nxt)
+        for seq, om in self.retained.items():
+            self.queue(om, partial.get(seq, MISSING))
+
+    def acked(self, nxt: int) -> None:
+        while self.retained and next(iter(self.retained)) < nxt:
+            self.retained.popitem(last=False)[1].pending = 0
+        self.cv.notify_all()
+
+    def take(self, k: int, live) -> tuple | None:
+        """Next job for the writer of stream k, waiting for one; None once the epoch is over."""
+        while live():
+            if k == 0 and self.control:
+                return self.control.popleft()
+            if k == 0 and self.ack is not None:
+                n, self.ack = self.ack, None
+                return ("ack", n)
+            if self.frames:
+                return self.frames.popleft()
+            self.cv.wait()
+        return None
+
+    def written(self, job: tuple) -> None:
+        if job[0] in ("head", "frame"):
+            job[1].pending -= 1
+            if job[1].pending <= 0:
+                self.cv.notify_all()
+
+
+def write(sock, job: tuple) -> None:
+    """Put one job's bytes on sock (outside the lock); frame sums are computed on first use and kept."""
+    what = job[0]
+    if what == "head":
+        sock.sendall(job[1].head)
+    elif what == "ack":
+        sock.sendall(tf.pack(tf.Record(tf.ACK, job[1])))
+    elif what == "close":
+        sock.sendall(tf.pack(tf.Record(tf.CLOSE)))
+    else:
+        _, om, b, i = job
+        off = i * om.frame
+        view = om.views[b][off: off + om.frame]
+        s = om.sums.get((b, i))
+        if s is None:
+            s = om.sums[(b, i)] = xxhash.xxh3_64_intdigest(view)
+        sock.sendall(tf.pack(tf.Record(tf.FRAME, om.seq, b, off, len(view), s)))
+        sock.sendall(view)
