@@ -317,21 +317,36 @@ def test_dead_subscriber_is_a_transport_error():
     pub.close()
 
 
+def _nccl_subscriber(address: str, q) -> None:
+    try:
+        link = connect(address, device="cuda:1")
+        m = link.recv(timeout=120)
+        link.send(Message("ack", {"digest": xxhash.xxh3_64_hexdigest(m.blobs[0])}, [m.blobs[1]]))
+        link.close()
+        q.put(("ok", 1))
+    except BaseException as e:
+        q.put(("error", repr(e)))
+        raise
+
+
 @pytest.mark.gpu
 def test_nccl_group_moves_host_bytes_through_the_gpu():
-    if not torch.cuda.is_available() or not hasattr(torch.distributed, "ProcessGroupNCCL"):
-        pytest.skip("nccl:// needs a CUDA GPU and a CUDA build of torch")
-    lst = listen("nccl://127.0.0.1:0?world_size=2&chunk=1M")
-    t, r = _in_thread(lambda: connect(lst.address))
-    pub = lst.accept(timeout=120)
-    t.join()
-    sub = r["r"]
-    big = _big(6, (5 << 20) + 3)
-    t, r = _in_thread(sub.recv, 60)
-    pub.send(Message("bucket", {"v": 1}, [big, b"small"]))
-    t.join()
-    assert bytes(r["r"].blobs[0]) == big.tobytes() and bytes(r["r"].blobs[1]) == b"small"
-    t, _ = _in_thread(sub.send, Message("ack", {}, [b"done"]))
-    assert bytes(pub.recv(timeout=60).blobs[0]) == b"done"
-    t.join()
-    pub.close(), sub.close()
+    # NCCL wants one GPU per rank, so this needs two.
+    if not hasattr(torch.distributed, "ProcessGroupNCCL") or torch.cuda.device_count() < 2:
+        pytest.skip("nccl:// test needs a CUDA build of torch and two GPUs (one per rank)")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    lst = listen("nccl://127.0.0.1:0?world_size=2&chunk=1M", device="cuda:0")
+    p = ctx.Process(target=_nccl_subscriber, args=(lst.address, q))
+    p.start()
+    try:
+        pub = lst.accept(timeout=120)
+        big = _big(6, (5 << 20) + 3)
+        pub.send(Message("bucket", {"v": 1}, [big, b"small"]))
+        r = pub.recv(timeout=120)
+        assert r.meta == {"digest": xxhash.xxh3_64_hexdigest(big), "rank": 1} and bytes(r.blobs[0]) == b"small"
+        assert q.get(timeout=60) == ("ok", 1)
+        pub.close()
+    finally:
+        p.join(timeout=60)
+        p.kill() if p.is_alive() else None

@@ -86,7 +86,7 @@ def check_head_len(n: int) -> int:
     return n
 
 
-def _u8(buf):
+def as_u8(buf):
     """A buffer as a flat uint8 tensor sharing its memory (no copy)."""
     import warnings
 
@@ -107,7 +107,7 @@ def send_pieces(views: list[memoryview], pieces, post, wire, wait) -> list[int]:
     digests, inflight, keep = [], deque(), deque()
     for k, piece in enumerate(pieces):
         host = _gather(views, piece)
-        inflight.append(post(wire.outgoing(_u8(host), k % WINDOW)))
+        inflight.append(post(wire.outgoing(as_u8(host), k % WINDOW)))
         keep.append(host)  # a staging copy must outlive its operation
         digests.append(xxhash.xxh3_64_intdigest(host))
         if len(inflight) >= WINDOW:
@@ -125,7 +125,7 @@ def recv_pieces(blobs: list[bytearray], pieces, post, wire, wait) -> list[int]:
     inflight = deque()
 
     def start(k):
-        inflight.append((k, post(wire.incoming(_u8(targets[k]), k % WINDOW))))
+        inflight.append((k, post(wire.incoming(as_u8(targets[k]), k % WINDOW))))
 
     for k in range(min(WINDOW, len(pieces))):
         start(k)
@@ -133,7 +133,7 @@ def recv_pieces(blobs: list[bytearray], pieces, post, wire, wait) -> list[int]:
     while inflight:
         k, work = inflight.popleft()
         wait(work)
-        wire.landed(_u8(targets[k]), k % WINDOW)
+        wire.landed(as_u8(targets[k]), k % WINDOW)
         if k + WINDOW < len(pieces):
             start(k + WINDOW)
         digests.append(xxhash.xxh3_64_intdigest(targets[k]))

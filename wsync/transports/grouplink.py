@@ -73,10 +73,10 @@ class GroupLink:
             ctrl, data = self._bcast(self.ctrl), self._bcast(self.data)
         else:
             ctrl, data = self._p2p_send(self.ctrl), self._p2p_send(self.data)
-        self._wait(ctrl(gf._u8(head)))
+        self._wait(ctrl(gf.as_u8(head)))
         digests = gf.send_pieces(views, gf.plan_pieces(sizes, self.cfg.chunk), data, self.wire, self._wait)
         if digests:
-            self._wait(ctrl(gf._u8(memoryview(np.array(digests, dtype=np.uint64)).cast("B"))))
+            self._wait(ctrl(gf.as_u8(memoryview(np.array(digests, dtype=np.uint64)).cast("B"))))
 
     def _recv(self, timeout: float | None) -> Message:
         if self.rank == 0:
@@ -89,14 +89,14 @@ class GroupLink:
             src, hlen = 0, int(self._step(RECV, 0, timeout)[0, 1])
             ctrl, data = self._bcast(self.ctrl), self._bcast(self.data)
         raw = bytearray(gf.check_head_len(hlen))
-        self._wait(ctrl(gf._u8(raw)))
+        self._wait(ctrl(gf.as_u8(raw)))
         kind, meta, sizes, chunk = gf.parse_head(bytes(raw))
         pieces = gf.plan_pieces(sizes, chunk)
         blobs = [self._pool.take(n) for n in sizes]
         got = gf.recv_pieces(blobs, pieces, data, self.wire, self._wait)
         expected = np.zeros(len(pieces), dtype=np.uint64)
         if pieces:
-            self._wait(ctrl(gf._u8(memoryview(expected).cast("B"))))
+            self._wait(ctrl(gf.as_u8(memoryview(expected).cast("B"))))
         gf.verify(got, expected)
         if self.rank == 0:
             meta = {**meta, "rank": src}
