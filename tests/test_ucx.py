@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("ucxx", reason="ucx:// needs ucxx (pip install 'wsync[ucx]')")
-os.environ.setdefault("UCX_TLS", "tcp,sm,self")  # a listener needs tcp (see ../shared/MACHINE.md)
+# A listener needs tcp (see ../shared/MACHINE.md); GPU buffers need UCX's cuda transports where a GPU exists.
+os.environ.setdefault("UCX_TLS", "tcp,sm,self" + (",cuda_copy,cuda_ipc" if os.path.exists("/dev/nvidiactl") else ""))
 
 from wsync.errors import TransportError  # noqa: E402
 from wsync.transports import Message, TransportTimeout, connect, listen  # noqa: E402
