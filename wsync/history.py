@@ -4,8 +4,9 @@ The publisher keeps the newest keyframe (a whole state, immutable) and the
 delta of every version since, each against the version before it. A subscriber
 holding version v gets the deltas v+1..N when all of them are kept, and
 otherwise the keyframe followed by the deltas after it. Each keyframe drops
-the deltas before it, so memory stays flat however many versions pass: at most
-one keyframe state, the newest state, and keyframe_every small deltas.
+the deltas from before the previous one, so memory stays flat however many
+versions pass: at most one keyframe state, the newest state, and two windows of
+keyframe_every small deltas.
 
 Everything here is pure planning or plain bookkeeping under the caller's lock;
 the encoding and sending happen in sync.py.
@@ -72,10 +73,18 @@ class History:
         self.checksums: dict[int, str] = {}  # version -> state digest, for versions still reachable
 
     def add_keyframe(self, version: int, state: State, checksum: str, delta: Encoded | None) -> None:
-        """A new keyframe at `version`; `delta` (from version - 1) stays for subscribers one behind."""
+        """A new keyframe at `version`.
+
+        The deltas since the previous keyframe stay (with `delta`, from version - 1),
+        so a subscriber a few versions behind across the boundary still gets deltas,
+        not a whole keyframe; older ones go. At most two windows of deltas are kept.
+        """
+        prev = self.keyframe.version if self.keyframe is not None else version
         self.keyframe = Keyframe(version, state, checksum)
-        self.deltas = {version: delta} if delta is not None else {}
-        self.checksums = {v: c for v, c in self.checksums.items() if v >= version - 1}
+        self.deltas = {v: d for v, d in self.deltas.items() if v > prev}
+        if delta is not None:
+            self.deltas[version] = delta
+        self.checksums = {v: c for v, c in self.checksums.items() if v >= prev}
         self._set_newest(version, checksum)
 
     def add_delta(self, enc: Encoded) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from . import api, backends
 from .errors import ChecksumError, MismatchError, TransportError, WsyncError
 from .payload import Payload
-from .snapshot import as_state, digest, to_torch
+from .snapshot import TensorBits, as_state, digest, to_torch
 from .transports import Message, TransportTimeout, connect, parse_address
 
 log = logging.getLogger("wsync.sync")
@@ -57,13 +57,14 @@ class Subscriber:
         self._lockstep = parse_address(address).scheme in ("gloo", "nccl")
         self._cv = threading.Condition()
         self._staged: list[Staged] = []
-        self._need_keyframe = False
+        self._need_keyframe = False  # an apply failed: ignore deltas until a keyframe comes
+        self._report_need = False
         self._closed = False
         self._link = None
         self._send_lock = threading.Lock()
         self.version: int | None = engine.version
         self.error: WsyncError | None = None  # the last apply failure, kept for callers to inspect
-        self.stats: dict = {"versions": 0, "bytes": 0, "last": None}
+        self.stats: dict = {"versions": 0, "bytes": 0, "failures": 0, "last": None}
         self._thread = threading.Thread(target=self._run, name="wsync-subscriber", daemon=True)
         self._thread.start()
 
@@ -197,28 +198,38 @@ class Subscriber:
             except WsyncError as e:
                 log.warning("could not tell the publisher %s: %s", msg.kind, e)
 
+    def _lost(self) -> None:
+        """Ignore deltas until a keyframe arrives, and ask for one."""
+        self._need_keyframe = True
+        if self._lockstep:
+            self._report_need = True  # said in the next ack: a group link only speaks in lockstep
+        else:
+            self._send(Message("need", {"served": self.version}))
+
     def _ack(self, version: int) -> None:
-        self._send(Message("ack", {"version": version, "served": self.version, "need_keyframe": self._need_keyframe}))
+        need, self._report_need = self._report_need, False  # a failure is reported once, not on every ack
+        self._send(Message("ack", {"version": version, "served": self.version, "need_keyframe": need}))
 
     # -- applying ----------------------------------------------------------------------------
 
     def _apply(self, st: Staged) -> bool:
         if self.version is not None and st.version <= self.version:
             return False  # already have it (a catch-up chain may overlap what we hold)
-        if not st.keyframe and (self._need_keyframe or st.base_version != self.version):
-            self._need_keyframe = True
-            log.warning("version %s needs base %s but the engine serves %s; waiting for a keyframe",
+        if not st.keyframe and self._need_keyframe:
+            return False  # a keyframe is on its way
+        if not st.keyframe and st.base_version != self.version:
+            log.warning("version %s needs base %s but the engine serves %s; asking for a keyframe",
                         st.version, st.base_version, self.version)
+            self._lost()
             return False
         t0 = time.perf_counter()
         try:
             apply_version(self.engine, st.payloads, st.checksum, backend=self.backend)
         except WsyncError as e:
             self.error = e
-            self._need_keyframe = True
+            self.stats["failures"] += 1
             log.error("version %s refused, engine stays at %s: %s", st.version, self.version, e)
-            if not self._lockstep:
-                self._send(Message("need", {"served": self.version}))
+            self._lost()
             return False
         with self._cv:
             self.engine.version = self.version = st.version
@@ -251,6 +262,9 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
                             f"payload-only {extra[:5]} ({len(missing)} and {len(extra)})")
     state = as_state(live)
     inplace = all(_aliases(live[n], state[n].bits) for n in state)
+    if not inplace:  # work on a host copy and hand the changed tensors to engine.load
+        state = {n: tb if tb.bits.flags.writeable and not _aliases(live[n], tb.bits) else
+                 TensorBits(tb.dtype, tb.shape, tb.bits.copy()) for n, tb in state.items()}
     decoded = [api.decode({s.name: state[s.name] for s in p.manifest.tensors}, p, backend=backend) for p in payloads]
     k = backends.kernels(backend)
     specs = {s.name: s for p in payloads for s in p.manifest.tensors}

@@ -57,6 +57,7 @@ class Publisher:
         self._history = History()
         self._cv = threading.Condition()
         self._state: State | None = None  # newest state handed to the encoder
+        self._on_demand: Keyframe | None = None  # keyframe of the newest state, for subscribers that lost their way
         self._published = 0  # versions accepted by publish()
         self._since_keyframe = 0
         self._last: int | None = None
@@ -103,8 +104,19 @@ class Publisher:
 
     @property
     def subscribers(self) -> int:
+        """Subscribers connected and greeted (a broadcast group counts each member)."""
         with self._cv:
-            return sum(p.fanout for p in self._peers if not p.dead)
+            return sum(p.fanout for p in self._peers if not p.dead and p.greeted)
+
+    def wait_for_subscribers(self, n: int, timeout: float | None = None) -> int:
+        """Block until at least n subscribers are connected; returns how many are."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (have := self.subscribers) < n:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{have} of {n} subscribers connected")
+            with self._cv:
+                self._cv.wait(0.2)
+        return have
 
     def close(self) -> None:
         with self._cv:
@@ -241,10 +253,26 @@ class Publisher:
                     return None
                 newest = self._history.newest
                 if newest is not None and (peer.need_keyframe or peer.sent != newest):
-                    have = None if peer.need_keyframe else peer.sent
-                    peer.need_keyframe = False
-                    return self._history.plan(have, peer.sent_checksum if have is not None else None)
+                    break
                 self._cv.wait(1.0)
+            if peer.need_keyframe:
+                peer.need_keyframe = False
+                return self._fresh_keyframe(), []
+            kf, deltas = self._history.plan(peer.sent, peer.sent_checksum)
+            if kf is not None and peer.sent is not None and kf.version <= peer.sent:
+                # it holds something numbered at or past the stored keyframe that we cannot vouch for:
+                # a keyframe of the newest state moves it forward instead of back
+                return self._fresh_keyframe(), []
+            return kf, deltas
+
+    def _fresh_keyframe(self) -> Keyframe:
+        """A keyframe of the newest state (shared by every peer that needs one at this version). Holds _cv."""
+        h = self._history
+        if h.keyframe.version == h.newest:
+            return h.keyframe
+        if self._on_demand is None or self._on_demand.version != h.newest:
+            self._on_demand = Keyframe(h.newest, self._state, h.checksums[h.newest])
+        return self._on_demand
 
     def _wait_bucket(self, enc: Encoded, i: int):
         with self._cv:
@@ -270,6 +298,7 @@ class _Peer:
         self.sent_checksum: str | None = None
         self.acked: int | None = None  # newest version every member acknowledged
         self.need_keyframe = False
+        self.greeted = False  # its hello has arrived
         self.dead = False
         self._threads: list[threading.Thread] = []
 
@@ -320,6 +349,9 @@ class _Peer:
         else:
             self.sent, self.sent_checksum = versions[0], checksums.pop()
         log.info("subscriber %s joined holding version %s", self.link.peer, self.sent)
+        with self.pub._cv:
+            self.greeted = True
+            self.pub._cv.notify_all()
         if not self.lockstep:
             with self.pub._cv:
                 newest = self.pub._history.newest

@@ -206,8 +206,8 @@ class StreamLink:
             raise TransportError(f"send to {self.peer} failed: {e}") from None
 
     def recv(self, timeout: float | None = None) -> Message:
-        self.sock.settimeout(timeout)
         try:
+            self.sock.settimeout(timeout)
             env = self._read(ENVELOPE.size, first=True)
             self.sock.settimeout(self.stall_timeout)
             kind, meta, sizes, sums = parse_header(env, self._read)
@@ -219,6 +219,8 @@ class StreamLink:
                 blobs.append(buf)
         except socket.timeout:
             raise TransportTimeout(f"no message from {self.peer} within {timeout}s") from None
+        except OSError as e:  # closed under us
+            raise TransportError(f"link to {self.peer} is closed: {e}") from None
         return Message(kind, meta, blobs)
 
     def _read(self, n: int, first: bool = False) -> bytes:

@@ -1,0 +1,261 @@
+"""Publisher -> Subscriber over real sockets, with real transformers models, compared byte for byte."""
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from wsync import engines
+from wsync.errors import ChecksumError, MismatchError, VersionError
+from wsync.snapshot import TensorBits, as_state
+from wsync.sync import Publisher, Subscriber, apply_version
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ADDR = "tcp://127.0.0.1:0"
+TOKEN = b"sync-test-token"
+
+
+def tiny_qwen(seed: int, tie: bool = True, vocab: int = 256):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                   tie_word_embeddings=tie, max_position_embeddings=64)
+    return transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def rl_step(model, gen: torch.Generator, density: float = 0.02) -> None:
+    """What an RL step does to bf16 weights: ~2% of elements move by one or two representable steps."""
+    with torch.no_grad():
+        for p in model.parameters():
+            bits = p.data.view(torch.int16)
+            mask = torch.rand(bits.shape, generator=gen) < density
+            step = torch.randint(-2, 3, bits.shape, generator=gen, dtype=torch.int16)
+            bits[mask] += step[mask]
+
+
+def same_bytes(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(
+        sa[k].contiguous().view(torch.uint8).numpy().tobytes() == sb[k].contiguous().view(torch.uint8).numpy().tobytes()
+        for k in sa)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(7)
+
+
+def test_hf_model_follows_bit_exact(gen):
+    trainer, engine_model = tiny_qwen(0), tiny_qwen(1)
+    assert not same_bytes(trainer, engine_model)
+    with Publisher(ADDR, token=TOKEN, keyframe_every=4, bucket_bytes=8 << 10) as pub, \
+            Subscriber(pub.address, engine=engines.HF(engine_model), token=TOKEN) as sub:
+        ptrs = {n: p.data_ptr() for n, p in engine_model.named_parameters()}
+        for v in range(10):
+            rl_step(trainer, gen)
+            pub.publish(trainer.state_dict(), version=v)
+            assert sub.wait_for(v, timeout=30) == v
+            assert same_bytes(trainer, engine_model)
+        # written in place: the live parameters were never reallocated, tied weights still tied
+        assert ptrs == {n: p.data_ptr() for n, p in engine_model.named_parameters()}
+        assert engine_model.lm_head.weight.data_ptr() == engine_model.model.embed_tokens.weight.data_ptr()
+        assert sub.version == 9
+        assert sub.stats["versions"] == 10 and not sub.stats["last"]["keyframe"]
+
+
+def test_eight_subscribers_fifty_deltas(gen):
+    trainer = tiny_qwen(0)
+    models = [tiny_qwen(10 + i) for i in range(4)]
+    with Publisher(ADDR, token=TOKEN, keyframe_every=20, bucket_bytes=32 << 10) as pub:
+        subs = [Subscriber(pub.address, engine=engines.HF(m), token=TOKEN) for m in models]
+        subs += [Subscriber(pub.address, engine=engines.Shadow(), token=TOKEN, apply="poll") for _ in range(4)]
+        try:
+            pub.wait_for_subscribers(8, timeout=30)
+            for v in range(51):
+                rl_step(trainer, gen)
+                pub.publish(trainer.state_dict(), version=v)
+            for s in subs:
+                s.wait_for(50, timeout=60)
+            pub.flush(timeout=30)
+        finally:
+            for s in subs:
+                s.close()
+    want = engines.HF(trainer).digest()
+    for s in subs:
+        assert s.version == 50 and s.stats["failures"] == 0
+        assert s.stats["versions"] == 51, (s.mode, s.stats)  # one keyframe, then every delta applied in turn
+        assert s.engine.digest() == want
+    assert all(same_bytes(trainer, m) for m in models)
+    raw = sum(t.numel() * 2 for t in engines.HF(trainer).tensors().values())
+    deltas = [b for v, b in pub.stats["bytes"].items() if b is not None]
+    assert len(deltas) == 50 and max(deltas) < raw / 5
+
+
+def test_versions_must_increase():
+    with Publisher(ADDR, token=TOKEN) as pub:
+        state = {"w": np.zeros(8, np.float32)}
+        pub.publish(state, version=3)
+        with pytest.raises(VersionError, match="increase"):
+            pub.publish(state, version=3)
+        with pytest.raises(ValueError):
+            pub.publish(state, version=-1)
+
+
+def test_late_and_returning_subscribers_catch_up(gen):
+    trainer = tiny_qwen(0)
+    with Publisher(ADDR, token=TOKEN, keyframe_every=5, bucket_bytes=16 << 10) as pub:
+        for v in range(8):
+            pub.publish(trainer.state_dict(), version=v)
+            rl_step(trainer, gen)
+        late_model = tiny_qwen(3)
+        with Subscriber(pub.address, engine=engines.HF(late_model), token=TOKEN) as late:
+            late.wait_for(7, timeout=30)
+            assert late.stats["versions"] == 3  # keyframe 5, then deltas 6 and 7
+        for v in range(8, 10):
+            pub.publish(trainer.state_dict(), version=v)
+            rl_step(trainer, gen)
+        engine = engines.HF(late_model)
+        engine.version = 7
+        with Subscriber(pub.address, engine=engine, token=TOKEN) as back:
+            back.wait_for(9, timeout=30)
+            assert back.stats["versions"] == 2 and not back.stats["last"]["keyframe"]  # deltas 8 and 9 only
+        pub.publish(trainer.state_dict(), version=10)  # a keyframe; the deltas before it are dropped
+        rl_step(trainer, gen)
+        pub.publish(trainer.state_dict(), version=11)
+        with Subscriber(pub.address, engine=engines.HF(late_model), token=TOKEN) as again:
+            again.wait_for(11, timeout=30)
+        assert same_bytes(trainer, late_model)
+
+
+def test_drifted_engine_refuses_delta_then_recovers_by_keyframe(gen):
+    trainer, model = tiny_qwen(0), tiny_qwen(1)
+    with Publisher(ADDR, token=TOKEN, keyframe_every=100) as pub, \
+            Subscriber(pub.address, engine=engines.HF(model), token=TOKEN) as sub:
+        pub.publish(trainer.state_dict(), version=0)
+        sub.wait_for(0, timeout=30)
+        with torch.no_grad():
+            model.model.norm.weight.view(torch.int16)[0] += 1  # someone wrote into the engine
+        drifted = {k: v.clone() for k, v in model.state_dict().items()}
+        rl_step(trainer, gen)
+        pub.publish(trainer.state_dict(), version=1)
+        sub.wait_for(1, timeout=30)  # the delta is refused, a keyframe of version 1 follows
+        assert isinstance(sub.error, VersionError) and sub.stats["failures"] == 1
+        assert sub.stats["last"]["keyframe"] and same_bytes(trainer, model)
+        assert not all(torch.equal(drifted[k], v) for k, v in model.state_dict().items())
+
+
+def test_poll_mode_applies_only_when_asked(gen):
+    trainer, model = tiny_qwen(0), tiny_qwen(1)
+    with Publisher(ADDR, token=TOKEN) as pub, \
+            Subscriber(pub.address, engine=engines.HF(model), token=TOKEN, apply="poll") as sub:
+        pub.wait_for_subscribers(1, timeout=30)
+        pub.publish(trainer.state_dict(), version=0)
+        pub.flush(timeout=30)  # received and acknowledged, not applied
+        assert sub.version is None and not same_bytes(trainer, model)
+        assert sub.poll() == 0 and same_bytes(trainer, model)
+        assert sub.poll() is None
+
+
+def test_memory_flat_across_200_versions(gen):
+    trainer = tiny_qwen(0, vocab=8192)  # ~0.6 MB of weights, so a leak of one copy per version would show
+    with Publisher(ADDR, token=TOKEN, keyframe_every=20) as pub, \
+            Subscriber(pub.address, engine=engines.Shadow(), token=TOKEN) as sub:
+        tracemalloc.start()
+        try:
+            marks = {}
+            for v in range(200):
+                rl_step(trainer, gen, density=0.01)
+                pub.publish(trainer.state_dict(), version=v)
+                if v in (99, 199):
+                    pub.flush(timeout=60)
+                    gc.collect()
+                    marks[v] = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert sub.version == 199 and len(pub._history.deltas) <= 40
+        model_bytes = sum(t.nbytes for t in as_state(engines.HF(trainer).tensors()).values())
+        assert marks[199] - marks[99] < model_bytes / 10, (marks, model_bytes)
+
+
+# -- the transaction itself, without a network ----------------------------------------------
+
+
+def _payloads(base, new, **kw):
+    from wsync import encode
+
+    return [encode(base, new, codec="delta", **kw)]
+
+
+def test_corrupt_payload_leaves_engine_untouched(gen):
+    a, b = tiny_qwen(0), tiny_qwen(0)
+    rl_step(b, gen)
+    engine = engines.HF(a)
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+    p = _payloads(engine.tensors(), engines.HF(b).tensors())[0]
+    body = bytearray(p.body)
+    body[len(body) // 2] ^= 0x40
+    from wsync.payload import Payload
+
+    bad = Payload(p.manifest, memoryview(body))
+    with pytest.raises(ChecksumError):
+        apply_version(engine, [bad], p.manifest.checksum)
+    assert all(torch.equal(before[k].view(torch.uint8), v.view(torch.uint8)) for k, v in a.state_dict().items())
+
+
+def test_wrong_digest_rolls_back_every_tensor(gen):
+    a, b = tiny_qwen(0), tiny_qwen(0)
+    rl_step(b, gen)
+    engine = engines.HF(a)
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+    p = _payloads(engine.tensors(), engines.HF(b).tensors())[0]
+    with pytest.raises(ChecksumError, match="digest"):
+        apply_version(engine, [p], "0" * 16)
+    assert all(torch.equal(before[k].view(torch.uint8), v.view(torch.uint8)) for k, v in a.state_dict().items())
+    apply_version(engine, [p], p.manifest.checksum)
+    assert same_bytes(a, b)
+
+
+class _FailingLoad(engines.Shadow):
+    """An engine that is not host memory (tensors() hands out copies), whose first load dies halfway."""
+
+    calls = 0
+
+    def tensors(self):
+        out = {}
+        for n, tb in self.state.items():
+            bits = tb.bits.copy()
+            bits.flags.writeable = False
+            out[n] = TensorBits(tb.dtype, tb.shape, bits)
+        return out
+
+    def load(self, named):
+        self.calls += 1
+        if self.calls == 1:
+            super().load(dict(list(named.items())[:1]))
+            raise VersionError("engine worker went away mid-load")
+        super().load(named)
+
+
+def test_failed_load_restores_engine(rng):
+    base = {"a": rng.standard_normal(64).astype(np.float32), "b": rng.standard_normal(32).astype(np.float32)}
+    new = {k: v + 1 for k, v in base.items()}
+    engine = _FailingLoad(base)
+    p = _payloads(base, new)[0]
+    with pytest.raises(VersionError, match="went away"):
+        apply_version(engine, [p], p.manifest.checksum)
+    assert engine.calls == 2  # the failed load, then the one that put the old values back
+    assert all(engine.state[k].bits.tobytes() == base[k].tobytes() for k in base)
+    apply_version(engine, [p], p.manifest.checksum)
+    assert all(engine.state[k].bits.tobytes() == new[k].tobytes() for k in new)
+
+
+def test_mismatched_tensor_set_is_refused(rng):
+    base = {"a": rng.standard_normal(16).astype(np.float32)}
+    p = _payloads(base, {"a": base["a"] + 1})[0]
+    engine = engines.Shadow({"a": base["a"], "extra": np.zeros(3, np.float32)})
+    with pytest.raises(MismatchError, match="engine-only"):
+        apply_version(engine, [p], p.manifest.checksum)
