@@ -122,6 +122,7 @@ def parser() -> argparse.ArgumentParser:
 EXTENSIONS = [
     ("", "wsync.serve"),
     ("bench", "wsync.bench.transport"),
+    ("bench", "wsync.bench.sync"),
     ("", "wsync.plan.cli"),
 ]
 
