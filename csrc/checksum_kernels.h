@@ -1,6 +1,6 @@
 // The block-tree checksum of wsync/checksum.py: xxh3-64 of the concatenated
 // little-endian xxh3-64 digests of each 1 MiB block. The tree exists so blocks
-// can be hashed independently; here OpenMP threads share them.
+// can be hashed independently; here the threads of parallel.h share them.
 #pragma once
 
 #include <algorithm>
@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "xxh3_dispatch.h"
 
 namespace wsync {
@@ -26,9 +27,9 @@ inline uint64_t combine_digests(const std::vector<uint64_t>& digests) {
 inline uint64_t tree_checksum(const uint8_t* p, int64_t n) {
   const int64_t nb = nblocks(n);
   std::vector<uint64_t> digests(static_cast<size_t>(nb), 0);
-#pragma omp parallel for schedule(dynamic, 4) if (nb > 1)  // dynamic: a core shared with another process must not stall the other thread
-  for (int64_t i = 0; i < nb; ++i)
+  parallel_for(nb, 1, [&](int64_t i) {
     digests[i] = xxh3(p + i * kBlock, size_t(std::min(kBlock, n - i * kBlock)));
+  });
   return combine_digests(digests);
 }
 
@@ -37,12 +38,11 @@ inline uint64_t tree_checksum(const uint8_t* p, int64_t n) {
 inline uint64_t copy_tree_checksum(const uint8_t* src, uint8_t* dst, int64_t n) {
   const int64_t nb = nblocks(n);
   std::vector<uint64_t> digests(static_cast<size_t>(nb), 0);
-#pragma omp parallel for schedule(dynamic, 4) if (nb > 1)
-  for (int64_t i = 0; i < nb; ++i) {
+  parallel_for(nb, 1, [&](int64_t i) {
     const size_t len = size_t(std::min(kBlock, n - i * kBlock));
     std::memcpy(dst + i * kBlock, src + i * kBlock, len);
     digests[i] = xxh3(dst + i * kBlock, len);
-  }
+  });
   return combine_digests(digests);
 }
 

@@ -14,10 +14,6 @@
 #include <string>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "checksum_kernels.h"
 #include "delta_kernels.h"
 
@@ -371,23 +367,6 @@ PyMethodDef methods[] = {
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "wsync._cpu", "C++ CPU kernels of the wsync delta format.", -1,
                       methods, nullptr, nullptr, nullptr, nullptr};
 
-int max_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-
-// The OpenMP spec date (e.g. 201511), or 0 when built without it: wsync.backend() reports it.
-long openmp_version() {
-#ifdef _OPENMP
-  return _OPENMP;
-#else
-  return 0;
-#endif
-}
-
 }  // namespace
 
 PyMODINIT_FUNC PyInit__cpu(void) {
@@ -395,8 +374,7 @@ PyMODINIT_FUNC PyInit__cpu(void) {
   if (!m) return nullptr;
   InvalidSections = PyErr_NewException("wsync._cpu.InvalidSections", PyExc_ValueError, nullptr);
   if (!InvalidSections || PyModule_AddObjectRef(m, "InvalidSections", InvalidSections) < 0 ||
-      PyModule_AddIntConstant(m, "max_threads", max_threads()) < 0 ||
-      PyModule_AddIntConstant(m, "openmp", openmp_version()) < 0 ||
+      PyModule_AddIntConstant(m, "max_threads", wsync::default_threads()) < 0 ||
       PyModule_AddIntConstant(m, "chunk_elems", long(wsync::kChunk)) < 0 ||
       PyModule_AddIntConstant(m, "block_bytes", long(wsync::kBlock)) < 0) {
     Py_DECREF(m);

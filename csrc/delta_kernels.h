@@ -3,11 +3,12 @@
 // Pure C++ with no Python in sight: delta_cpu.cpp owns the buffers, the GIL
 // and the error messages, so these functions can run with the GIL released
 // and be reused by a future non-Python caller. Every function works on one
-// 65536-element chunk or loops over chunks with OpenMP; chunks never share
-// output, which is what the format's per-chunk table is for.
+// 65536-element chunk or loops over chunks on the thread pool of parallel.h;
+// chunks never share output, which is what the format's per-chunk table is for.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -191,8 +192,7 @@ void encode_pass1(const uint8_t* a, const uint8_t* b, int64_t n, uint32_t* table
                   uint64_t* old_digests, uint64_t* new_digests) {
   constexpr int W = sizeof(T);
   const Units units(n, W, old_digests != nullptr);
-#pragma omp parallel for schedule(dynamic, 1) if (units.count > 1)
-  for (int64_t u = 0; u < units.count; ++u) {
+  parallel_for(units.count, 1, [&](int64_t u) {
     BlockHash ho, hn;
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c);
@@ -201,7 +201,7 @@ void encode_pass1(const uint8_t* a, const uint8_t* b, int64_t n, uint32_t* table
       if (old_digests) ho.add(a + begin * W, len * W), hn.add(b + begin * W, len * W);
     }
     if (old_digests) old_digests[u] = ho.digest(), new_digests[u] = hn.digest();
-  }
+  });
 }
 
 // Re-scan one chunk straight into place. Writes are capped by the counts of
@@ -234,9 +234,8 @@ bool encode_pass2(const uint8_t* a, const uint8_t* b, int64_t n, const uint32_t*
                   const uint8_t* stage, uint8_t* gaps, int8_t* steps, uint8_t* escapes) {
   constexpr int W = sizeof(T);
   const int64_t nc = nchunks(n);
-  bool ok = true;
-#pragma omp parallel for schedule(dynamic, 8) if (nc > 1) reduction(&& : ok)
-  for (int64_t c = 0; c < nc; ++c) {
+  std::atomic<bool> ok{true};
+  parallel_for(nc, 8, [&](int64_t c) {
     const int64_t k0 = offsets[c], e0 = offsets[nc + c], cnt = table[c], esc = table[nc + c];
     if (stage && cnt <= kStage) {
       const uint8_t* slot = stage + c * slot_bytes<T>();
@@ -245,11 +244,12 @@ bool encode_pass2(const uint8_t* a, const uint8_t* b, int64_t n, const uint32_t*
       std::memcpy(escapes + W * e0, slot + 3 * kStage, size_t(W * esc));
     } else {
       const int64_t begin = c * kChunk;
-      ok = rescan_chunk<T, O>(a, b, begin, begin + chunk_len(n, c), cnt, esc, gaps + 2 * k0, steps + k0,
-                              escapes + W * e0) && ok;
+      if (!rescan_chunk<T, O>(a, b, begin, begin + chunk_len(n, c), cnt, esc, gaps + 2 * k0, steps + k0,
+                              escapes + W * e0))
+        ok.store(false);
     }
-  }
-  return ok;
+  });
+  return ok.load();
 }
 
 // ---- decode and apply ---------------------------------------------------------
@@ -313,8 +313,7 @@ ChunkCheck decode_all(const uint8_t* old, int64_t n, const uint32_t* table, cons
   constexpr int W = sizeof(T);
   const Units units(n, W, old_digests != nullptr);
   std::vector<ChunkCheck> checks(static_cast<size_t>(units.nc));
-#pragma omp parallel for schedule(dynamic, 1) if (units.count > 1)
-  for (int64_t u = 0; u < units.count; ++u) {
+  parallel_for(units.count, 1, [&](int64_t u) {
     BlockHash ho;
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c);
@@ -326,7 +325,7 @@ ChunkCheck decode_all(const uint8_t* old, int64_t n, const uint32_t* table, cons
                                      });
     }
     if (old_digests) old_digests[u] = ho.digest();
-  }
+  });
   return first_failure(checks);
 }
 
@@ -340,8 +339,7 @@ ChunkCheck apply_all(const uint8_t* old, int64_t n, const uint32_t* table, const
   constexpr int W = sizeof(T);
   const Units units(n, W, true);
   std::vector<ChunkCheck> checks(static_cast<size_t>(units.nc));
-#pragma omp parallel for schedule(dynamic, 1) if (units.count > 1)
-  for (int64_t u = 0; u < units.count; ++u) {
+  parallel_for(units.count, 1, [&](int64_t u) {
     BlockHash ho, hn;
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c);
@@ -354,7 +352,7 @@ ChunkCheck apply_all(const uint8_t* old, int64_t n, const uint32_t* table, const
     }
     old_digests[u] = ho.digest();
     new_digests[u] = hn.digest();
-  }
+  });
   return first_failure(checks);
 }
 
@@ -374,8 +372,7 @@ ChunkCheck apply_inplace_all(uint8_t* bits, int64_t n, const uint32_t* table, co
   constexpr int W = sizeof(T);
   const Units units(n, W, true);
   std::vector<ChunkCheck> checks(static_cast<size_t>(units.nc));
-#pragma omp parallel for schedule(dynamic, 1) if (units.count > 1)
-  for (int64_t u = 0; u < units.count; ++u) {
+  parallel_for(units.count, 1, [&](int64_t u) {
     BlockHash ho, hn;
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c);
@@ -393,7 +390,7 @@ ChunkCheck apply_inplace_all(uint8_t* bits, int64_t n, const uint32_t* table, co
     }
     old_digests[u] = ho.digest();
     new_digests[u] = hn.digest();
-  }
+  });
   return first_failure(checks);
 }
 
@@ -401,10 +398,10 @@ ChunkCheck apply_inplace_all(uint8_t* bits, int64_t n, const uint32_t* table, co
 template <class T>
 void restore_written(uint8_t* bits, int64_t nc, const int64_t* offsets, const int64_t* written,
                      const uint8_t* positions, const uint8_t* saved) {
-#pragma omp parallel for schedule(dynamic, 8) if (nc > 1)
-  for (int64_t c = 0; c < nc; ++c)
+  parallel_for(nc, 8, [&](int64_t c) {
     for (int64_t k = offsets[c]; k < offsets[c] + written[c]; ++k)
       store<T>(bits, load<int64_t>(positions, k), load<T>(saved, k));
+  });
 }
 
 // Exclusive prefix sums of the table's two halves: where each chunk's changes

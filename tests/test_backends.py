@@ -187,3 +187,18 @@ def test_checksum_matches_reference(kernels, size):
     assert kernels.checksum(memoryview(data.tobytes())) == want
     if size % 2 == 0:
         assert kernels.checksum(data.view(np.uint16)) == want
+
+
+def test_threads_survive_fork(kernels):
+    """A forked child (multiprocessing's default on Linux) gets working kernel threads of its own."""
+    import os
+
+    data = np.random.default_rng(9).integers(0, 256, size=8 * BLOCK + 5, dtype=np.uint8)
+    want = checksum(data)
+    assert kernels.checksum(data) == want  # the parent's threads are running now
+    pid = os.fork()
+    if pid == 0:  # child: report through the exit status only
+        ok = kernels.checksum(data) == want and kernels.copy_checksummed(data, np.empty_like(data)) == want
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -1,4 +1,4 @@
-"""The C++ CPU backend: the delta and checksum hot loops in wsync._cpu, OpenMP over chunks.
+"""The C++ CPU backend: the delta and checksum hot loops in wsync._cpu, threaded over chunks.
 
 The extension is optional (setup.py builds it when a compiler is present), so
 this module imports it lazily and explains, through BackendUnavailable, why it
@@ -58,9 +58,8 @@ class CpuKernels(Composed):
 
     def __init__(self):
         self._cpu = _import_extension()
-        # For wsync.backend() reports and benchmark records.
+        # For wsync.backend() reports and benchmark records ($WSYNC_THREADS, else $OMP_NUM_THREADS, else CPUs).
         self.threads = self._cpu.max_threads
-        self.openmp = bool(self._cpu.openmp)
 
     def delta_encode(self, old: np.ndarray, new: np.ndarray, order: str) -> DeltaSections:
         return self._encode(old, new, order, False)[0]
