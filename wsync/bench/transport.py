@@ -65,9 +65,10 @@ def run(transport: str, size: int, *, streams: int = 1, repeats: int = 5, chunk:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-    for role, p in procs.items():
-        if p.returncode != 0:
-            raise TransportError(f"bench {role} worker failed (exit {p.returncode}): {outs[role][1].strip()[-2000:]}")
+    failed = [role for role, p in procs.items() if p.returncode != 0]
+    if failed:
+        why = "; ".join(f"{r} worker (exit {procs[r].returncode}): {outs.get(r, ('', ''))[1].strip()[-1500:]}" for r in procs)
+        raise TransportError(f"bench {' and '.join(failed)} worker failed. {why}")
     rows = [json.loads(line) for line in outs["recv"][0].splitlines() if line.startswith("{")]
     _check_rows(rows)
     return _summarise(spec, rows, hardware.describe())
@@ -161,6 +162,8 @@ def worker(role: str, spec: dict) -> None:
             ok = len(memoryview(got).cast("B")) == spec["size"] and xxhash.xxh3_64_digest(got) == expected
             del got  # let our link recycle the buffer, as a subscriber does after applying
             print(json.dumps({"kind": kind, "rep": rep, "warmup": rep == 0, "seconds": dt, "ok": ok}), flush=True)
+    # The sender closes only once everything arrived: a send may complete locally while bytes are in flight.
+    side.sendall(b"D") if role == "recv" else _recv_n(side, 1)
     pair.close()
     side.close()
 

@@ -30,7 +30,7 @@ class Side:
             self.listener = listen(address, **opts)
             self.link = self.listener.accept(timeout=120)
         else:
-            self.link = connect(address, **opts)
+            self.link = dial(lambda: connect(address, **opts))
 
     def ours(self, buf):
         if self.role == "send":
@@ -42,6 +42,22 @@ class Side:
         self.link.close()
         if self.role == "send":
             self.listener.close()
+
+
+def dial(fn, seconds: float = 120.0):
+    """fn() until it connects: the other worker may not be listening yet."""
+    import time
+
+    from ..errors import TransportError
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return fn()
+        except TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _stream_pair(role: str, family, where, n: int) -> list[socket.socket]:
@@ -173,15 +189,50 @@ class DistSide(Side):
 
 
 class UcxSide(Side):
-    """Baseline: one ucxx endpoint, tag-less stream send/recv of the buffer."""
+    """Baseline: one plain UCXX endpoint, one tagged send/recv of the whole buffer."""
 
     def __init__(self, role: str, spec: dict):
-        from ..transports import ucx
-
-        self.base = ucx.RawPair(role, "127.0.0.1", spec["raw_port"], spec["size"])
-        super().__init__(role, spec, f"ucx://127.0.0.1:{spec['port']}")
+        self.base = UcxRaw(role, "127.0.0.1", spec["raw_port"], spec["size"])
+        super().__init__(role, spec, f"ucx://127.0.0.1:{spec['port']}", connect_timeout=5.0)
         self.raw = self.base.raw
 
     def close(self) -> None:
         self.base.close()
         super().close()
+
+
+class UcxRaw:
+    """A bare UCXX endpoint pair (reusing only the ucx module's event loop and connection setup)."""
+
+    def __init__(self, role: str, host: str, port: int, size: int):
+        import numpy as np
+
+        from ..transports import ucx
+        from ..transports.base import Address
+
+        cfg, addr = ucx.UcxConfig(connect_timeout=5.0), Address("ucx", host, port, "", {})
+        self.role, self.lp = role, ucx._loop(cfg)
+        self.buf = np.zeros(size, dtype=np.uint8) if role == "recv" else None
+        if role == "recv":
+            self._lst = ucx.UcxListener(addr, cfg)
+            self.ep = self._lst.accept(timeout=120).ep
+        else:
+            self._lst = None
+            self.ep = dial(lambda: ucx.connect(addr, connect_timeout=5.0)).ep
+
+    def raw(self, buf):
+        import numpy as np
+
+        if self.role == "send":
+            self.lp.run(self.ep.send(np.frombuffer(buf, dtype=np.uint8)))
+            return None
+        self.lp.run(self.ep.recv(self.buf))
+        return self.buf
+
+    def close(self) -> None:
+        try:
+            self.lp.run(self.ep.close(), 10)
+        except Exception:
+            pass  # the peer may have closed first
+        if self._lst:
+            self._lst.close()

@@ -255,31 +255,3 @@ class UcxLink:
             pass  # closing a link whose peer is gone is not an error
         self._pool.clear()
 
-
-class RawPair:
-    """The bench baseline: one plain UCXX endpoint, one tagged send/recv of the whole buffer."""
-
-    def __init__(self, role: str, host: str, port: int, size: int):
-        self.role, self.lp = role, _loop(UcxConfig())
-        self.buf = np.zeros(size, dtype=np.uint8) if role == "recv" else None
-        if role == "recv":
-            lst = UcxListener(Address("ucx", host, port, "", {}), UcxConfig())
-            link = lst.accept(timeout=120)
-            self.ep, self._lst = link.ep, lst
-        else:
-            self.ep, self._lst = connect(Address("ucx", host, port, "", {})).ep, None
-
-    def raw(self, buf):
-        if self.role == "send":
-            self.lp.run(self.ep.send(np.frombuffer(buf, dtype=np.uint8)))
-            return None
-        self.lp.run(self.ep.recv(self.buf))
-        return self.buf
-
-    def close(self) -> None:
-        try:
-            self.lp.run(self.ep.close(), 10)
-        except Exception:
-            pass
-        if self._lst:
-            self._lst.close()
