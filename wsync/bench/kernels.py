@@ -18,6 +18,7 @@ byte for byte against the reference's.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -173,7 +174,7 @@ def run_kernel_bench(size_bytes: int = 256 << 20, density: float = 0.01, *, tens
         ("numpy", "copy_fresh"): Op(lambda: [tb.bits.copy() for tb in base.values()]),
     }
     result = {"hardware": hardware.describe(), "model_bytes": model_bytes, "tensors": tensors, "density": density,
-              "repeats": repeats, "backends": {}}
+              "repeats": repeats, "loadavg_before": os.getloadavg(), "backends": {}}
     ref = backends.kernels("ref")
     for name in backends_:
         try:
@@ -187,6 +188,7 @@ def run_kernel_bench(size_bytes: int = 256 << 20, density: float = 0.01, *, tens
         facts["threads"] = getattr(k, "threads", 1)
         result["backends"][name] = facts
     best = interleaved(ops, repeats)
+    result["loadavg_after"] = os.getloadavg()  # the machine may be shared: say how busy it was
     result["numpy_copy_gbps"] = model_bytes / best["numpy", "copy"] / 1e9
     result["numpy_copy_fresh_gbps"] = model_bytes / best["numpy", "copy_fresh"] / 1e9
     for (name, op), secs in best.items():
@@ -204,7 +206,8 @@ def render(result: dict) -> str:
              f"{hardware.one_line(result['hardware'])}",
              f"numpy copy: {base:.2f} GB/s (= 1.00x); numpy copy into fresh memory: "
              f"{result['numpy_copy_fresh_gbps']:.2f} GB/s ({result['numpy_copy_fresh_gbps'] / base:.2f}x); "
-             f"best of {result['repeats']} interleaved rounds", "",
+             f"best of {result['repeats']} interleaved rounds; kernel threads: {_threads(result)}; "
+             f"load average {result['loadavg_before'][0]:.1f} before, {result['loadavg_after'][0]:.1f} after", "",
              "| backend | " + " | ".join(f"{c} GB/s" for c in cols) + " | exact |",
              "|---|" + "---:|" * len(cols) + "---|"]
     for name, row in result["backends"].items():
@@ -215,6 +218,10 @@ def render(result: dict) -> str:
         exact = row["exact"] and row["kernels_match_ref"]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if exact else 'NO'} |")
     return "\n".join(lines)
+
+
+def _threads(result: dict) -> str:
+    return ", ".join(f"{name} {row.get('threads', '-')}" for name, row in result["backends"].items())
 
 
 def main(argv=None) -> None:
