@@ -202,3 +202,20 @@ def test_threads_survive_fork(kernels):
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_concurrent_callers(kernels):
+    """Kernels release the GIL: callers on several Python threads at once all get exact answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(11)
+    old, new = make_pair(11, 2, "float", 6 * C + 17, 0.02)
+    sec = delta_ref.encode(old, new, "float")
+    data = [rng.integers(0, 256, size=3 * BLOCK + i, dtype=np.uint8) for i in range(6)]
+
+    def job(i):
+        out, _, new_sum = kernels.delta_apply(old, sec, "float")
+        return kernels.checksum(data[i]) == checksum(data[i]) and out.tobytes() == new.tobytes() and new_sum == checksum(new)
+
+    with ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(job, range(6)))
