@@ -1,6 +1,22 @@
-"""Engine adapters: what a Subscriber loads weights into (see base.py)."""
+"""Engine adapters: what a Subscriber loads weights into (see base.py).
+
+HF and Shadow import nothing heavy; PEFT, vLLM and SGLang import their
+frameworks only when used (``from wsync.engines.peft import PEFT`` or the
+lazy attributes below).
+"""
 from .base import Engine
-from .hf import HF
+from .hf import HF, Fused, qkv_gate_up
 from .shadow import Shadow
 
-__all__ = ["Engine", "HF", "Shadow"]
+_LAZY = {"PEFT": ".peft", "VLLM": ".vllm", "SGLang": ".sglang"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'wsync.engines' has no attribute {name!r}")
+
+
+__all__ = ["Engine", "HF", "Fused", "qkv_gate_up", "Shadow", "PEFT", "VLLM", "SGLang"]
