@@ -124,6 +124,7 @@ EXTENSIONS = [
     ("bench", "wsync.bench.transport"),
     ("bench", "wsync.bench.sync"),
     ("", "wsync.plan.cli"),
+    ("", "trainer.cli"),
 ]
 
 

@@ -1,0 +1,116 @@
+"""`wsync loop` (and `python -m trainer`): run the reference RL loop from the command line.
+
+    wsync loop --mode async --max-staleness 2 --seconds 60 --json run.json
+    wsync loop --mode sync --steps 200 --long-tail 0.25 --max-digits 16
+
+Imports nothing heavy at module level: the wsync parser is built on every call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("loop", help="run the reference async RL loop (GRPO, in-flight weight updates)")
+    add_arguments(p)
+    p.set_defaults(fn=_from_wsync)
+
+
+def _from_wsync(a) -> None:
+    a.argv = sys.argv[2:]  # after "wsync loop"
+    run_from_args(a)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=["sync", "async"], default="async")
+    p.add_argument("--max-staleness", type=int, default=2, help="eta: versions a sample may lag (async)")
+    p.add_argument("--seconds", type=float, default=0.0, help="wall-time budget (default: none if --steps)")
+    p.add_argument("--steps", type=int, default=0, help="trainer steps budget")
+    p.add_argument("--samplers", type=int, default=1, help="sampler processes")
+    p.add_argument("--slots", type=int, default=64, help="sequences each sampler decodes together")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--batch-groups", type=int, default=16, help="groups per trainer step")
+    p.add_argument("--digits", type=int, default=3, help="digits of an ordinary prompt")
+    p.add_argument("--max-digits", type=int, default=0, help="longest prompt of the long tail (default: --digits)")
+    p.add_argument("--long-tail", type=float, default=0.0, help="probability a prompt comes from the long tail")
+    p.add_argument("--tail-alpha", type=float, default=1.2, help="Pareto shape of the tail")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--is-cap", type=float, default=4.0, help="C: truncation of importance weights")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--kv-cache", choices=["keep", "recompute"], default="keep",
+                   help="in-flight sequences' KV cache after a weight update")
+    p.add_argument("--address", default="tcp://127.0.0.1:0", help="publisher address (tcp://..., local://name)")
+    p.add_argument("--codec", choices=["delta", "raw"], default="delta")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    p.add_argument("--json", type=Path, help="write the summary (with per-step history) here")
+    p.add_argument("--png", type=Path, help="reward vs wall time plot (needs matplotlib; default: next to --json)")
+
+
+def config_from_args(a):
+    from .decode import DecodeConfig
+    from .grpo import GRPOConfig
+    from .loop import LoopConfig
+    from .task import TaskConfig
+
+    if a.steps <= 0 and a.seconds <= 0:
+        a.seconds = 60.0
+    task = TaskConfig(min_digits=a.digits, max_digits=max(a.max_digits, a.digits), tail_prob=a.long_tail,
+                      tail_alpha=a.tail_alpha)
+    return LoopConfig(
+        mode=a.mode, max_staleness=a.max_staleness, steps=a.steps, seconds=a.seconds, samplers=a.samplers,
+        group_size=a.group_size, batch_groups=a.batch_groups, seed=a.seed, address=a.address, codec=a.codec,
+        progress=not a.quiet, task=task, grpo=GRPOConfig(lr=a.lr, is_cap=a.is_cap),
+        decode=DecodeConfig(slots=a.slots, temperature=a.temperature, top_p=a.top_p, kv_cache=a.kv_cache),
+    )
+
+
+def run_from_args(a, prog: str = "wsync loop") -> dict:
+    import os
+
+    # before torch or wsync's C++ backend start an OpenMP pool in this process: one thread each, the
+    # loop's processes share the cores (spinning idle OpenMP threads cost the samplers dearly on 2 cores)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from .loop import run
+    from .metrics import plot
+
+    result = run(config_from_args(a))
+    s = result.summary
+    s["command"] = " ".join([prog, *getattr(a, "argv", [])])
+    png = a.png or (a.json.with_suffix(".png") if a.json else None)
+    if png is not None:
+        s["png"] = str(png) if plot(s["history"], png, f"{a.mode} (eta={s['config']['max_staleness']})") else None
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(s, indent=1))
+    print(one_line(s))
+    return s
+
+
+def one_line(s: dict) -> str:
+    t, smp = s["trainer"], s["samplers"]
+    return (f"{s['config']['mode']}: {s['steps']} steps in {s['wall_s']:.1f}s, {s['samples_per_s']:.1f} samples/s, "
+            f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}, dropped {s['dropped_stale']}, "
+            f"trainer idle {t['idle_pct']:.1f}% (waiting for samples {t['wait_samples_s']:.1f}s), "
+            f"sampler idle {smp['idle_pct']:.1f}% (no work {smp['no_work_s']:.1f}s, "
+            f"waiting for a version {smp['wait_version_s']:.1f}s, queue full {smp['queue_full_s']:.1f}s), "
+            f"slots used {smp['slot_utilisation']:.0%}, sync {s['sync']['bytes_per_version_mean'] / 1e3:.1f} kB/version")
+
+
+def main(argv=None) -> int:
+    from wsync.errors import WsyncError
+
+    p = argparse.ArgumentParser(prog="python -m trainer", description="The reference async RL loop.")
+    add_arguments(p)
+    a = p.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        run_from_args(a, prog="python -m trainer")
+    except (WsyncError, ValueError) as e:
+        print(f"trainer: error: {e}", file=sys.stderr)
+        return 2
+    return 0
