@@ -121,8 +121,9 @@ def test_moe_adapter_layouts_follow_exactly(layout):
         plain = trainer(input_ids=IDS % 128).logits
     torch.manual_seed(1)
     assert moe_lora.attach(trainer, rank=4, layout=layout) == 2
-    with torch.no_grad():  # B starts at zero: the wrapped experts compute what the plain ones did
-        assert torch.equal(trainer(input_ids=IDS % 128).logits, plain)
+    with torch.no_grad():  # B starts at zero: the wrapped experts compute what the plain ones did (up to the
+        # summation order of transformers' own experts kernel; this checks the forward, not a sync path)
+        torch.testing.assert_close(trainer(input_ids=IDS % 128).logits, plain, rtol=0, atol=1e-6)
     torch.manual_seed(2)
     moe_lora.attach(served, rank=4, layout=layout)
     engine = engines.HF(served, select=moe_lora.is_adapter)
