@@ -8,7 +8,7 @@ from .base import Engine
 from .hf import HF, Fused, qkv_gate_up
 from .shadow import Shadow
 
-_LAZY = {"PEFT": ".peft", "VLLM": ".vllm", "SGLang": ".sglang"}
+_LAZY = {"PEFT": ".peft", "LossyLowRank": ".lowrank", "VLLM": ".vllm", "SGLang": ".sglang"}
 
 
 def __getattr__(name: str):
@@ -19,4 +19,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'wsync.engines' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "HF", "Fused", "qkv_gate_up", "Shadow", "PEFT", "VLLM", "SGLang"]
+__all__ = ["Engine", "HF", "Fused", "qkv_gate_up", "Shadow", "PEFT", "LossyLowRank", "VLLM", "SGLang"]
