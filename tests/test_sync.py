@@ -95,6 +95,26 @@ def test_eight_subscribers_fifty_deltas(gen):
     assert len(deltas) == 50 and max(deltas) < raw / 5
 
 
+def test_relay_tree_forwards_bit_exact(gen):
+    """publisher -> relay (e.g. one per remote site) -> two subscribers behind it."""
+    trainer = tiny_qwen(0)
+    leaves = [tiny_qwen(20), tiny_qwen(21)]
+    with Publisher(ADDR, token=TOKEN, keyframe_every=3) as pub, \
+            Subscriber(pub.address, engine=engines.Shadow(), token=TOKEN, relay=ADDR) as relay:
+        subs = [Subscriber(relay.relay.address, engine=engines.HF(m), token=TOKEN) for m in leaves]
+        try:
+            for v in range(6):
+                rl_step(trainer, gen)
+                pub.publish(trainer.state_dict(), version=v)
+            for s in subs:
+                s.wait_for(5, timeout=30)
+        finally:
+            for s in subs:
+                s.close()
+    assert all(same_bytes(trainer, m) for m in leaves)
+    assert relay.version == 5 and all(s.version == 5 for s in subs)
+
+
 def test_versions_must_increase():
     with Publisher(ADDR, token=TOKEN) as pub:
         state = {"w": np.zeros(8, np.float32)}

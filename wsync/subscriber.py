@@ -47,7 +47,8 @@ class Staged:
 
 class Subscriber:
     def __init__(self, address: str, *, engine, token=None, apply: str = "background", backend: str | None = None,
-                 connect_opts: dict | None = None, retry_s: float = 0.5, progress=None):
+                 connect_opts: dict | None = None, retry_s: float = 0.5, progress=None, relay: str | None = None,
+                 relay_opts: dict | None = None):
         if apply not in ("background", "poll"):
             raise ValueError(f"apply must be 'background' or 'poll', got {apply!r}")
         self.address, self.engine, self.mode, self.backend = address, engine, apply, backend
@@ -65,6 +66,12 @@ class Subscriber:
         self.version: int | None = engine.version
         self.error: WsyncError | None = None  # the last apply failure, kept for callers to inspect
         self.stats: dict = {"versions": 0, "bytes": 0, "failures": 0, "last": None}
+        # a relay re-publishes every committed version to its own subscribers (a tree for WAN fan-out)
+        self.relay = None
+        if relay is not None:
+            from .sync import Publisher
+
+            self.relay = Publisher(relay, token=token, **(relay_opts or {}))
         self._thread = threading.Thread(target=self._run, name="wsync-subscriber", daemon=True)
         self._thread.start()
 
@@ -103,6 +110,8 @@ class Subscriber:
         if link is not None:
             link.close()
         self._thread.join(timeout=10)
+        if self.relay is not None:
+            self.relay.close()
 
     def __enter__(self):
         return self
@@ -240,6 +249,8 @@ class Subscriber:
             self._cv.notify_all()
         if self.mode == "background" and not self._lockstep:
             self._ack(st.version)
+        if self.relay is not None:
+            self.relay.publish(self.engine.tensors(), version=st.version)
         return True
 
 
