@@ -178,7 +178,12 @@ def server_handshake(sock: socket.socket, token, peer: str) -> dict:
     sock.sendall(HELLO_S.pack(MAGIC, VERSION, key is not None, ns, mac_s))
     if version != VERSION:
         raise TransportError(f"client speaks protocol v{version}, this listener v{VERSION}")  # it reads ours
-    mac_c = read_exact(sock, 32, peer)
+    try:
+        mac_c = read_exact(sock, 32, peer)
+    except TransportError:
+        if key is None:
+            raise
+        raise Refused("peer hung up at the token check (it holds another token, or none)") from None
     body, request = _read_json(sock, peer)
     if key is not None and not hmac.compare_digest(mac_c, _mac(key, b"wsync-client", ns, nc, body)):
         raise Refused("bad or missing token")

@@ -39,9 +39,9 @@ class Buffers:
         self._kept: deque = deque()
 
     def take(self, n: int) -> np.ndarray:
-        for b in self._kept:
+        for i, b in enumerate(self._kept):
             if b.nbytes == n and sys.getrefcount(b) <= 3:  # ours: the deque slot, b, getrefcount's argument
-                self._kept.remove(b)
+                del self._kept[i]  # by position: deque.remove would compare arrays elementwise
                 self._kept.append(b)
                 return b
         b = np.empty(n, dtype=np.uint8)

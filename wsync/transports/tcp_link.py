@@ -156,6 +156,8 @@ class TcpLink:
         if self.state == "broken":
             self.reconnects += 1
             log.info("link %s resumed (epoch %d, %d reconnects)", self.peer, e, self.reconnects)
+        for m in self.inbox.msgs.values():  # no reader is running: nothing is being received
+            m.claimed.clear()
         self.epoch, self.state, self._socks = e, "up", outs + ins
         self._threads = [threading.Thread(target=self._writer, args=(e, k, s), daemon=True, name=f"wsync-tx{k}")
                          for k, s in enumerate(outs)]
@@ -284,8 +286,10 @@ class TcpLink:
             raise TransportError(f"{self.peer} sent a {rec.length}-byte frame (limit {tf.MAX_FRAME})")
         with self.cv:
             target = self.inbox.claim(rec, live, self.cfg.stall_timeout)
-        if not live():
-            return False
+            if not live():  # the epoch ended meanwhile: leave the frame to the next one
+                if target is not None:
+                    self.inbox.release(rec.seq, target[0], rec.blob, target[1], False)
+                return False
         if target is None:  # a frame we already hold: read it into nothing
             left = rec.length
             while left:

@@ -108,9 +108,11 @@ class Outbox:
         return None
 
     def written(self, job: tuple) -> None:
-        if job[0] in ("head", "frame"):
+        if job[0] in ("head", "frame") and job[1].pending > 0:
+            # pending may already be 0: the peer can acknowledge the whole message (acked() zeroes it)
+            # before this writer gets here from its sendall; going to -1 would strand send() forever
             job[1].pending -= 1
-            if job[1].pending <= 0:
+            if job[1].pending == 0:
                 self.cv.notify_all()
 
 

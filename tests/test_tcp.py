@@ -1,0 +1,393 @@
+"""tcp:// transport: exact delivery, order, fan-out, auth, damage, resume, TLS, timeouts, hostile input."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import ssl
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tcp_helpers import Proxy, self_signed
+from wsync.errors import ChecksumError, TransportError
+from wsync.transports import Message, TransportTimeout, connect, listen
+from wsync.transports import tcp_auth, tcp_frames as tf
+
+LOG = "wsync.transports.tcp"
+
+
+def blob(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def pair(request):
+    """(listener, client link, server link) on loopback; options from the test's parametrization."""
+    opts = getattr(request, "param", {})
+    lst = listen("tcp://127.0.0.1:0", **opts)
+    cli = connect(lst.address, **opts)
+    srv = lst.accept(timeout=10)
+    yield lst, cli, srv
+    cli.close()
+    srv.close()
+    lst.close()
+
+
+def recv_in_thread(link, timeout=60):
+    out = {}
+
+    def run():
+        try:
+            out["msg"] = link.recv(timeout)
+        except Exception as e:  # handed to the test thread
+            out["err"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def wait_for_log(caplog, pred, timeout: float = 5.0) -> bool:
+    """The listener logs from its own threads: give it a moment."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r.name == LOG and pred(r.getMessage()) for r in caplog.records):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_small_messages_both_ways(pair):
+    _, cli, srv = pair
+    cli.send(Message("hello", {"version": 3, "names": ["a", "b"]}, [b"abc", b"", bytearray(b"xyz" * 1000)]))
+    m = srv.recv(5)
+    assert (m.kind, m.meta) == ("hello", {"version": 3, "names": ["a", "b"]})
+    assert [bytes(b) for b in m.blobs] == [b"abc", b"", b"xyz" * 1000]
+    srv.send(Message("ack"))
+    m = cli.recv(5)
+    assert (m.kind, m.meta, m.blobs) == ("ack", {}, [])
+
+
+@pytest.mark.parametrize("pair", [{"streams": 4, "frame_bytes": 1 << 20}], indirect=True)
+def test_large_message_over_several_streams_is_exact(pair):
+    _, cli, srv = pair
+    data = np.random.default_rng(1).integers(0, 256, (80 << 20) + 12345, dtype=np.uint8)  # > 64 MiB, odd size
+    small = blob(3, 2)
+    t, out = recv_in_thread(cli)
+    srv.send(Message("bucket", {"i": 0}, [data, small]))
+    t.join()
+    m = out["msg"]
+    assert m.blobs[0] == data.data and bytes(m.blobs[1]) == small
+
+
+def test_many_messages_stay_in_order(pair):
+    _, cli, srv = pair
+    sizes = [int(x) for x in np.random.default_rng(3).integers(0, 300_000, 200)]
+    sent = [blob(n, i) for i, n in enumerate(sizes)]
+
+    def send_all():
+        for i, b in enumerate(sent):
+            srv.send(Message("m", {"i": i}, [b]))
+
+    t = threading.Thread(target=send_all)
+    t.start()
+    for i in range(len(sent)):
+        m = cli.recv(30)
+        assert m.meta["i"] == i and m.blobs[0] == sent[i]
+    t.join()
+
+
+def test_concurrent_send_and_recv_on_both_sides(pair):
+    _, cli, srv = pair
+    n, size = 40, 1 << 20
+    errors = []
+
+    def talk(link, seed_out, seed_in):
+        def tx():
+            for i in range(n):
+                link.send(Message("d", {"i": i}, [blob(size, seed_out + i)]))
+
+        t = threading.Thread(target=tx)
+        t.start()
+        try:
+            for i in range(n):
+                m = link.recv(30)
+                if m.meta["i"] != i or m.blobs[0] != blob(size, seed_in + i):
+                    errors.append((seed_out, i))
+        except Exception as e:
+            errors.append(e)
+        t.join()
+
+    a = threading.Thread(target=talk, args=(cli, 1000, 2000))
+    b = threading.Thread(target=talk, args=(srv, 2000, 1000))
+    a.start(), b.start()
+    a.join(), b.join()
+    assert errors == []
+
+
+def test_several_subscribers_on_one_listener():
+    lst = listen("tcp://127.0.0.1:0", token="tok")
+    subs = [connect(lst.address, token="tok", streams=1 + i % 3) for i in range(5)]
+    links = [lst.accept(timeout=10) for _ in subs]
+    assert all(links) and len({ln.session for ln in links}) == 5
+    by_session = {ln.session: ln for ln in links}
+    for i, s in enumerate(subs):  # each subscriber gets its own content on its own link
+        by_session[s.session].send(Message("v", {"who": i}, [blob(3 << 20, i)]))
+    for i, s in enumerate(subs):
+        m = s.recv(30)
+        assert m.meta["who"] == i and m.blobs[0] == blob(3 << 20, i)
+    for ln in subs + links:
+        ln.close()
+    lst.close()
+
+
+def test_wrong_or_missing_token_is_refused_and_logged(caplog):
+    lst = listen("tcp://127.0.0.1:0", token="right")
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        with pytest.raises(TransportError, match="token"):
+            connect(lst.address, token="wrong", timeout=5)
+        with pytest.raises(TransportError, match="token"):
+            connect(lst.address, timeout=5)
+        assert wait_for_log(caplog, lambda m: "bad or missing token" in m)  # the client without one
+        assert wait_for_log(caplog, lambda m: "token check" in m)  # the one with another token
+    refusals = [r for r in caplog.records if r.name == LOG and "refused" in r.getMessage()]
+    assert len(refusals) >= 2 and all("127.0.0.1:" in r.getMessage() for r in refusals)
+    assert lst.accept(timeout=0.2) is None  # nothing unauthenticated reached accept()
+    good = connect(lst.address, token="right")  # and the listener still serves good peers
+    link = lst.accept(timeout=10)
+    good.send(Message("ok", {}, [b"x"]))
+    assert bytes(link.recv(5).blobs[0]) == b"x"
+    good.close(), link.close(), lst.close()
+
+
+def test_client_with_token_refuses_a_listener_without_one():
+    lst = listen("tcp://127.0.0.1:0")
+    with pytest.raises(TransportError, match="does not check tokens"):
+        connect(lst.address, token="secret", timeout=5)
+    lst.close()
+
+
+@pytest.mark.parametrize("junk", [
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"WSH1",  # a truncated hello, then silence
+    b"WSH1" + struct.pack("<H", 1) + bytes(32) + bytes(32) + struct.pack("<I", 0xFFFFFFFF),  # huge request length
+    b"WSH1" + struct.pack("<H", 99) + bytes(32),  # another protocol version
+    os.urandom(5000),
+])
+def test_garbage_never_crashes_the_listener(junk, caplog):
+    lst = listen("tcp://127.0.0.1:0", handshake_timeout=0.5)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        s = socket.create_connection(("127.0.0.1", int(lst.address.rsplit(":", 1)[1])))
+        s.sendall(junk)
+        s.settimeout(3)
+        try:
+            while s.recv(4096):
+                pass
+        except OSError:
+            pass
+        s.close()
+        assert wait_for_log(caplog, lambda m: "127.0.0.1:" in m)  # logged with the peer's address
+    assert lst.accept(timeout=0.1) is None
+    cli = connect(lst.address)
+    srv = lst.accept(timeout=10)
+    cli.send(Message("still", {}, [b"fine"]))
+    assert bytes(srv.recv(5).blobs[0]) == b"fine"
+    cli.close(), srv.close(), lst.close()
+
+
+def _fake_peer(address: str, records: list[bytes]) -> None:
+    """A client that passes the handshake (1 stream) and then sends raw records."""
+    port = int(address.rsplit(":", 1)[1])
+    req = {"session": "ab" * 16, "epoch": 1}
+    up = socket.create_connection(("127.0.0.1", port))
+    tcp_auth.client_handshake(up, None, {**req, "op": "open", "dir": "up", "index": 0, "streams": 1,
+                                         "state": tf.encode_state(0, {}).decode()}, "test")
+    down = socket.create_connection(("127.0.0.1", port))
+    tcp_auth.client_handshake(down, None, {**req, "op": "join", "dir": "down", "index": 0}, "test")
+    for r in records:
+        up.sendall(r)
+    return up, down
+
+
+def _head(seq, sizes, frame=1 << 20, max_lie=None):
+    body = tf.encode_head("x", {}, sizes, frame)
+    import xxhash
+
+    return tf.pack(tf.Record(tf.HEAD, seq, length=len(body), body_sum=xxhash.xxh3_64_intdigest(body))) + body
+
+
+@pytest.mark.parametrize("records, match", [
+    ([_head(0, [1 << 40])], "max_message"),
+    ([_head(0, [100], frame=3)], "frame size"),
+    ([_head(0, [3 << 20]), tf.pack(tf.Record(tf.FRAME, 0, 0, 12345, 10, 0)) + bytes(10)], "not a frame"),
+    ([_head(0, [100]), tf.pack(tf.Record(tf.FRAME, 0, 7, 0, 100, 0)) + bytes(100)], "blob 7"),
+    ([tf.pack(tf.Record(tf.ACK, 5))], "never sent"),
+    ([tf.pack(tf.Record(tf.HEAD, 0, length=1 << 30))], "limit"),
+])
+def test_lying_records_fail_the_link_cleanly(records, match):
+    lst = listen("tcp://127.0.0.1:0", max_message=1 << 30)
+    socks = _fake_peer(lst.address, records)
+    link = lst.accept(timeout=10)
+    with pytest.raises(TransportError, match=match):
+        link.recv(10)
+    for s in socks:
+        s.close()
+    link.close(), lst.close()
+
+
+def test_a_damaged_frame_is_resent_transparently():
+    lst = listen("tcp://127.0.0.1:0")
+    proxy = Proxy(int(lst.address.rsplit(":", 1)[1]), direction="down", flip_at=5 << 20)
+    cli = connect(proxy.address, streams=2, frame_bytes=1 << 20)
+    srv = lst.accept(timeout=10)
+    data = blob(12 << 20, 5)
+    t, out = recv_in_thread(cli)
+    srv.send(Message("b", {}, [data]))
+    t.join()
+    assert out["msg"].blobs[0] == data and cli.reconnects >= 1 and proxy.flip_at is None
+    cli.close(), srv.close(), proxy.close(), lst.close()
+
+
+def test_damage_that_persists_raises_checksum_error():
+    lst = listen("tcp://127.0.0.1:0", linger=0.2)  # its link never gets an ACK: do not wait long at close
+    proxy = Proxy(int(lst.address.rsplit(":", 1)[1]), direction="down", damage_all=True)
+    cli = connect(proxy.address, streams=1, frame_bytes=1 << 20, max_resends=2)
+    srv = lst.accept(timeout=10)
+    threading.Thread(target=lambda: _swallow(srv.send, Message("b", {}, [blob(4 << 20)])), daemon=True).start()
+    with pytest.raises(ChecksumError, match="checksum"):
+        cli.recv(30)
+    cli.close(), srv.close(), proxy.close(), lst.close()
+
+
+def _swallow(fn, *args):
+    try:
+        fn(*args)
+    except TransportError:
+        pass
+
+
+@pytest.mark.parametrize("direction", ["down", "up"])
+def test_connections_cut_mid_message_resume_bit_exact(direction):
+    lst = listen("tcp://127.0.0.1:0")
+    proxy = Proxy(int(lst.address.rsplit(":", 1)[1]), direction=direction, cut_after=20 << 20)
+    cli = connect(proxy.address, streams=3, frame_bytes=1 << 20)
+    srv = lst.accept(timeout=10)
+    tx, rx = (srv, cli) if direction == "down" else (cli, srv)
+    data = [blob(48 << 20, 7), blob(5 << 20, 8)]
+    t, out = recv_in_thread(rx)
+    tx.send(Message("a", {"n": 1}, data))
+    tx.send(Message("b", {"n": 2}, [b"after"]))
+    t.join()
+    assert proxy.cuts == 1 and cli.reconnects == 1
+    m = out["msg"]
+    assert (m.kind, m.meta) == ("a", {"n": 1}) and m.blobs[0] == data[0] and m.blobs[1] == data[1]
+    m = rx.recv(10)  # the next message arrives once, in order: nothing lost, nothing repeated
+    assert m.kind == "b" and bytes(m.blobs[0]) == b"after"
+    with pytest.raises(TransportTimeout):
+        rx.recv(0.3)
+    cli.close(), srv.close(), proxy.close(), lst.close()
+
+
+def test_resume_window_exceeded_raises_on_both_sides():
+    lst = listen("tcp://127.0.0.1:0", resume_window=1.0)
+    proxy = Proxy(int(lst.address.rsplit(":", 1)[1]), direction="down", cut_after=3 << 20)
+    cli = connect(proxy.address, streams=2, resume_window=1.0, frame_bytes=1 << 20)
+    srv = lst.accept(timeout=10)
+    proxy.refuse = True  # the path stays down after the cut
+    threading.Thread(target=lambda: _swallow(srv.send, Message("b", {}, [blob(16 << 20)])), daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="resume_window"):
+        cli.recv(30)
+    with pytest.raises(TransportError, match="resume_window"):
+        srv.recv(30)
+    assert time.monotonic() - t0 < 20
+    with pytest.raises(TransportError):
+        cli.send(Message("late"))
+    cli.close(), srv.close(), proxy.close(), lst.close()
+
+
+def test_tls_round_trip(tmp_path, caplog):
+    cert, key = self_signed(tmp_path)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    lst = listen("tcp://127.0.0.1:0", tls=server_ctx, token="t")
+    cli = connect(lst.address, tls={"cafile": cert}, token="t", streams=2, frame_bytes=1 << 20)
+    srv = lst.accept(timeout=10)
+    data = blob(9 << 20, 9)
+    t, out = recv_in_thread(srv)
+    cli.send(Message("tls", {}, [data]))
+    t.join()
+    assert out["msg"].blobs[0] == data
+    assert isinstance(cli._socks[0], ssl.SSLSocket)
+    with caplog.at_level(logging.WARNING, logger=LOG):  # a plain client is turned away, and logged
+        with pytest.raises(TransportError):
+            connect(lst.address, token="t", timeout=3, handshake_timeout=2)
+        assert wait_for_log(caplog, lambda m: "127.0.0.1:" in m)
+    cli.close(), srv.close(), lst.close()
+
+
+def test_tls_client_rejects_an_untrusted_certificate(tmp_path):
+    cert, key = self_signed(tmp_path)
+    lst = listen("tcp://127.0.0.1:0", tls={"certfile": cert, "keyfile": key})
+    with pytest.raises(TransportError, match="(?i)certificate"):
+        connect(lst.address, tls={}, timeout=5)  # system trust store: the self-signed cert is not in it
+    lst.close()
+
+
+def test_timeouts_leave_the_link_usable(pair):
+    lst, cli, srv = pair
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeout):
+        cli.recv(0.2)
+    assert 0.15 < time.monotonic() - t0 < 5
+    assert lst.accept(timeout=0.1) is None
+    srv.send(Message("late", {}, [b"ok"]))
+    assert bytes(cli.recv(5).blobs[0]) == b"ok"
+    cli.send(Message("x"))
+    srv.flush(5)
+    cli.flush(5)
+
+
+def test_connect_to_nothing_fails_cleanly():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(TransportError, match="cannot connect"):
+        connect(f"tcp://127.0.0.1:{port}", timeout=2)
+
+
+def test_peer_close_delivers_what_was_sent_then_raises(pair):
+    _, cli, srv = pair
+    srv.send(Message("last", {}, [blob(2 << 20)]))
+    srv.close()
+    assert cli.recv(5).blobs[0] == blob(2 << 20)
+    with pytest.raises(TransportError, match="closed"):
+        cli.recv(5)
+    with pytest.raises(TransportError, match="closed"):
+        cli.send(Message("x"))
+
+
+def test_options_from_the_address():
+    lst = listen("tcp://127.0.0.1:0?frame_bytes=256K")
+    assert lst.address.endswith("?frame_bytes=256K")
+    base = lst.address.split("?")[0]
+    cli = connect(base + "?streams=2&frame_bytes=128K&sndbuf=1M")
+    srv = lst.accept(timeout=10)
+    assert cli.cfg.streams == 2 and cli.cfg.frame_bytes == 128 << 10 and cli.cfg.sndbuf == 1 << 20
+    assert len(cli._socks) == 4
+    cli.send(Message("o", {}, [blob(1 << 20)]))
+    assert srv.recv(5).blobs[0] == blob(1 << 20)
+    with pytest.raises(ValueError, match="unknown option"):
+        connect(base + "?stream=2")
+    cli.close(), srv.close(), lst.close()
+
+
+def test_non_contiguous_blob_is_refused_with_a_hint(pair):
+    _, cli, _ = pair
+    with pytest.raises(ValueError, match="contiguous"):
+        cli.send(Message("x", {}, [np.zeros((4, 4))[:, 1]]))
