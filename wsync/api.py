@@ -174,8 +174,7 @@ def _apply(base: State | None, payload: Payload, k, *, inplace: bool) -> State:
     man = payload.manifest
     needs_base = _check_inputs(base, man)
     codec = CODECS[man.codec]
-    shared = _decode_shared(base, payload, k) if inplace else {}
-    known = {n: d.base_sum for n, d in shared.items() if isinstance(d, Decoded)}
+    shared, known = _decode_shared(base, payload, k) if inplace else ({}, {})
     done: list[Applied] = []
     late = None
     try:
@@ -202,24 +201,24 @@ def _apply(base: State | None, payload: Payload, k, *, inplace: bool) -> State:
     return {s.name: TensorBits(dtypes.by_name(s.dtype), s.shape, a.bits) for s, a in zip(man.tensors, done)}
 
 
-def _decode_shared(base: State | None, payload: Payload, k) -> dict:
+def _decode_shared(base: State | None, payload: Payload, k) -> tuple[dict, dict]:
     """Tensors whose memory overlaps another's (tied weights), decoded before anything is written.
 
     Applied in place one by one, such a tensor would see the writes made for
     its twin, in its base checksum and in the steps added to it. Decoded
-    against the untouched base, it behaves as if applied alone. A failure is
-    kept (as the exception) and raised when the loop reaches that tensor.
+    against the untouched base, it behaves as if applied alone. Returns
+    ({name: Decoded, or the exception to raise when the loop reaches it},
+    {name: checksum of its base as it was}).
     """
-    out = {}
+    out, sums = {}, {}
     for name in _overlapping(base or {}):
-        spec = payload.manifest.tensors_by_name[name]
+        sums[name] = k.checksum(base[name].bits)
         try:
-            dec = _decode_one(payload, spec, base[name], k)
-            dec.base_sum = dec.base_sum or k.checksum(base[name].bits)
-            out[name] = dec
+            out[name] = _decode_one(payload, payload.manifest.tensors_by_name[name], base[name], k)
+            out[name].base_sum = sums[name]
         except (ChecksumError, FormatError) as e:
             out[name] = e
-    return out
+    return out, sums
 
 
 def _overlapping(state: State) -> set[str]:
