@@ -9,7 +9,7 @@ nothing can leak into /dev/shm: when both processes close their descriptors
 and mappings, or die, the kernel frees the memory.
 
 Segments are reused: the reader tells the writer (frame ``F``) once the caller
-has dropped every view of a message (checked at its next send/recv), and the
+has dropped every view of a message (checked every 20 ms and at each call), and the
 writer recycles that segment for a later message of the same or smaller size,
 so steady-state syncs fault no fresh pages. Payload is hashed per piece
 (xxh3-64) while it is copied in, and checked per piece when mapped, on a small
@@ -22,6 +22,7 @@ import json
 import mmap
 import os
 import queue
+import select
 import socket
 import stat
 import struct
@@ -36,6 +37,7 @@ from .local_segments import Outbox, copy_in, verify_pieces
 
 FRAME = struct.Struct("<cI")  # frame type, JSON body length
 HELLO = FRAME.pack(b"H", 0)  # a subscriber's first bytes
+REAP_EVERY = 0.02  # seconds between checks for released messages while the socket is idle
 MAX_FRAME = 16 << 20
 
 
@@ -142,7 +144,8 @@ class LocalLink:
         self._in_fds: dict[int, int] = {}  # the peer's segments we may map, by id
         self._held: list[tuple[int, mmap.mmap]] = []  # mappings handed to our caller, freed once unused
         self._inbox: queue.Queue = queue.Queue()
-        self._wlock = threading.Lock()
+        self._wlock = threading.Lock()  # one writer of frames at a time (caller and reaper)
+        self._hlock = threading.Lock()  # guards _held
         self._closed = False
         self._reader = threading.Thread(target=self._read_loop, name=f"wsync-local-{peer}", daemon=True)
         self._reader.start()
@@ -217,7 +220,8 @@ class LocalLink:
         except (KeyError, TypeError, ValueError, OSError) as e:
             raise TransportError(f"malformed local message header from {self.peer}: {e!r}") from None
         if mm is not None:
-            self._held.append((seg, mm))
+            with self._hlock:
+                self._held.append((seg, mm))
         bad = verify_pieces(host, head["piece"])
         if bad is not None:
             del blobs, host, view
@@ -228,6 +232,9 @@ class LocalLink:
     def _read_loop(self) -> None:
         try:
             while True:
+                if not select.select([self.sock], [], [], REAP_EVERY)[0]:
+                    self._reap()  # between frames: hand back what the caller dropped, without waiting for its next call
+                    continue
                 kind, body, fds = self._read_frame()
                 if kind == b"M":
                     if fds:
@@ -260,20 +267,22 @@ class LocalLink:
         return kind, json.loads(body), fds
 
     def _reap(self) -> None:
-        """Give back segments whose views our caller has dropped."""
-        keep = []
-        for seg, mm in self._held:
-            try:
-                mm.close()
-            except BufferError:  # a view of it is still alive
-                keep.append((seg, mm))
-                continue
+        """Give back segments whose views our caller has dropped (from the caller's thread or the reader's)."""
+        with self._hlock:
+            freed, keep = [], []
+            for seg, mm in self._held:
+                try:
+                    mm.close()
+                    freed.append(seg)
+                except BufferError:  # a view of it is still alive
+                    keep.append((seg, mm))
+            self._held = keep
+        for seg in freed:
             if not self._closed:
                 try:
                     self._frame(b"F", {"seg": seg})
                 except TransportError:
                     pass  # the peer is gone; its segments went with it
-        self._held = keep
 
     def close(self) -> None:
         if self._closed:
