@@ -59,3 +59,11 @@ class PEFT(HF):
 
     def base_digest(self) -> str:
         return base_digest(self.model, self.adapter_name)
+
+
+def config_dict(model, adapter_name: str = "default") -> dict:
+    """The adapter's LoraConfig as plain JSON values (what vLLM's adapter folder and SGLang's loader read)."""
+    import json
+
+    raw = model.peft_config[adapter_name].to_dict()
+    return json.loads(json.dumps(raw, default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))

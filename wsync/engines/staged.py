@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import threading
 
+from ..errors import WsyncError
 from ..snapshot import State, TensorBits, as_state, to_torch
 from .shadow import Shadow
+
+
+class EngineError(WsyncError):
+    """The serving framework failed to take a version (its own exception is the __cause__)."""
 
 
 class Staged:
@@ -40,14 +45,23 @@ class Staged:
     def load(self, named: dict) -> None:
         state = as_state(named)
         self.shadow.load(state)
-        with self.lock:
-            self.push({n: to_torch(tb) for n, tb in state.items()}, whole=False)
+        self._push({n: to_torch(tb) for n, tb in state.items()}, whole=False)
 
     def replace(self, state: State) -> None:
         """A keyframe: every tensor, names possibly new (the framework checks them against its model)."""
-        with self.lock:
-            self.push({n: to_torch(tb) for n, tb in state.items()}, whole=True)
+        self._push({n: to_torch(tb) for n, tb in state.items()}, whole=True)
         self.shadow.replace(state)
+
+    def _push(self, named: dict, *, whole: bool) -> None:
+        # a framework's own exception would end the Subscriber's thread; as a WsyncError it rolls the version back
+        with self.lock:
+            try:
+                self.push(named, whole=whole)
+            except WsyncError:
+                raise
+            except Exception as e:
+                raise EngineError(f"{type(self).__name__} could not load {len(named)} tensors: "
+                                  f"{type(e).__name__}: {e}") from e
 
     def push(self, named: dict, *, whole: bool) -> None:
         """Hand these (CPU) tensors to the framework. whole: they are the entire state."""

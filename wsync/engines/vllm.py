@@ -46,6 +46,11 @@ CALLS = [
     ("vllm.v1.engine.llm_engine", "LLMEngine.add_lora", 1, ()),
     ("vllm.lora.request", "LoRARequest", 0, ("lora_name", "lora_int_id", "lora_path", "load_inplace")),
     ("vllm.entrypoints.llm", "LLM.collective_rpc", 1, ("args",)),
+    # the driver's side of the weight-transfer round, as the README shows it
+    ("vllm.entrypoints.rl.offline", "RLOfflineMixin.init_weight_transfer_engine", 1, ()),
+    ("vllm.entrypoints.rl.offline", "RLOfflineMixin.start_weight_update", 0, ()),
+    ("vllm.entrypoints.rl.offline", "RLOfflineMixin.update_weights", 1, ()),
+    ("vllm.entrypoints.rl.offline", "RLOfflineMixin.finish_weight_update", 0, ()),
 ]
 # Methods of vLLM's base class that the backend overrides, with the parameters vLLM calls them with.
 OVERRIDES = [
