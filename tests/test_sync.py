@@ -95,6 +95,38 @@ def test_eight_subscribers_fifty_deltas(gen):
     assert len(deltas) == 50 and max(deltas) < raw / 5
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("scheme", ["local", "gloo", "ucx"])
+def test_two_engines_follow_over_each_transport(scheme, gen):
+    """The same protocol over same-host shared memory, a gloo broadcast group (lockstep) and UCX."""
+    if scheme == "ucx":
+        pytest.importorskip("ucxx")
+    addr = {"local": f"local://wsync-test-{_free_port()}", "gloo": f"gloo://127.0.0.1:{_free_port()}?world_size=3",
+            "ucx": f"ucx://127.0.0.1:{_free_port()}"}[scheme]
+    trainer, models = tiny_qwen(0), [tiny_qwen(5), tiny_qwen(6)]
+    with Publisher(addr, keyframe_every=3) as pub:
+        subs = [Subscriber(pub.address, engine=engines.HF(m)) for m in models]
+        try:
+            pub.wait_for_subscribers(2, timeout=60)
+            for v in range(6):
+                rl_step(trainer, gen)
+                pub.publish(trainer.state_dict(), version=v)
+            for s in subs:
+                s.wait_for(5, timeout=60)
+        finally:
+            for s in subs:
+                s.close()
+    assert all(same_bytes(trainer, m) for m in models)
+    assert all(s.stats["versions"] == 6 and s.stats["failures"] == 0 for s in subs)
+
+
 def test_relay_tree_forwards_bit_exact(gen):
     """publisher -> relay (e.g. one per remote site) -> two subscribers behind it."""
     trainer = tiny_qwen(0)

@@ -24,6 +24,7 @@ from .errors import ChecksumError, MismatchError, TransportError, WsyncError
 from .payload import Payload
 from .snapshot import TensorBits, as_state, digest, to_torch
 from .transports import Message, TransportTimeout, connect, parse_address
+from .transports.base import with_token
 
 log = logging.getLogger("wsync.sync")
 PROTOCOL = 1
@@ -124,7 +125,7 @@ class Subscriber:
     def _run(self) -> None:
         while not self._closed:
             try:
-                self._link = connect(self.address, token=self._token, **self._opts)
+                self._link = connect(self.address, **with_token(self._opts, self._token))
                 self._send(Message("hello", {"protocol": PROTOCOL, "version": self.version,
                                              "checksum": self._served_checksum()}))
                 self._receive(self._link)

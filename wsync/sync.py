@@ -30,6 +30,7 @@ from .errors import TransportError, VersionError, WsyncError
 from .history import Encoded, History, Keyframe, keyframe_due
 from .snapshot import State, digest, owned_copy, plan_buckets
 from .transports import Message, listen
+from .transports.base import with_token
 
 log = logging.getLogger("wsync.sync")
 PROTOCOL = 1
@@ -52,7 +53,7 @@ class Publisher:
         self.config = PublisherConfig(**config)
         if self.config.codec not in ("delta", "raw"):
             raise ValueError(f"codec must be 'delta' or 'raw', got {self.config.codec!r}")
-        self._listener = listen(address, token=token, **(listen_opts or {}))
+        self._listener = listen(address, **with_token(listen_opts, token))
         self.address = self._listener.address
         self._history = History()
         self._cv = threading.Condition()

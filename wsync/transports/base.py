@@ -146,6 +146,14 @@ def connect(address: str, **opts) -> Link:
     return _module(a.scheme).connect(a, **opts)
 
 
+def with_token(opts: dict | None, token) -> dict:
+    """opts plus token= for transports that authenticate peers (tcp); none is passed when token is None."""
+    opts = dict(opts or {})
+    if token is not None:
+        opts["token"] = token
+    return opts
+
+
 # -- the envelope on a byte stream ----------------------------------------------------------
 
 
