@@ -97,11 +97,11 @@ class Outbox:
     def take(self, k: int, live) -> tuple | None:
         """Next job for the writer of stream k, waiting for one; None once the epoch is over."""
         while live():
-            if k == 0 and self.control:
-                return self.control.popleft()
-            if k == 0 and self.ack is not None:
+            if k == 0 and self.ack is not None:  # before a CLOSE, so the peer's flush() sees it
                 n, self.ack = self.ack, None
                 return ("ack", n)
+            if k == 0 and self.control:
+                return self.control.popleft()
             if self.frames:
                 return self.frames.popleft()
             self.cv.wait()

@@ -1,0 +1,117 @@
+"""Measurements across a WanLink: the link itself (RTT, one plain TCP stream) and tcp:// transfers.
+
+    python -m wsync.bench.wan_bench --rate 200 --rtt 40 --loss 0.005 --size-mib 128 --streams 1 4 \\
+        [--congestion bbr cubic] [--json out.json]
+
+For each congestion control and stream count, one message of --size-mib
+random bytes goes from a publisher in namespace a to a subscriber in namespace
+b, which checks it byte for byte. Throughput is reported as a fraction of the
+configured link rate, beside one plain TCP stream measured on the same link.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import os
+import threading
+import time
+
+from .wan import WanLink
+
+
+def measure_rtt(wan: WanLink, n: int = 15) -> float:
+    """Median round trip of one byte over a TCP connection from a to b, in seconds."""
+    srv = wan.python("b", "-m", "wsync.bench.wan_roles", "probe-server", "--host", wan.ip_b)
+    port = srv.stdout.readline().strip()
+    r = wan.exec("a", *_py(), "-m", "wsync.bench.wan_roles", "probe", "--host", wan.ip_b, "--port", port, "rtt",
+                 str(n))
+    srv.kill()
+    return json.loads(r.stdout)["rtt_s"]
+
+
+def measure_rate(wan: WanLink, nbytes: int) -> float:
+    """Bits per second of one plain TCP stream (sendall) from a to b."""
+    srv = wan.python("b", "-m", "wsync.bench.wan_roles", "probe-server", "--host", wan.ip_b)
+    port = srv.stdout.readline().strip()
+    r = wan.exec("a", *_py(), "-m", "wsync.bench.wan_roles", "probe", "--host", wan.ip_b, "--port", port, "rate",
+                 str(nbytes), timeout=600)
+    srv.kill()
+    return json.loads(r.stdout)["mbit"] * 1e6
+
+
+def transfer(wan: WanLink, size: int, *, seed: int = 0, opts: dict | None = None, during=None,
+             timeout: float = 600) -> dict:
+    """One tcp:// message of size seeded bytes from a (listening) to b (dialling).
+
+    during(wan), if given, runs in a thread once the subscriber is connected (e.g. to cut the link).
+    Returns the publisher's results merged with the subscriber's ("exact" is its byte-for-byte verdict).
+    """
+    o = json.dumps(opts or {})
+    pub = wan.python("a", "-m", "wsync.bench.wan_roles", "serve", "--host", wan.ip_a, "--size", str(size),
+                     "--seed", str(seed), "--opts", o, "--timeout", str(timeout))
+    address = pub.stdout.readline().strip()
+    if not address.startswith("tcp://"):
+        raise RuntimeError(f"publisher did not start: {address} {pub.stderr.read()}")
+    sub = wan.python("b", "-m", "wsync.bench.wan_roles", "fetch", "--address", address, "--size", str(size),
+                     "--seed", str(seed), "--opts", o, "--timeout", str(timeout))
+    if sub.stdout.readline().strip() != "connected":
+        raise RuntimeError(f"subscriber did not connect: {sub.stderr.read()}")
+    side = threading.Thread(target=during, args=(wan,)) if during else None
+    if side:
+        side.start()
+    out_sub, err_sub = sub.communicate(timeout=timeout)
+    out_pub, err_pub = pub.communicate(timeout=60)
+    if side:
+        side.join()
+    if sub.returncode or pub.returncode:
+        raise RuntimeError(f"transfer failed:\nsubscriber: {err_sub[-2000:]}\npublisher: {err_pub[-2000:]}")
+    res = {**json.loads(out_sub.splitlines()[-1]), **json.loads(out_pub.splitlines()[-1])}
+    res["logs"] = err_sub + err_pub
+    return res
+
+
+def _py() -> list[str]:
+    import sys
+
+    return ["env", "PYTHONPATH=" + os.pathsep.join(os.path.abspath(p or ".") for p in sys.path), sys.executable]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=200.0, help="link rate, Mbit/s")
+    ap.add_argument("--rtt", type=float, default=40.0, help="added round-trip time, ms")
+    ap.add_argument("--loss", type=float, default=0.005, help="per-packet loss probability")
+    ap.add_argument("--size-mib", type=int, default=128)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--congestion", nargs="+", default=[None], help="TCP congestion control(s), e.g. bbr cubic")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    res = {"hardware": f"{platform.machine()}, {os.cpu_count()} cores", "rate_mbit": a.rate, "rtt_ms": a.rtt,
+           "loss": a.loss, "size_bytes": a.size_mib << 20, "runs": []}
+    with WanLink(rate_mbit=a.rate, rtt_ms=a.rtt, loss=a.loss) as wan:
+        res["measured_rtt_ms"] = measure_rtt(wan) * 1000
+        res["plain_tcp_stream_mbit"] = measure_rate(wan, min(a.size_mib, 64) << 20) / 1e6
+        print(f"link: {a.rate} Mbit/s, RTT {res['measured_rtt_ms']:.1f} ms measured, loss {a.loss}; "
+              f"one plain TCP stream {res['plain_tcp_stream_mbit']:.0f} Mbit/s", flush=True)
+        for cc in a.congestion:
+            for n in a.streams:
+                for _ in range(a.repeat):
+                    opts = {"streams": n, **({"congestion": cc} if cc else {})}
+                    t0 = time.time()
+                    r = transfer(wan, a.size_mib << 20, opts=opts)
+                    run = {"congestion": cc or "system", "streams": n, "mbit": r["mbit"],
+                           "fraction_of_link": r["mbit"] / a.rate, "exact": r["exact"], "wall_s": time.time() - t0}
+                    res["runs"].append(run)
+                    print(json.dumps(run), flush=True)
+        res["delay_line"] = None
+    res["delay_line"] = wan.delay_stats
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
