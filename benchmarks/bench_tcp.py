@@ -5,7 +5,9 @@
 Baseline: one TCP connection, ``sendall(memoryview)`` on one side and
 ``recv_into`` a preallocated buffer on the other, the fastest plain Python
 moves bytes. Ours: one message of the same size over a tcp:// link (frames,
-per-frame xxh3, reassembly). Runs alternate (baseline, ours, baseline, ...)
+per-frame xxh3, reassembly) on one long-lived link per stream count, so
+receive buffers are recycled as in a sync that sends version after version
+(the baseline's receive buffer is reused too). Runs alternate (baseline, ours, baseline, ...)
 so background load hits both alike; the best of --repeat is kept for each.
 The receiver is a child process (optionally in a network namespace, see
 ``--netns``, used by the WAN benchmark) and checks every run byte for byte by
@@ -28,12 +30,13 @@ import xxhash
 
 def _recv_main(a) -> None:
     """Child: accept runs one by one and print "ok <digest>" after each."""
-    from wsync.transports import listen
+    from wsync.transports import Message, listen
 
     raw = socket.create_server((a.host, 0))
-    lst = listen(f"tcp://{a.host}:0")
+    lst = listen(f"tcp://{a.host}:0", **json.loads(a.opts))
     print(raw.getsockname()[1], lst.address, flush=True)
     buf = bytearray(a.size_mib << 20)
+    links = {}  # one long-lived link per stream count, as a sync keeps its link: receive buffers recycle
     for line in sys.stdin:
         if line.startswith("raw"):
             c, _ = raw.accept()
@@ -47,11 +50,13 @@ def _recv_main(a) -> None:
             c.close()
             digest = xxhash.xxh3_128_hexdigest(buf)
         else:
-            link = lst.accept(timeout=60)
-            m = link.recv(600)
-            link.send(__import__("wsync.transports", fromlist=["Message"]).Message("done"))
+            n = int(line.split()[1])
+            if n not in links:
+                links[n] = lst.accept(timeout=60)
+            m = links[n].recv(600)
+            links[n].send(Message("done"))
             digest = xxhash.xxh3_128_hexdigest(m.blobs[0])
-            link.close()
+            del m  # lets the link reuse the buffer for the next run
         print("ok", digest, flush=True)
 
 
@@ -65,25 +70,26 @@ def baseline(port: int, host: str, data: memoryview) -> float:
     return len(data) / dt / 1e9
 
 
-def ours(address: str, data: memoryview, streams: int) -> float:
-    from wsync.transports import Message, connect
+def ours(link, data: memoryview) -> float:
+    from wsync.transports import Message
 
-    link = connect(address, streams=streams)
     t0 = time.perf_counter()
     link.send(Message("bench", {}, [data]))
     link.recv(600)  # "done": the receiver holds the whole message, checked
     dt = time.perf_counter() - t0
-    link.close()
     return len(data) / dt / 1e9
 
 
-def run(size_mib: int, streams: list[int], repeat: int, host: str = "127.0.0.1", netns: str | None = None) -> dict:
+def run(size_mib: int, streams: list[int], repeat: int, host: str = "127.0.0.1", netns: str | None = None,
+        opts: dict | None = None) -> dict:
+    opts = opts or {}
     data = memoryview(np.random.default_rng(0).integers(0, 255, size_mib << 20, dtype=np.uint8))
     want = xxhash.xxh3_128_hexdigest(data)
-    cmd = [sys.executable, os.path.abspath(__file__), "--role", "recv", "--size-mib", str(size_mib), "--host", host]
+    cmd = [sys.executable, os.path.abspath(__file__), "--role", "recv", "--size-mib", str(size_mib), "--host", host,
+           "--opts", json.dumps(opts)]
     if netns:
         cmd = ["ip", "netns", "exec", netns] + cmd
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(os.path.abspath(p or ".") for p in sys.path))
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         raw_port, address = child.stdout.readline().split()
@@ -97,15 +103,22 @@ def run(size_mib: int, streams: list[int], repeat: int, host: str = "127.0.0.1",
                 raise SystemExit(f"{what}: received bytes differ from those sent")
             return g
 
+        from wsync.transports import connect
+
         res = {"hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                "size_bytes": len(data), "baseline_gbps": 0.0}
-        for n in streams:
+        links = {n: connect(address, streams=n, **opts) for n in streams}
+        for n in streams:  # warm-up: first-touch of the receive buffers, TCP windows opening
+            once(f"tcp {n}", ours, links[n], data)
             res[f"tcp_streams{n}_gbps"] = 0.0
+        once("raw", baseline, int(raw_port), host, data)
         for _ in range(repeat):
             for n in streams:
                 res["baseline_gbps"] = max(res["baseline_gbps"], once("raw", baseline, int(raw_port), host, data))
                 key = f"tcp_streams{n}_gbps"
-                res[key] = max(res[key], once("tcp", ours, address, data, n))
+                res[key] = max(res[key], once(f"tcp {n}", ours, links[n], data))
+        for link in links.values():
+            link.close()
         for n in streams:
             res[f"tcp_streams{n}_ratio"] = res[f"tcp_streams{n}_gbps"] / res["baseline_gbps"]
         return res
@@ -122,11 +135,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--host", default="127.0.0.1", help="where the receiver listens")
     ap.add_argument("--netns", help="run the receiver inside this network namespace")
+    ap.add_argument("--opts", default="{}", help="tcp options for both ends, as JSON")
     ap.add_argument("--json", help="write results here")
     a = ap.parse_args()
     if a.role == "recv":
         return _recv_main(a)
-    res = run(a.size_mib, a.streams, a.repeat, a.host, a.netns)
+    res = run(a.size_mib, a.streams, a.repeat, a.host, a.netns, json.loads(a.opts))
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:

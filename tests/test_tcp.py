@@ -387,6 +387,22 @@ def test_options_from_the_address():
     cli.close(), srv.close(), lst.close()
 
 
+def test_receive_buffers_are_recycled_only_once_released(pair):
+    _, cli, srv = pair
+    srv.send(Message("a", {}, [blob(1 << 20, 1)]))
+    held = cli.recv(5)  # kept by the caller: its buffer must not be reused
+    srv.send(Message("b", {}, [blob(1 << 20, 2)]))
+    second = cli.recv(5)
+    assert second.blobs[0].obj is not held.blobs[0].obj
+    assert held.blobs[0] == blob(1 << 20, 1) and second.blobs[0] == blob(1 << 20, 2)
+    mine = id(second.blobs[0].obj)  # an id, not a reference (the pool keeps the array alive)
+    del second  # released: the next message of that size lands in the same memory
+    srv.send(Message("c", {}, [blob(1 << 20, 3)]))
+    third = cli.recv(5)
+    assert id(third.blobs[0].obj) == mine and third.blobs[0] == blob(1 << 20, 3)
+    assert held.blobs[0] == blob(1 << 20, 1)
+
+
 def test_non_contiguous_blob_is_refused_with_a_hint(pair):
     _, cli, _ = pair
     with pytest.raises(ValueError, match="contiguous"):

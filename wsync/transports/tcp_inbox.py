@@ -39,7 +39,8 @@ class Buffers:
         self._kept: deque = deque()
 
     def take(self, n: int) -> np.ndarray:
-        for i, b in enumerate(self._kept):
+        for i in range(len(self._kept)):  # not enumerate(): its cached result tuple would hold b too
+            b = self._kept[i]
             if b.nbytes == n and sys.getrefcount(b) <= 3:  # ours: the deque slot, b, getrefcount's argument
                 del self._kept[i]  # by position: deque.remove would compare arrays elementwise
                 self._kept.append(b)

@@ -239,6 +239,9 @@ class TcpLink:
                         self._end(TransportError(f"{self.peer} closed the link"))
         except OSError as ex:
             self._break(e, ConnectionLost(f"send to {self.peer} failed: {ex}"))
+        except Exception as ex:  # a bug must not leave the link hanging
+            log.exception("link %s: writer crashed", self.peer)
+            self._fail(TransportError(f"internal error in the tcp writer: {ex!r}"))
 
     def _reader(self, e: int, sock) -> None:
         try:
@@ -250,6 +253,9 @@ class TcpLink:
             self._break(e, ex)
         except TransportError as ex:  # the peer broke the protocol: resending would not help
             self._fail(ex)
+        except Exception as ex:  # a bug must not leave the link hanging
+            log.exception("link %s: reader crashed", self.peer)
+            self._fail(TransportError(f"internal error in the tcp reader: {ex!r}"))
 
     def _read_one(self, e: int, sock) -> bool:
         live = lambda: self._live(e)  # noqa: E731
