@@ -32,6 +32,7 @@ class GRPOConfig:
     adv_eps: float = 1e-6  # keeps a group of identical rewards at advantage 0 instead of 0/0
     grad_clip: float = 1.0  # global gradient-norm clip
     weight_decay: float = 0.0  # AdamW decay
+    minibatches: int = 1  # optimiser updates per trainer step (the batch's groups are split between them)
 
     def __post_init__(self):
         if self.is_cap < 1 + self.clip_high:
@@ -75,7 +76,12 @@ def surrogate(logp, behaviour, adv, mask, cfg: GRPOConfig):
 
 
 class Learner:
-    """Owns the optimiser; one ``step`` per batch of groups is one new policy version."""
+    """Owns the optimiser; one ``step`` per batch of groups is one new policy version.
+
+    A step may take several optimiser updates (``minibatches``), as PPO does:
+    the later minibatches see weights that moved since their samples were
+    drawn, which is what the clip against the behaviour logprobs is for.
+    """
 
     def __init__(self, model, cfg: GRPOConfig, *, temperature: float = 1.0, top_p: float = 1.0):
         import torch
@@ -85,22 +91,61 @@ class Learner:
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
 
     def step(self, groups: list[list[dict]]) -> dict:
-        """One GRPO update on `groups` (each a list of samples of one prompt). Returns the diagnostics."""
+        """One GRPO step on `groups` (each a list of samples of one prompt). Returns the diagnostics.
+
+        ratio/ESS/logprob-difference statistics describe the batch against the
+        weights at the start of the step (pure off-policyness); clip fraction,
+        loss and gradient norm are averaged over the minibatch updates.
+        """
         import torch
 
-        samples = [s for g in groups for s in g]
-        adv = torch.tensor(advantages([s["reward"] for s in samples], len(groups[0]), self.cfg.adv_eps), dtype=torch.float32)
+        m = min(self.cfg.minibatches, len(groups))
+        adv = advantages([s["reward"] for g in groups for s in g], len(groups[0]), self.cfg.adv_eps)
+        chunks = [list(range(i, len(groups), m)) for i in range(m)]  # strided: each sees every part of the batch
+        stats = self._diagnose(groups) if m > 1 else {}
+        done = []
         self.model.train()
+        for chunk in chunks:
+            part = [groups[i] for i in chunk]
+            a = np.concatenate([adv[i * len(groups[0]) : (i + 1) * len(groups[0])] for i in chunk])
+            done.append(self._update(part, torch.tensor(a, dtype=torch.float32)))
+        self.model.eval()
+        tokens = sum(d["tokens"] for d in done)
+        for k in ("clip_frac", "loss", "grad_norm"):
+            stats[k] = sum(d[k] * d["tokens"] for d in done) / max(tokens, 1)
+        if m == 1:
+            stats.update({k: done[0][k] for k in ("ratio_mean", "ratio_max", "ess", "logprob_diff_max")})
+        stats["tokens"], stats["updates"] = tokens, m
+        return stats
+
+    def _batch(self, samples):
+        import torch
+
         logp, mask = score(self.model, [s["prompt"] for s in samples], [s["response"] for s in samples],
                            self.temperature, self.top_p)
         behaviour = torch.zeros_like(logp)
         for i, s in enumerate(samples):
             behaviour[i, : len(s["logprobs"])] = torch.tensor(s["logprobs"], dtype=torch.float32)
+        return logp, behaviour, mask
+
+    def _update(self, groups, adv) -> dict:
+        import torch
+
+        logp, behaviour, mask = self._batch([s for g in groups for s in g])
         loss, stats = surrogate(logp, behaviour, adv, mask, self.cfg)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         self.opt.step()
-        self.model.eval()
         stats["loss"] = float(loss.detach())
         return stats
+
+    def _diagnose(self, groups) -> dict:
+        """Importance-ratio statistics of the whole batch against the current weights, before any update."""
+        import torch
+
+        with torch.no_grad():
+            logp, behaviour, mask = self._batch([s for g in groups for s in g])
+            zeros = torch.zeros(logp.shape[0])
+            _, stats = surrogate(logp, behaviour, zeros, mask, self.cfg)
+        return {k: stats[k] for k in ("ratio_mean", "ratio_max", "ess", "logprob_diff_max")}

@@ -20,6 +20,10 @@ mechanisms bound it by eta (``max_staleness``):
 
 ``mode="sync"`` is eta = 0 plus tickets that demand the current version: the
 samplers wait for every step, and every sample is exactly on-policy.
+
+Samplers are started with multiprocessing "spawn" (torch does not survive
+fork), so a script that calls ``run`` must guard it with
+``if __name__ == "__main__":``.
 """
 from __future__ import annotations
 
@@ -184,7 +188,7 @@ class Driver:
         self.stop = ctx.Event()
         scfg = sampler.SamplerConfig(policy=self.cfg.policy, decode=self.cfg.decode, threads=self.cfg.threads,
                                      seed=self.cfg.seed, report_digests=self.cfg.report_digests)
-        procs = [ctx.Process(target=sampler.main, name=f"wsync-sampler-{i}", daemon=True,
+        self.procs = procs = [ctx.Process(target=sampler.main, name=f"wsync-sampler-{i}", daemon=True,
                              args=(i, scfg, self.pub.address, token, self.tickets, self.results, self.stop))
                  for i in range(self.cfg.samplers)]
         try:
@@ -210,11 +214,20 @@ class Driver:
             self._shutdown(procs)
 
     def _next(self) -> dict:
-        try:
-            return self.results.get(timeout=self.cfg.stall_timeout)
-        except queue.Empty:
-            raise SamplerFailed(f"no sampler output for {self.cfg.stall_timeout}s; samplers alive: "
-                                f"{sorted(self.alive)}") from None
+        """The next item from the samplers; a sampler that died without a word, or silence, raises."""
+        deadline = time.perf_counter() + self.cfg.stall_timeout
+        while True:
+            try:
+                return self.results.get(timeout=1.0)
+            except queue.Empty:
+                pass
+            dead = [p for p in self.procs if p.exitcode is not None]
+            if dead:
+                raise SamplerFailed(f"sampler process {dead[0].name} exited with code {dead[0].exitcode} "
+                                    "without reporting an error (killed, or out of memory?)")
+            if time.perf_counter() > deadline:
+                raise SamplerFailed(f"no sampler output for {self.cfg.stall_timeout}s; samplers alive: "
+                                    f"{sorted(self.alive)}")
 
     def _finish(self) -> Result:
         from wsync.bench.hardware import describe
@@ -240,12 +253,14 @@ class Driver:
         self.stop.set()
         # drain so no sampler stays blocked on a full results queue, then join; terminate only our own stragglers
         deadline = time.perf_counter() + 15.0
-        while any(p.is_alive() for p in procs) and time.perf_counter() < deadline:
+        while any(p.pid is not None and p.is_alive() for p in procs) and time.perf_counter() < deadline:
             try:
                 self.results.get(timeout=0.2)
             except queue.Empty:
                 pass
         for p in procs:
+            if p.pid is None:  # never started
+                continue
             p.join(timeout=1.0)
             if p.is_alive():
                 p.terminate()

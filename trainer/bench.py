@@ -1,0 +1,99 @@
+"""Sync vs async on long-tailed responses: the benchmark behind the reference loop's claim.
+
+    python -m trainer.bench --steps 120 --repeats 2 --out benchmarks/results/
+
+Runs the same configuration (same seed, task, policy, batch) once per mode,
+alternating sync and async so that background load on a shared machine hits
+both alike, and writes one JSON with every run's summary, the per-pair ratios
+of samples/s, the rewards reached, and where each side's idle time went. The
+machine is named in the file (``wsync.bench.hardware``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def configs(a):
+    from .decode import DecodeConfig
+    from .grpo import GRPOConfig
+    from .loop import LoopConfig
+    from .task import TaskConfig
+
+    task = TaskConfig(min_digits=a.digits, max_digits=a.max_digits, tail_prob=a.long_tail)
+    common = dict(steps=a.steps, seed=a.seed, samplers=a.samplers, group_size=a.group_size,
+                  batch_groups=a.batch_groups, progress=not a.quiet, task=task, grpo=GRPOConfig(lr=a.lr),
+                  decode=DecodeConfig(slots=a.slots, kv_cache=a.kv_cache))
+    return {"sync": LoopConfig(mode="sync", **common),
+            "async": LoopConfig(mode="async", max_staleness=a.max_staleness, **common)}
+
+
+def brief(s: dict) -> dict:
+    """The numbers a reader compares, from one run's summary."""
+    return {
+        "samples_per_s": s["samples_per_s"], "wall_s": s["wall_s"], "reward_first": s["reward_first"],
+        "reward_last": s["reward_last"], "dropped_stale": s["dropped_stale"],
+        "staleness_hist": s["staleness_hist"], "versions_spanned_hist": s["versions_spanned_hist"],
+        "trainer_idle_pct": s["trainer"]["idle_pct"], "trainer": s["trainer"],
+        "sampler_idle_pct": s["samplers"]["idle_pct"], "samplers": s["samplers"], "sync": s["sync"],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--repeats", type=int, default=2, help="sync/async pairs, alternated")
+    p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--digits", type=int, default=3)
+    p.add_argument("--max-digits", type=int, default=24)
+    p.add_argument("--long-tail", type=float, default=0.25)
+    p.add_argument("--samplers", type=int, default=1)
+    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--batch-groups", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--kv-cache", choices=["keep", "recompute"], default="keep")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    a = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # see trainer.cli: before any OpenMP pool starts
+
+    from wsync.bench.hardware import describe, one_line
+
+    from .loop import run
+
+    runs = []
+    for rep in range(a.repeats):
+        for mode, cfg in configs(a).items():
+            print(f"[{rep + 1}/{a.repeats}] {mode}", file=sys.stderr)
+            runs.append({"mode": mode, "repeat": rep, **brief(run(cfg).summary)})
+    pairs = [(runs[i], runs[i + 1]) for i in range(0, len(runs), 2)]
+    ratios = [asy["samples_per_s"] / syn["samples_per_s"] for syn, asy in pairs]
+    hw = describe()
+    out = {
+        "benchmark": "reference loop, sync vs async, long-tailed response lengths",
+        "command": " ".join(["python -m trainer.bench", *(sys.argv[1:] if argv is None else argv)]),
+        "hardware": hw, "hardware_line": one_line(hw), "load_average": os.getloadavg(),
+        "date": dt.date.today().isoformat(), "args": vars(a) | {"out": str(a.out)},
+        "samples_per_s_ratio_async_over_sync": ratios,
+        "reward_last": {m: [r["reward_last"] for r in runs if r["mode"] == m] for m in ("sync", "async")},
+        "runs": runs,
+    }
+    a.out.mkdir(parents=True, exist_ok=True)
+    cpu = "xeon" if "xeon" in hw["cpu"].lower() else hw["cpu"].split()[0].lower()
+    path = a.out / f"{out['date']}-{cpu}-{hw['cores']}core-{'gpu' if hw['gpu'] else 'nogpu'}-loop.json"
+    path.write_text(json.dumps(out, indent=1))
+    for (syn, asy), r in zip(pairs, ratios):
+        print(f"sync {syn['samples_per_s']:.1f} samples/s reward {syn['reward_last']:.3f} | async "
+              f"{asy['samples_per_s']:.1f} samples/s reward {asy['reward_last']:.3f} | x{r:.2f}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
