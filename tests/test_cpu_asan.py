@@ -30,7 +30,7 @@ def _libasan(gxx: str) -> str | None:
 
 def _build(gxx: str, out: Path) -> Path:
     so = out / f"_cpu{sysconfig.get_config_var('EXT_SUFFIX')}"
-    cmd = [gxx, "-std=c++17", "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-fopenmp",
+    cmd = [gxx, "-std=c++17", "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-pthread",
            "-shared", "-fPIC", f"-I{ROOT / 'csrc'}", f"-I{sysconfig.get_paths()['include']}",
            *(str(ROOT / "csrc" / f) for f in ("delta_cpu.cpp", "xxh3_avx2.cpp")), "-o", str(so)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -46,7 +46,8 @@ def test_fuzz_cases_under_asan(tmp_path):
     if libasan is None:
         pytest.skip(f"{gxx} has no libasan.so (install the compiler's libasan package)")
     so = _build(gxx, tmp_path)
-    env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:halt_on_error=1", OMP_NUM_THREADS="2")
+    env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:halt_on_error=1", WSYNC_THREADS="2",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "asan_driver.py"), str(so), str(CASES), "7"],
                        capture_output=True, text=True, env=env, cwd=ROOT / "tests", timeout=600)
     assert "AddressSanitizer" not in r.stderr, r.stderr[-5000:]

@@ -137,7 +137,8 @@ def write_checkpoint(path, ckpt: Checkpoint, *, copy_from=None) -> None:
         write_safetensors(path, ckpt.state, ckpt.metadata)
         return
     layout = ckpt.layout or {n: SINGLE_NAME for n in ckpt.state}
-    tmp = Path(tempfile.mkdtemp(dir=path.parent if path.parent.exists() else None, prefix=f".{path.name}."))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))  # same filesystem: the rename is atomic
     try:
         if copy_from is not None and Path(copy_from).is_dir():
             for f in Path(copy_from).iterdir():

@@ -233,6 +233,8 @@ class Publisher:
             try:
                 link = self._listener.accept(timeout=0.5)
             except WsyncError as e:
+                if self._closed:
+                    return
                 log.warning("accept failed: %s", e)
                 continue
             except OSError:

@@ -28,84 +28,116 @@ def subscriber_main(argv=None) -> None:
 
     address, token, last = argv or sys.argv[1:4]
     eng = engines.Shadow()
-    sub = Subscriber(address, engine=eng, token=token or None)
+    arrivals: dict[int, list[float]] = {}  # version -> [first bucket, last bucket] arrival times
+
+    def progress(version, bucket, count, nbytes):
+        arrivals.setdefault(version, [time.monotonic(), 0.0])[1] = time.monotonic()
+
+    sub = Subscriber(address, engine=eng, token=token or None, progress=progress)
     print(json.dumps({"ready": True}), flush=True)
     v = -1
     while v != int(last):
         v = sub.wait_for(v + 1, timeout=600)
         now = time.monotonic()
         stats = sub.stats["last"]
-        print(json.dumps({"version": v, "t": now, "bytes": stats["bytes"], "apply_s": stats["apply_s"],
-                          "digest": eng.digest()}), flush=True)
+        first, last_bucket = arrivals.get(v, [now, now])
+        print(json.dumps({"version": v, "t": now, "first_bucket_t": first, "last_bucket_t": last_bucket,
+                          "bytes": stats["bytes"], "apply_s": stats["apply_s"], "digest": eng.digest()}), flush=True)
     sub.close()
 
 
-def run_mode(mode: str, states: list, *, listen: str, netns: str | None = None, token: str = "wsync-bench",
-             bucket_bytes: int = 16 << 20) -> dict:
-    """Publish states[0] (warm-up keyframe, not timed) then each later state; time each to commit."""
+def publisher_main(argv=None) -> None:
+    """Child process: load the checkpoints, listen, then publish version N whenever N arrives on stdin."""
+    from ..checkpoint import read_checkpoint
     from ..snapshot import digest
     from ..sync import Publisher
 
-    pub = Publisher(listen, token=token, bucket_bytes=bucket_bytes, keyframe_every=0, **MODES[mode])
-    cmd = [sys.executable, "-c", "from wsync.bench.sync import subscriber_main; subscriber_main()",
-           pub.address, token, str(len(states) - 1)]
-    if netns:
-        cmd = ["ip", "netns", "exec", netns] + cmd
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                          os.environ.get("PYTHONPATH", "")]))
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    listen, token, mode, bucket_bytes, *paths = argv or sys.argv[1:]
+    states = [read_checkpoint(p).state for p in paths]
+    pub = Publisher(listen, token=token, bucket_bytes=int(bucket_bytes), keyframe_every=0, **MODES[mode])
+    print(json.dumps({"address": pub.address, "digests": [digest(s) for s in states]}), flush=True)
+    pub.wait_for_subscribers(1, timeout=120)
+    for line in sys.stdin:
+        v = int(line)
+        t0 = time.monotonic()
+        pub.publish(states[v], version=v)
+        print(json.dumps({"published": v, "t": t0}), flush=True)
+        pub.flush(timeout=600)
+        print(json.dumps({"encode_s": pub.stats["encode_s"].get(v)}), flush=True)
+    pub.close()
+
+
+def run_mode(mode: str, paths: list, *, listen: str = "tcp://127.0.0.1:0", wan=None, token: str = "wsync-bench",
+             bucket_bytes: int = 16 << 20) -> dict:
+    """Publish version 0 (warm-up keyframe, not timed) then each later one; time each from publish to commit."""
+    pub = _spawn(wan, "a", "publisher_main", listen, token, mode, str(bucket_bytes), *map(str, paths))
+    sub = None
     try:
-        _expect(child, "ready")
-        pub.wait_for_subscribers(1, timeout=60)
+        hello = _expect(pub, "address")
+        sub = _spawn(wan, "b", "subscriber_main", hello["address"], token, str(len(paths) - 1))
+        _expect(sub, "ready")
         rows = []
-        for v, state in enumerate(states):
-            t0 = time.monotonic()
-            pub.publish(state, version=v)
-            msg = _expect(child, "version")
-            if msg["version"] != v or msg["digest"] != digest(state):
-                raise RuntimeError(f"{mode}: subscriber holds {msg['version']} with digest {msg['digest']}, "
-                                   f"expected version {v} digest {digest(state)}")
+        for v in range(len(paths)):
+            pub.stdin.write(f"{v}\n")
+            pub.stdin.flush()
+            t0 = _expect(pub, "published")["t"]
+            got = _expect(sub, "version")
+            enc = _expect(pub, "encode_s")["encode_s"]
+            if got["version"] != v or got["digest"] != hello["digests"][v]:
+                raise RuntimeError(f"{mode}: subscriber holds version {got['version']} digest {got['digest']}, "
+                                   f"expected version {v} digest {hello['digests'][v]}")
             if v:
-                rows.append({"version": v, "latency_s": msg["t"] - t0, "bytes": msg["bytes"],
-                             "apply_s": msg["apply_s"], "encode_s": pub.stats["encode_s"].get(v)})
-        return {"mode": mode, "versions": rows,
+                rows.append({"version": v, "latency_s": got["t"] - t0, "bytes": got["bytes"],
+                             "first_bucket_s": got["first_bucket_t"] - t0, "last_bucket_s": got["last_bucket_t"] - t0,
+                             "apply_s": got["apply_s"], "encode_s": enc})
+        return {"mode": mode, "versions": rows, "exact": True,
                 "mean_latency_s": sum(r["latency_s"] for r in rows) / len(rows),
                 "mean_bytes": sum(r["bytes"] for r in rows) / len(rows)}
     finally:
-        child.kill()
-        child.wait()
-        pub.close()
+        for p in (pub, sub):
+            if p is not None:
+                p.kill()
+                p.wait()
+
+
+def _spawn(wan, side: str, fn: str, *args: str):
+    code = f"from wsync.bench.sync import {fn}; {fn}()"
+    if wan is not None:
+        return wan.python(side, "-c", code, *args, stderr=None)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                          os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
 
 
 def _expect(child, key: str) -> dict:
     line = child.stdout.readline()
     if not line:
-        raise RuntimeError(f"subscriber process exited (code {child.poll()}) before reporting {key}")
+        raise RuntimeError(f"benchmark process exited (code {child.poll()}) before reporting {key}")
     msg = json.loads(line)
     if key not in msg:
-        raise RuntimeError(f"subscriber said {msg}, expected {key}")
+        raise RuntimeError(f"benchmark process said {msg}, expected {key}")
     return msg
 
 
-def load_states(a) -> tuple[list, str]:
-    from ..checkpoint import read_checkpoint
-
+def load_paths(a) -> tuple[list, str]:
     if a.src:
         from ..serve import find_versions
 
-        paths = [p for _, p in find_versions(a.src)][: a.versions + 1]
-        return [read_checkpoint(p).state for p in paths], str(a.src)
+        return [p for _, p in find_versions(a.src)][: a.versions + 1], str(a.src)
     from .snapshots import SnapshotConfig, ensure_snapshots
 
     paths = ensure_snapshots(None, SnapshotConfig(size=a.size, lr=a.lr))[: a.versions + 1]
-    return [read_checkpoint(p).state for p in paths], f"generated {a.size} snapshots, lr {a.lr:g}"
+    return paths, f"generated {a.size} snapshots, lr {a.lr:g}"
 
 
 def main(a) -> None:
     from .hardware import describe, one_line
 
-    states, source = load_states(a)
-    model_bytes = sum(tb.nbytes for tb in states[0].values())
+    from ..checkpoint import read_checkpoint
+
+    paths, source = load_paths(a)
+    model_bytes = sum(tb.nbytes for tb in read_checkpoint(paths[0]).state.values())
     link = {"kind": "loopback"}
     results = []
     if a.wan:
@@ -115,10 +147,11 @@ def main(a) -> None:
         with WanLink(rate_mbit=rate, rtt_ms=rtt, loss=loss) as wan:
             link = {"kind": "wan", "rate_mbit": rate, "rtt_ms": rtt, "loss": loss}
             for mode in a.modes:
-                results.append(_run_wan(mode, states, wan, a))
+                results.append(run_mode(mode, paths, listen=f"tcp://{wan.ip_a}:0", wan=wan,
+                                        bucket_bytes=a.bucket_bytes))
     else:
         for mode in a.modes:
-            results.append(run_mode(mode, states, listen="tcp://127.0.0.1:0", bucket_bytes=a.bucket_bytes))
+            results.append(run_mode(mode, paths, bucket_bytes=a.bucket_bytes))
     run = {"hardware": describe(), "source": source, "model_bytes": model_bytes, "link": link, "results": results}
     base = next((r for r in results if r["mode"] == "full"), None)
     print(f"# wsync bench sync: {source}, {model_bytes / 1e6:.1f} MB model, link {link}, {one_line(run['hardware'])}")
@@ -129,11 +162,6 @@ def main(a) -> None:
         print(f"{r['mode']:<14}{r['mean_latency_s']:>12.3f}{r['mean_bytes'] / 1e6:>10.2f}{ratio:>9.1f}x")
     if a.json:
         Path(a.json).write_text(json.dumps(run, indent=2))
-
-
-def _run_wan(mode, states, wan, a) -> dict:
-    return run_mode(mode, states, listen=f"tcp://{wan.server_ip}:0", netns=wan.client_ns,
-                    bucket_bytes=a.bucket_bytes)
 
 
 def add_parsers(bench) -> None:

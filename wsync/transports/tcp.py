@@ -62,7 +62,7 @@ class TcpConfig:
     max_resends: int = 3  # times one frame may fail its checksum in a row before ChecksumError
     linger: float = 5.0  # close(): seconds to wait for the peer to acknowledge what was sent
     congestion: str | None = None  # TCP_CONGESTION for every connection, e.g. "bbr" or "cubic" (None: system)
-    pool_bytes: int = 1 << 30  # received buffers kept for reuse once the caller drops them (fresh pages are slow)
+    pool_bytes: int = 256 << 20  # received buffers (>= 1 MiB) kept for reuse once the caller drops them (fresh pages are slow)
 
     @classmethod
     def from_options(cls, params: dict, opts: dict) -> "TcpConfig":

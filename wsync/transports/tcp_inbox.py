@@ -26,6 +26,7 @@ from ..errors import TransportError
 from .base import Message
 from . import tcp_frames as tf
 
+MIN_POOLED = 1 << 20  # receive buffers smaller than this are never kept for reuse
 MAX_INCOMPLETE = 256  # messages announced but not complete; a sane sender has a few
 
 
@@ -39,12 +40,15 @@ class Buffers:
         self._kept: deque = deque()
 
     def take(self, n: int) -> np.ndarray:
+        if n < MIN_POOLED:  # small buffers are cheap to fault in, and their sizes vary too much to reuse
+            return np.empty(n, dtype=np.uint8)
         for i in range(len(self._kept)):  # not enumerate(): its cached result tuple would hold b too
             b = self._kept[i]
-            if b.nbytes == n and sys.getrefcount(b) <= 3:  # ours: the deque slot, b, getrefcount's argument
+            # a kept buffer up to twice the size serves too (as a view, which holds a reference to b)
+            if n <= b.nbytes < 2 * n and sys.getrefcount(b) <= 3:  # ours: the deque slot, b, getrefcount's arg
                 del self._kept[i]  # by position: deque.remove would compare arrays elementwise
                 self._kept.append(b)
-                return b
+                return b if b.nbytes == n else b[:n]
         b = np.empty(n, dtype=np.uint8)
         if 0 < n <= self.limit:
             self._kept.append(b)
