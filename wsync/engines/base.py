@@ -8,6 +8,15 @@ contiguous CPU tensors, the update is written into them in place and
 hands the changed tensors to ``load``. ``digest()`` is computed from what the
 engine really holds, after loading, so a load that silently went wrong is
 caught before the version is committed.
+
+Optional, used when present:
+
+- ``replace(state)``: take a whole keyframe at once (names may differ from
+  ``tensors()``); the Subscriber calls it for all-raw versions after checking
+  their digest (Shadow, the staged framework engines, LossyLowRank).
+- ``lock``: a re-entrant lock held while the engine's weights are written
+  (``guarded=True`` HF/PEFT and the framework engines); a generating thread
+  holds it around forward passes so none sees half a version.
 """
 from __future__ import annotations
 
