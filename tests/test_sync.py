@@ -311,3 +311,18 @@ def test_mismatched_tensor_set_is_refused(rng):
     engine = engines.Shadow({"a": base["a"], "extra": np.zeros(3, np.float32)})
     with pytest.raises(MismatchError, match="engine-only"):
         apply_version(engine, [p], p.manifest.checksum)
+
+
+class _Refuses(engines.Shadow):
+    """An engine that refuses every version (say, a dtype it cannot hold)."""
+
+    def replace(self, state):
+        raise MismatchError("this engine holds fp8 weights; the publisher sends bf16")
+
+
+def test_a_version_that_can_never_apply_surfaces_instead_of_looping():
+    with Publisher(ADDR, token=TOKEN) as pub, Subscriber(pub.address, engine=_Refuses(), token=TOKEN) as sub:
+        pub.publish({"w": np.zeros(16, np.float32)}, version=0)
+        with pytest.raises(MismatchError, match="fp8"):
+            sub.wait_for(0, timeout=60)
+        assert sub.version is None and 3 <= sub.stats["failures"] <= 6  # backed off, not a hot loop

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from .transports.base import with_token
 
 log = logging.getLogger("wsync.sync")
 PROTOCOL = 1
+GIVE_UP = 3  # wait_for raises the apply error after this many failures in a row (the subscriber keeps trying)
 
 
 class Staged:
@@ -60,6 +62,7 @@ class Subscriber:
         self._cv = threading.Condition()
         self._staged: list[Staged] = []
         self._need_keyframe = False  # an apply failed: ignore deltas until a keyframe comes
+        self._streak = 0  # failed applies in a row; keyframe requests back off, and wait_for gives up at GIVE_UP
         self._report_need = False
         self._closed = False
         self._link = None
@@ -95,6 +98,8 @@ class Subscriber:
             with self._cv:
                 if self.version is not None and self.version >= version:
                     return self.version
+                if self._streak >= GIVE_UP:
+                    raise self.error
                 if self._closed:
                     raise WsyncError("subscriber is closed")
                 left = None if deadline is None else deadline - time.monotonic()
@@ -209,8 +214,10 @@ class Subscriber:
                 log.warning("could not tell the publisher %s: %s", msg.kind, e)
 
     def _lost(self) -> None:
-        """Ignore deltas until a keyframe arrives, and ask for one."""
+        """Ignore deltas until a keyframe arrives, and ask for one (after a pause if keyframes keep failing)."""
         self._need_keyframe = True
+        if self._streak > 1:  # a keyframe that cannot apply here would otherwise be re-sent in a hot loop
+            time.sleep(min(0.1 * 2 ** self._streak, 10.0))
         if self._lockstep:
             self._report_need = True  # said in the next ack: a group link only speaks in lockstep
         else:
@@ -234,9 +241,11 @@ class Subscriber:
             return False
         t0 = time.perf_counter()
         try:
-            apply_version(self.engine, st.payloads, st.checksum, backend=self.backend)
+            with getattr(self.engine, "lock", None) or nullcontext():  # guarded engines: not mid-forward
+                apply_version(self.engine, st.payloads, st.checksum, backend=self.backend)
         except WsyncError as e:
             self.error = e
+            self._streak += 1
             self.stats["failures"] += 1
             log.error("version %s refused, engine stays at %s: %s", st.version, self.version, e)
             self._lost()
@@ -244,6 +253,7 @@ class Subscriber:
         with self._cv:
             self.engine.version = self.version = st.version
             self._need_keyframe = False
+            self._streak = 0
             self.stats.update(versions=self.stats["versions"] + 1, bytes=self.stats["bytes"] + st.nbytes,
                               last={"version": st.version, "bytes": st.nbytes, "apply_s": time.perf_counter() - t0,
                                     "keyframe": st.keyframe})
