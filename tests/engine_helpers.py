@@ -10,7 +10,7 @@ TOKEN = b"engine-tests"
 
 
 def publisher(**kw):
-    """A Publisher on loopback tcp (local:// cannot take the Publisher's token argument yet)."""
+    """A Publisher on loopback tcp, authenticated."""
     from wsync.sync import Publisher
 
     return Publisher("tcp://127.0.0.1:0", token=TOKEN, **kw)

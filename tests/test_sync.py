@@ -14,6 +14,7 @@ from wsync.sync import Publisher, Subscriber, apply_version
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from engine_helpers import rl_step  # noqa: E402  (an RL step's effect on bf16 weights)
 
 ADDR = "tcp://127.0.0.1:0"
 TOKEN = b"sync-test-token"
@@ -25,16 +26,6 @@ def tiny_qwen(seed: int, tie: bool = True, vocab: int = 256):
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                    tie_word_embeddings=tie, max_position_embeddings=64)
     return transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
-
-
-def rl_step(model, gen: torch.Generator, density: float = 0.02) -> None:
-    """What an RL step does to bf16 weights: ~2% of elements move by one or two representable steps."""
-    with torch.no_grad():
-        for p in model.parameters():
-            bits = p.data.view(torch.int16)
-            mask = torch.rand(bits.shape, generator=gen) < density
-            step = torch.randint(-2, 3, bits.shape, generator=gen, dtype=torch.int16)
-            bits[mask] += step[mask]
 
 
 def same_bytes(a, b) -> bool:
