@@ -164,7 +164,7 @@ def apply_state(base: State | None, payload, *, backend: str | None = None) -> S
     return _apply(base, as_payload(payload), backends.kernels(backend), inplace=False)
 
 
-def _apply(base: State | None, payload: Payload, k, *, inplace: bool) -> State:
+def _apply(base: State | None, payload: Payload, k, *, inplace: bool, log: list | None = None) -> State:
     """Verify and apply every tensor, each in as few passes as the backend fuses.
 
     Errors rank as in decode, and a result that misses its checksum only
@@ -198,6 +198,8 @@ def _apply(base: State | None, payload: Payload, k, *, inplace: bool) -> State:
         for a in reversed(done):
             a.undo()
         raise
+    if log is not None:
+        log.extend(done)
     return {s.name: TensorBits(dtypes.by_name(s.dtype), s.shape, a.bits) for s, a in zip(man.tensors, done)}
 
 
@@ -265,6 +267,28 @@ def _apply_inplace(base: dict, state: State, payload: Payload, backend) -> None:
         if not tb.bits.flags.writeable or not _aliases(base[name], tb.bits):
             raise TypeError(f"inplace apply needs writable, contiguous CPU tensors; {name!r} is not")
     _apply(state, payload, backends.kernels(backend), inplace=True)
+
+
+def apply_payloads_inplace(state: State, payloads: list[Payload], *, backend: str | None = None):
+    """Apply several payloads (the buckets of one version) in place, as one: all or nothing.
+
+    Each payload covers some of state's tensors. Returns a function that puts
+    every written element back, for a caller whose own later check fails.
+    """
+    k = backends.kernels(backend)
+    log: list = []
+
+    def undo() -> None:
+        for a in reversed(log):
+            a.undo()
+
+    try:
+        for p in payloads:
+            _apply({s.name: state[s.name] for s in p.manifest.tensors}, p, k, inplace=True, log=log)
+    except BaseException:
+        undo()
+        raise
+    return undo
 
 
 def _aliases(t, bits: np.ndarray) -> bool:

@@ -25,7 +25,7 @@ class Encoded:
 
     version: int
     base_version: int | None  # None: a keyframe (raw, applies to anything)
-    checksum: str  # digest of the whole state this version produces
+    checksum: str | None  # digest of the whole state this version produces (set once encoded)
     count: int  # buckets it will have
     buckets: list = field(default_factory=list)  # transport Messages, in order
     error: BaseException | None = None  # set if encoding failed; the version is then skipped
@@ -40,7 +40,7 @@ class Encoded:
 class Keyframe:
     version: int
     state: State  # never mutated once stored
-    checksum: str
+    checksum: str | None  # None until an encoding of this version has produced it
     encoded: Encoded | None = None  # raw buckets, made the first time a subscriber needs them
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -72,7 +72,7 @@ class History:
         self.newest: int | None = None
         self.checksums: dict[int, str] = {}  # version -> state digest, for versions still reachable
 
-    def add_keyframe(self, version: int, state: State, checksum: str, delta: Encoded | None) -> None:
+    def add_keyframe(self, version: int, state: State, checksum: str | None, delta: Encoded | None) -> None:
         """A new keyframe at `version`.
 
         The deltas since the previous keyframe stay (with `delta`, from version - 1),
@@ -91,9 +91,16 @@ class History:
         self.deltas[enc.version] = enc
         self._set_newest(enc.version, enc.checksum)
 
-    def _set_newest(self, version: int, checksum: str) -> None:
+    def _set_newest(self, version: int, checksum: str | None) -> None:
         self.newest = version
         self.checksums[version] = checksum
+
+    def known(self, version: int, checksum: str) -> None:
+        """A version's digest, once its encoding has produced it."""
+        if version in self.checksums:
+            self.checksums[version] = checksum
+        if self.keyframe is not None and self.keyframe.version == version and self.keyframe.checksum is None:
+            self.keyframe.checksum = checksum
 
     def drop(self, version: int) -> None:
         """Forget a version whose encoding failed."""

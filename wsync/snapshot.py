@@ -88,11 +88,13 @@ def digest(state: State, checksums: dict[str, str] | None = None) -> str:
     return state_digest((n, tb.dtype.name, tb.shape, checksums[n]) for n, tb in state.items())
 
 
-def owned_copy(obj) -> State:
+def owned_copy(obj, into: State | None = None) -> State:
     """A state the caller can no longer change: bit patterns copied out of its tensors.
 
     Tied weights (two names on one storage) are kept once, under the first name.
     A GPU tensor is copied to the host once (its .cpu() already is a copy).
+    `into`: a state nobody uses any more; arrays of matching dtype and shape are
+    reused, which spares the kernel faulting in fresh pages for every copy.
     """
     if not isinstance(obj, dict):
         return {n: TensorBits(tb.dtype, tb.shape, tb.bits.copy()) for n, tb in as_state(obj).items()}
@@ -103,8 +105,16 @@ def owned_copy(obj) -> State:
         src = obj[name]
         fresh = not isinstance(src, (np.ndarray, TensorBits)) and getattr(src, "device", None) is not None \
             and src.device.type != "cpu"
-        out[name] = t if fresh else TensorBits(t.dtype, t.shape, t.bits.copy())
+        out[name] = t if fresh else TensorBits(t.dtype, t.shape, _copy(t.bits, (into or {}).get(name)))
     return out
+
+
+def _copy(bits: np.ndarray, spare: TensorBits | None) -> np.ndarray:
+    if spare is not None and spare.bits.dtype == bits.dtype and spare.bits.shape == bits.shape \
+            and spare.bits.flags.writeable:
+        np.copyto(spare.bits, bits)
+        return spare.bits
+    return bits.copy()
 
 
 def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:

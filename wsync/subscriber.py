@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from . import api, backends
+from . import api
 from .errors import ChecksumError, MismatchError, TransportError, WsyncError
 from .payload import Payload
 from .snapshot import TensorBits, as_state, digest, to_torch
@@ -39,7 +39,7 @@ class Staged:
         self.version: int = meta["version"]
         self.base_version: int | None = meta["base_version"]
         self.count: int = meta["count"]
-        self.checksum: str = meta["checksum"]
+        self.checksum: str | None = meta["checksum"]  # the digest comes with the last bucket
         self.payloads: list[Payload] = []
         self.nbytes = 0
 
@@ -176,6 +176,10 @@ class Subscriber:
                 raise TransportError(f"bucket {m['index']} of version {m['version']} arrived out of order")
             cur.payloads.append(Payload.from_parts(msg.blobs[0], msg.blobs[1]))
             cur.nbytes += msg.nbytes
+            if len(cur.payloads) == cur.count:
+                cur.checksum = m["checksum"]
+                if not isinstance(cur.checksum, str):
+                    raise TransportError(f"version {cur.version} arrived without its digest")
             self._saw(cur.version)
             if self.progress is not None:
                 self.progress(cur.version, m["index"] + 1, cur.count, cur.nbytes)
@@ -287,30 +291,23 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
     if not inplace:  # work on a host copy and hand the changed tensors to engine.load
         state = {n: tb if tb.bits.flags.writeable and not _aliases(live[n], tb.bits) else
                  TensorBits(tb.dtype, tb.shape, tb.bits.copy()) for n, tb in state.items()}
-    decoded = [api.decode({s.name: state[s.name] for s in p.manifest.tensors}, p, backend=backend) for p in payloads]
-    k = backends.kernels(backend)
     specs = {s.name: s for p in payloads for s in p.manifest.tensors}
-    undo, loaded = [], False
+    # verifies every base and payload checksum, writes, and checks every result against the manifest
+    undo = api.apply_payloads_inplace(state, payloads, backend=backend)
+    changed = [n for n, s in specs.items() if s.kind != "same"]
+    loaded = False
     try:
-        for dec in decoded:
-            for name, d in dec.items():
-                if specs[name].kind == "same":
-                    continue
-                bits = state[name].bits
-                undo.append((name, d, bits, d.scatter_into(bits)))
-                if k.checksum(bits) != specs[name].checksum:
-                    raise ChecksumError(f"{name}: decoded tensor does not match its checksum")
         if not inplace:
             loaded = True
-            engine.load({name: to_torch(state[name]) for name, *_ in undo})
+            engine.load({name: to_torch(state[name]) for name in changed})
+        # in place, every tensor was just checked against the manifest: the digest follows from it
         held = digest(state, {n: s.checksum for n, s in specs.items()}) if inplace else engine.digest()
         if held != checksum:
             raise ChecksumError(f"after loading, the engine's weights digest to {held}, expected {checksum}")
     except BaseException:
-        for _, d, bits, old in reversed(undo):
-            d.undo(bits, old)
+        undo()
         if loaded:
-            engine.load({name: to_torch(state[name]) for name, *_ in undo})
+            engine.load({name: to_torch(state[name]) for name in changed})
         raise
 
 

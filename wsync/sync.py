@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from . import api
 from .errors import TransportError, VersionError, WsyncError
 from .history import Encoded, History, Keyframe, keyframe_due
-from .snapshot import State, digest, owned_copy, plan_buckets
+from .checksum import state_digest
+from .snapshot import State, owned_copy, plan_buckets
 from .transports import Message, listen
 from .transports.base import with_token
 
@@ -59,6 +60,7 @@ class Publisher:
         self._cv = threading.Condition()
         self._state: State | None = None  # newest state handed to the encoder
         self._on_demand: Keyframe | None = None  # keyframe of the newest state, for subscribers that lost their way
+        self._spare: State | None = None  # an old state's arrays, reused by the next snapshot (no fresh pages)
         self._published = 0  # versions accepted by publish()
         self._since_keyframe = 0
         self._last: int | None = None
@@ -83,7 +85,7 @@ class Publisher:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if self._last is not None and version <= self._last:
             raise VersionError(f"versions must increase: got {version} after {self._last}")
-        snap = owned_copy(state)
+        snap = owned_copy(state, into=self._take_spare())
         self._last = version
         self._queue.put((version, snap))
 
@@ -161,7 +163,7 @@ class Publisher:
     def _encode_version(self, version: int, state: State) -> None:
         cfg, prev = self.config, self._state
         t0 = time.perf_counter()
-        checksum = digest(state)
+        checksum = None  # the state's digest, known once its buckets are encoded (from their checksums)
         same_layout = prev is not None and _layout(prev) == _layout(state)
         make_kf = keyframe_due(self._published, self._since_keyframe, cfg.keyframe_every) or not same_layout
         delta = None
@@ -179,6 +181,8 @@ class Publisher:
             self._cv.notify_all()
         if delta is not None:
             self._fill(delta, prev, state)
+        with self._cv:
+            self._recycle(prev)  # only now: _fill read prev as the delta's base
         self.stats["versions"] += 1
         self.stats["encode_s"][version] = time.perf_counter() - t0
         self.stats["bytes"][version] = delta.nbytes if delta else None
@@ -191,16 +195,23 @@ class Publisher:
         """Encode `state` bucket by bucket into enc, waking senders after each bucket."""
         cfg = self.config
         codec = "raw" if base is None else cfg.codec
+        sums = []  # (name, dtype, shape, checksum) of every tensor: the state digest, without another pass
         try:
             for i, names in enumerate(self._buckets(state)):
                 new = {n: state[n] for n in names}
                 old = {n: base[n] for n in names} if codec == "delta" else None
                 payload = api.encode(old, new, codec=codec, tier=cfg.tier, version=enc.version,
                                      base_version=enc.base_version, level=cfg.level, backend=cfg.backend)
+                sums += [(t.name, t.dtype, t.shape, t.checksum) for t in payload.manifest.tensors]
+                last = i == enc.count - 1
+                # the digest of the whole version rides on its last bucket, the one the subscriber applies after
                 meta = {"version": enc.version, "base_version": enc.base_version, "index": i, "count": enc.count,
-                        "checksum": enc.checksum}
+                        "checksum": state_digest(sums) if last else None}
                 msg = Message("bucket", meta, [payload.header(), payload.body])
                 with self._cv:
+                    if last:
+                        enc.checksum = meta["checksum"]
+                        self._history.known(enc.version, enc.checksum)
                     enc.buckets.append(msg)
                     enc.nbytes += msg.nbytes
                     self._cv.notify_all()
@@ -217,8 +228,21 @@ class Publisher:
             if kf.encoded is None:
                 enc = Encoded(kf.version, None, kf.checksum, len(self._buckets(kf.state)))
                 self._fill(enc, None, kf.state)
-                kf.encoded = enc
+                kf.checksum, kf.encoded = enc.checksum, enc
             return kf.encoded
+
+    def _recycle(self, old: State | None) -> None:
+        """Keep a state no one needs any more, so the next publish() copies into warm memory. Holds _cv."""
+        h = self._history
+        held = [s for s in (h.keyframe.state if h.keyframe else None, self._on_demand.state if self._on_demand else None,
+                            self._state) if s is not None]
+        if old is not None and not any(old is s for s in held):
+            self._spare = old
+
+    def _take_spare(self) -> State | None:
+        with self._cv:
+            spare, self._spare = self._spare, None
+            return spare
 
     def _trim_stats(self) -> None:
         for key in ("bytes", "encode_s"):
