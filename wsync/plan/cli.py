@@ -6,21 +6,22 @@
     wsync plan loop [--mode sync|async ...]   decode roofline and one simulated loop (sync vs async)
     wsync plan sweep [--png out.png]          trainer/sampler splits x batch x staleness cap, Pareto table
     wsync plan sandboxes --rate R ...         sandbox pool for a rollout rate (Little's law, Poisson quantile)
+    wsync plan validate [LOOP.json]           the loop model vs the reference loop's measured samples/s
 """
 from __future__ import annotations
 
 import dataclasses
 
-from .report import cmd_loop, cmd_lora, cmd_models, cmd_sandboxes, cmd_sweep, cmd_transfer
+from .report import cmd_loop, cmd_lora, cmd_models, cmd_sandboxes, cmd_sweep, cmd_transfer, cmd_validate
 
 
 def _loop_flags(p) -> None:
     from .loop import LoopConfig
 
     for f in dataclasses.fields(LoopConfig):
-        if f.name in ("decode_curve",):
-            continue
         default = f.default
+        if isinstance(default, (tuple, bool)) or f.name == "decode_curve":  # set from code, or via --decode-curve
+            continue
         kind = float if default is None else type(default)
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default,
                        help=f"(default {default})")
@@ -92,3 +93,8 @@ def add_parsers(sub) -> None:
     sb.add_argument("--json", action="store_true")
     sb.set_defaults(fn=cmd_sandboxes)
 
+    va = ps.add_parser("validate", help="predict the reference loop's measured samples/s from its measured costs")
+    va.add_argument("results", nargs="?", help="a `python -m trainer.bench` JSON (default: the newest *-loop.json)")
+    va.add_argument("--seeds", type=int, default=3, help="simulated runs averaged per prediction")
+    va.add_argument("--json", action="store_true")
+    va.set_defaults(fn=cmd_validate)

@@ -7,6 +7,14 @@ planner takes the newest such file and, for a delta, the run whose measured
 saving is nearest to the one assumed, so speed and density belong together.
 When no results file is reachable (an installed wheel), the figures below,
 copied from the 2026-11-21 run, stand in and say so.
+
+`wsync bench codec` times the reference backend. For a delta the planner
+prefers the C++ backend's end-to-end speeds from the newest
+`*-kernels.json` (`python -m wsync.bench.kernels`, the `cpu` backend's
+encode/apply GB/s, measured on the sparse tier). The packed tier adds a zstd
+stage the kernels file does not time; its cost per model byte is taken from
+the codec file as the packed-minus-sparse time of the same run, since both
+backends hand that stage to the same zstd library.
 """
 from __future__ import annotations
 
@@ -56,9 +64,58 @@ def _runs(path: Path) -> tuple[list[dict], str]:
         raise PlanError(f"cannot read codec results {path}: {e}") from e
 
 
-def measured_speed(kind: str, *, saving: float = 0.98, tier: str = "packed",
-                   results: Path | None = None) -> CodecSpeed:
-    """Speed of codec `kind` (full, delta, lora) from the newest results file, or the built-in copy."""
+def newest_kernels(directory: Path = RESULTS_DIR) -> Path | None:
+    files = sorted(directory.glob("*-kernels.json")) if directory.is_dir() else []
+    return files[-1] if files else None
+
+
+def kernel_speed(path: Path, backend: str = "cpu") -> tuple[float, float, float, str]:
+    """(encode GB/s, apply GB/s, saving, where) of `backend` in a `wsync.bench.kernels` results file."""
+    try:
+        data = json.loads(path.read_text())
+        b = data["backends"][backend]
+        enc, app = float(b["encode_gbps"]), float(b["apply_gbps"])
+        saving = 1.0 - b["payload_bytes"] / data["model_bytes"]
+        hw = data.get("hardware", {})
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError) as e:
+        raise PlanError(f"cannot read the {backend!r} backend from kernel results {path}: {e!r}") from e
+    where = (f"{path.name}: backend {backend} ({b.get('threads', '?')} threads), sparse tier at "
+             f"{data.get('density', 0):.2%} density, {hw.get('cpu', '?')}, {hw.get('cores', '?')} cores")
+    return enc, app, saving, where
+
+
+def measured_speed(kind: str, *, saving: float = 0.98, tier: str = "packed", results: Path | None = None,
+                   kernels: Path | None = None) -> CodecSpeed:
+    """Speed of codec `kind` (full, delta, lora): C++ kernels for a delta when measured, else the codec file.
+
+    An explicit `results` file is used as given; the kernels file is looked up only when
+    neither is named.
+    """
+    ref, label = _codec_speed(kind, saving=saving, tier=tier, results=results)
+    if kind != "delta":
+        return ref
+    path = kernels or (None if results else newest_kernels())
+    if path is None:
+        return ref
+    enc, app, k_saving, where = kernel_speed(path)
+    if tier == "sparse":
+        return CodecSpeed(encode_gbps=enc, apply_gbps=app, saving=k_saving,
+                          source=f"{where}; preferred over the ref backend's {ref.encode_gbps:.2f}/"
+                                 f"{ref.apply_gbps:.2f} GB/s ({ref.source})")
+    sparse, _ = _codec_speed(kind, saving=ref.saving, tier="sparse", results=results, label=label)
+    # seconds per model byte of the zstd stage = packed - sparse, same run, same library in every backend
+    z_enc = max(1 / ref.encode_gbps - 1 / sparse.encode_gbps, 0.0)
+    z_app = max(1 / ref.apply_gbps - 1 / sparse.apply_gbps, 0.0)
+    return CodecSpeed(encode_gbps=1 / (1 / enc + z_enc), apply_gbps=1 / (1 / app + z_app), saving=ref.saving,
+                      source=f"{where}, plus the zstd stage timed as packed - sparse in {ref.source}")
+
+
+def _codec_speed(kind: str, *, saving: float, tier: str, results: Path | None,
+                 label: str | None = None) -> tuple[CodecSpeed, str | None]:
+    """Speed of codec `kind` from the newest `wsync bench codec` file (or the built-in copy), and its run label.
+
+    With `label`, only that run is read (the packed and sparse figures of one run belong together).
+    """
     key = f"delta/{tier}" if kind == "delta" else kind
     if key not in SCHEMES:
         raise PlanError(f"no measured speed for codec {kind!r} tier {tier!r}; use full, lora, or delta "
@@ -67,12 +124,12 @@ def measured_speed(kind: str, *, saving: float = 0.98, tier: str = "packed",
     path = results or newest_results()
     if path is None:
         s, enc, app = _FALLBACK[scheme]
-        return CodecSpeed(encode_gbps=enc, apply_gbps=app, saving=s, source=_FALLBACK_SOURCE)
+        return CodecSpeed(encode_gbps=enc, apply_gbps=app, saving=s, source=_FALLBACK_SOURCE), None
     runs, where = _runs(path)
     found = []
     for run in runs:
         for sch in run.get("schemes", []):
-            if sch.get("name") == scheme:
+            if sch.get("name") == scheme and label in (None, run["label"]):
                 found.append((1.0 - 1.0 / sch["ratio_vs_raw"], sch["encode_gbps"], sch["decode_gbps"], run["label"]))
     if not found:
         raise PlanError(f"{path} has no {scheme!r} runs; re-run `wsync bench codec --json` or pass speeds")
@@ -80,4 +137,4 @@ def measured_speed(kind: str, *, saving: float = 0.98, tier: str = "packed",
         s, enc, app, label = min(found, key=lambda f: abs(f[0] - saving))
     else:  # raw speed barely depends on the snapshots: take the median run
         s, enc, app, label = sorted(found, key=lambda f: f[1])[len(found) // 2]
-    return CodecSpeed(encode_gbps=enc, apply_gbps=app, saving=s, source=f"{where}; {scheme}, {label}")
+    return CodecSpeed(encode_gbps=enc, apply_gbps=app, saving=s, source=f"{where}; {scheme}, {label}"), label

@@ -68,18 +68,35 @@ class LoopConfig:
     train_mfu: float = 0.4  # share of peak FLOP/s the trainer reaches
     train_flops_per_param: float = 8.0  # 6 (fwd+bwd) + 2 (logprob recompute) per active weight per token
     decode_curve: tuple[tuple[int, float], ...] = field(default=())  # measured (batch, s/step); overrides roofline
+    train_step_s: float | None = None  # measured trainer compute seconds per step; None: the FLOP model
+    group_size: int = 1  # samples per prompt (a GRPO group): started together, handed to the trainer together
+    length_table: tuple[tuple[int, float], ...] = field(default=())  # (response cap, probability) per prompt;
+    # replaces the lognormal when given: every sample of a group shares its prompt's cap
+    early_stop: float = 0.0  # with length_table: chance per token that a sample ends (EOS) before its cap
+    abort_stale: bool = True  # async: abort in-flight samples too old to train on (False: finish, then drop)
     seed: int = 0  # RNG seed for response lengths
 
     def validate(self) -> None:
         if self.mode not in ("sync", "async"):
             raise PlanError(f"mode must be sync or async, got {self.mode!r}")
-        for k in ("train_gpus", "infer_gpus", "tp", "max_batch", "samples_per_step", "steps", "response_max"):
+        for k in ("train_gpus", "infer_gpus", "tp", "max_batch", "samples_per_step", "steps", "response_max",
+                  "group_size"):
             if getattr(self, k) < 1:
                 raise PlanError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.infer_gpus < self.tp:
             raise PlanError(f"infer_gpus ({self.infer_gpus}) must hold at least one engine of tp={self.tp}")
-        if self.max_staleness < 0 or self.warmup_steps >= self.steps:
-            raise PlanError("max_staleness must be >= 0 and warmup_steps < steps")
+        if self.max_staleness < 0 or not 0 <= self.warmup_steps < self.steps:
+            raise PlanError("max_staleness must be >= 0 and 0 <= warmup_steps < steps")
+        if self.max_batch < self.group_size or self.samples_per_step % self.group_size:
+            raise PlanError(f"group_size {self.group_size} must fit max_batch ({self.max_batch}) and divide "
+                            f"samples_per_step ({self.samples_per_step})")
+        if any(n < 1 or p < 0 for n, p in self.length_table) or (self.length_table and
+                                                                 sum(p for _, p in self.length_table) <= 0):
+            raise PlanError("length_table wants (cap >= 1, probability >= 0) pairs with a positive total")
+        if not 0.0 <= self.early_stop < 1.0:
+            raise PlanError(f"early_stop must be in [0, 1), got {self.early_stop}")
+        if self.train_step_s is not None and self.train_step_s < 0:
+            raise PlanError(f"train_step_s must be >= 0, got {self.train_step_s}")
 
 
 def _routed_bytes(m: ModelConfig) -> float:
@@ -147,7 +164,9 @@ def _interpolate(curve: tuple[tuple[int, float], ...], batch: int) -> float:
 
 
 def train_step_s(cfg: LoopConfig, m: ModelConfig, tokens: int) -> float:
-    """Seconds for one trainer step over `tokens` tokens (prompts and responses)."""
+    """Seconds for one trainer step over `tokens` tokens (prompts and responses); a measured time wins."""
+    if cfg.train_step_s is not None:
+        return cfg.train_step_s
     g = get_gpu(cfg.gpu)
     matmul = flops_per_token(m, 0) / 2.0  # active matmul weights
     return tokens * cfg.train_flops_per_param * matmul / (cfg.train_gpus * g.peak_tflops * 1e12 * cfg.train_mfu)

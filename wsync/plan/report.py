@@ -171,3 +171,23 @@ def cmd_sandboxes(a) -> None:
     print(f"pool for the {cfg.quantile:.1%} quantile (Poisson): {p.pool_size:,}  -> Erlang-B blocking {p.blocking:.3%}")
     print(f"hold per attempt {p.hold_s:.1f} s, {p.attempts_per_rollout:.3f} attempts per rollout, "
           f"{p.sandbox_s_per_rollout:.1f} sandbox-s per rollout, rollout latency {p.rollout_latency_s:.1f} s")
+
+
+def cmd_validate(a) -> None:
+    from .codec_speeds import RESULTS_DIR
+    from .models import PlanError
+    from .validate import TOLERANCE, validate
+
+    path = a.results or max(RESULTS_DIR.glob("*-loop.json"), default=None)
+    if path is None:
+        raise PlanError(f"no *-loop.json in {RESULTS_DIR}; run `python -m trainer.bench` or name a file")
+    rows = validate(path, seeds=a.seeds)
+    if a.json:
+        return _json({"results": str(path), "tolerance": TOLERANCE, "runs": rows})
+    print(f"reference loop {path}: measured component costs -> simulated samples/s")
+    print(_table(rows, [("run", ""), ("measured_samples_per_s", ".1f"), ("predicted_samples_per_s", ".1f"),
+                        ("error", "+.1%"), ("decode_step_ms", ".1f"), ("train_step_s", ".3f"), ("sync_s", ".3f"),
+                        ("trainer_idle_measured", ".1%"), ("trainer_idle_predicted", ".1%"),
+                        ("dropped_measured", ".1%"), ("dropped_predicted", ".1%")]))
+    bad = [r["run"] for r in rows if not r["within_tolerance"]]
+    print(f"all runs within {TOLERANCE:.0%}" if not bad else f"outside {TOLERANCE:.0%}: {', '.join(bad)}")

@@ -30,6 +30,7 @@ class _Seq:
     length: int  # response tokens
     version: int  # policy version it started with
     remaining: float  # tokens still to generate
+    group: int = 0  # prompt it belongs to; a group reaches the trainer when all its samples are done
 
 
 class _Engine:
@@ -105,7 +106,22 @@ class _Sim:
         self.trained_lengths: list[int] = []
         self.train_s: list[float] = []
         self.train_busy = 0.0
-        self.marks: dict[str, tuple] = {}
+        self.marks: dict[int, tuple] = {0: (0.0, 0.0, 0.0, 0.0, 0, 0, 0)}  # version -> counters when it landed
+        self.pending: dict[int, list[_Seq]] = {}  # group -> its finished samples, until the group is whole
+        self.groups = 0
+        if cfg.length_table:
+            caps, probs = zip(*cfg.length_table)
+            self.caps, self.cap_p = np.array(caps), np.array(probs, dtype=float) / sum(probs)
+
+    def _lengths(self) -> list[int]:
+        """Response lengths of one group: a shared cap from the table, each sample may stop early."""
+        c = self.cfg
+        if not c.length_table:
+            return [self._length() for _ in range(c.group_size)]
+        cap = int(self.rng.choice(self.caps, p=self.cap_p))
+        if c.early_stop <= 0:
+            return [cap] * c.group_size
+        return [int(n) for n in np.minimum(self.rng.geometric(c.early_stop, size=c.group_size), cap)]
 
     def _length(self) -> int:
         c = self.cfg
@@ -118,16 +134,19 @@ class _Sim:
         c = self.cfg
         for e in self.engines:
             changed = False
-            while len(e.seqs) < c.max_batch:
+            g = c.group_size
+            while len(e.seqs) + g <= c.max_batch:
                 if c.mode == "sync":
-                    if self.training_until < math.inf or self.admitted >= (self.version + 1) * c.samples_per_step:
+                    if self.training_until < math.inf or self.admitted + g > (self.version + 1) * c.samples_per_step:
                         break
-                elif self.admitted >= (e.version + c.max_staleness + 1) * c.samples_per_step:
+                elif self.admitted + g > (e.version + c.max_staleness + 1) * c.samples_per_step:
                     break
-                n = self._length()
-                e.seqs.append(_Seq(length=n, version=e.version, remaining=float(n)))
-                self.admitted += 1
-                self.generated += 1
+                e.seqs += [_Seq(length=n, version=e.version, remaining=float(n), group=self.groups)
+                           for n in self._lengths()]
+                self.pending[self.groups] = []
+                self.groups += 1
+                self.admitted += g
+                self.generated += g
                 changed = True
             if changed:
                 e.refresh()
@@ -142,11 +161,13 @@ class _Sim:
         if len(self.buffer) < c.samples_per_step:
             return
         batch, self.buffer = self.buffer[:c.samples_per_step], self.buffer[c.samples_per_step:]
-        for e in self.engines:  # in-flight samples too old for any later step are aborted now
+        for e in self.engines if c.abort_stale else ():  # in-flight samples too old for any later step
             alive = [s for s in e.seqs if s.version >= step + 1 - cap]
             if len(alive) != len(e.seqs):
-                self.dropped += len(e.seqs) - len(alive)
-                self.admitted -= len(e.seqs) - len(alive)
+                gone = {s.group for s in e.seqs} - {s.group for s in alive}
+                done = sum(len(self.pending.pop(g, [])) for g in gone)  # finished samples of aborted groups
+                self.dropped += len(e.seqs) - len(alive) + done
+                self.admitted -= len(e.seqs) - len(alive) + done
                 e.seqs = alive
                 e.refresh()
         self.staleness += [step - s.version for s in batch]
@@ -168,6 +189,16 @@ class _Sim:
                                         sum(e.slot_s for e in self.engines), self.train_busy,
                                         len(self.staleness), self.generated, self.dropped)
 
+    def _collect(self, done: list[_Seq]) -> None:
+        """Finished samples wait for the rest of their group; a whole group joins the buffer."""
+        for s in done:
+            members = self.pending.get(s.group)
+            if members is None:  # its group was aborted as stale
+                continue
+            members.append(s)
+            if len(members) == self.cfg.group_size:
+                self.buffer += self.pending.pop(s.group)
+
     def run(self) -> LoopResult:
         t = 0.0
         self._admit(t)
@@ -179,7 +210,7 @@ class _Sim:
                 e.advance(t)
                 done = e.finished()
                 if done:
-                    self.buffer += done
+                    self._collect(done)
                     e.refresh()
             if t >= self.training_until:
                 self._finish_step(t)
