@@ -61,7 +61,7 @@ def publisher_main(argv=None) -> None:
         v = int(line)
         t0 = time.monotonic()
         pub.publish(states[v], version=v)
-        print(json.dumps({"published": v, "t": t0}), flush=True)
+        print(json.dumps({"published": v, "t": t0, "snapshot_s": time.monotonic() - t0}), flush=True)
         pub.flush(timeout=600)
         print(json.dumps({"encode_s": pub.stats["encode_s"].get(v)}), flush=True)
     pub.close()
@@ -80,7 +80,8 @@ def run_mode(mode: str, paths: list, *, listen: str = "tcp://127.0.0.1:0", wan=N
         for v in range(len(paths)):
             pub.stdin.write(f"{v}\n")
             pub.stdin.flush()
-            t0 = _expect(pub, "published")["t"]
+            published = _expect(pub, "published")
+            t0 = published["t"]
             got = _expect(sub, "version")
             enc = _expect(pub, "encode_s")["encode_s"]
             if got["version"] != v or got["digest"] != hello["digests"][v]:
@@ -89,7 +90,7 @@ def run_mode(mode: str, paths: list, *, listen: str = "tcp://127.0.0.1:0", wan=N
             if v:
                 rows.append({"version": v, "latency_s": got["t"] - t0, "bytes": got["bytes"],
                              "first_bucket_s": got["first_bucket_t"] - t0, "last_bucket_s": got["last_bucket_t"] - t0,
-                             "apply_s": got["apply_s"], "encode_s": enc})
+                             "snapshot_s": published["snapshot_s"], "apply_s": got["apply_s"], "encode_s": enc})
         return {"mode": mode, "versions": rows, "exact": True,
                 "mean_latency_s": sum(r["latency_s"] for r in rows) / len(rows),
                 "mean_bytes": sum(r["bytes"] for r in rows) / len(rows)}
