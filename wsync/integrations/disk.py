@@ -1,0 +1,69 @@
+"""A sidecar that turns wsync versions into the checkpoint folders a framework already reloads from.
+
+slime (``--update-weight-transport disk``) and prime-rl (``weight_broadcast.type
+= filesystem``) hand new weights to their inference engines as Hugging Face
+folders on a filesystem the engines can read. With wsync the trainer publishes
+deltas instead, and on each inference host a ``StepDirs`` subscriber keeps the
+newest version in memory and writes every committed version into the folder the
+framework's reload already expects. Only the coded bytes cross the network; the
+engines and the framework's reload code stay as they are.
+
+A folder is written whole under a temporary name and renamed into place when
+the Subscriber commits the version (``version`` is set), then ``marker`` is
+created, so nothing ever reads a half-written version. The Subscriber acks a
+version only after that, so ``Publisher.flush()`` on the trainer returns once
+every sidecar has its folder.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from ..engines.shadow import Shadow
+
+
+class StepDirs(Shadow):
+    """A Shadow engine that writes each committed version to ``path_for(version)/model.safetensors``."""
+
+    def __init__(self, path_for, *, marker: str | None = None, keep: int = 2):
+        super().__init__()
+        self.path_for = path_for  # version -> folder
+        self.marker = marker  # file created in a folder once it is complete (prime-rl: "STABLE")
+        self.keep = keep  # folders kept, newest first (older ones are removed)
+        self._version: int | None = None
+        self._written: list[Path] = []
+
+    @property
+    def version(self):
+        return self._version
+
+    @version.setter
+    def version(self, v):
+        if v is not None and v != self._version:
+            self._write(v)
+        self._version = v
+
+    def _write(self, version: int) -> None:
+        from ..checkpoint import write_safetensors
+
+        final = Path(self.path_for(version))
+        tmp = final.with_name(f".{final.name}.wsync-tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_safetensors(tmp / "model.safetensors", self.state, {"format": "pt", "wsync_version": str(version)})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if self.marker:
+            (final / self.marker).touch()
+        self._written.append(final)
+        while len(self._written) > self.keep:
+            shutil.rmtree(self._written.pop(0), ignore_errors=True)
+
+
+def sidecar(address: str, path_for, *, token: str | None = None, marker: str | None = None, keep: int = 2):
+    """Start a Subscriber that writes every version it commits (call .close() to stop)."""
+    from ..subscriber import Subscriber
+
+    return Subscriber(address, engine=StepDirs(path_for, marker=marker, keep=keep),
+                      token=bytes.fromhex(token) if token else None)

@@ -1,0 +1,98 @@
+"""TRL: GRPOTrainer pushes weights to its vLLM server through wsync instead of per-tensor NCCL broadcasts.
+
+In server mode TRL's ``VLLMGeneration.sync_weights`` (trl 1.16.0) walks the
+model once per sync and hands ``(name, dtype, shape)`` metadata plus the
+tensors to ``VLLMClient.update_named_params``, which broadcasts them over an
+NCCL group to vLLM's weight-transfer engine. ``WsyncVLLMClient`` keeps TRL's
+HTTP control plane and replaces the data plane: ``init_communicator`` starts a
+wsync Publisher on the trainer and tells the server's ``wsync`` weight-transfer
+backend (wsync.engines.vllm_backend) where to subscribe; ``update_named_params``
+publishes the tensors as one version (a delta on the last one) and asks the
+server to apply that version. No GPU is needed on the trainer side for this, and
+the bytes cross the wire coded (about 1% of full weights at RL learning rates).
+
+TRL builds its client inside ``VLLMGeneration`` with no way to choose the
+class, so ``patch()`` swaps the one name it uses
+(``trl.generation.vllm_generation.VLLMClient``) for ``WsyncVLLMClient``::
+
+    import wsync.integrations.trl as wt
+    wt.patch(address="tcp://0.0.0.0:7070", token=secret_hex)   # before GRPOTrainer(...)
+
+and the server starts with ``--weight-transfer-config '{"backend": "wsync"}'``.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ..errors import BackendUnavailable
+from .common import SyncConfig, host_state, next_version
+
+# TRL names this module calls or overrides, checked against TRL's published source
+CALLS = [("trl.generation.vllm_client", "VLLMClient.__init__", 0, ("base_url", "group_port", "connection_timeout"), True),
+         ("trl.generation.vllm_client", "VLLMClient._post", 1, ("json",), True)]
+OVERRIDES = [("trl.generation.vllm_client", "VLLMClient.init_communicator"),
+             ("trl.generation.vllm_client", "VLLMClient.update_named_params"),
+             ("trl.generation.vllm_client", "VLLMClient.close_communicator")]
+PATCHED = ("trl.generation.vllm_generation", "VLLMClient")  # the name patch() replaces
+
+_CONFIG: SyncConfig | None = None
+
+
+def _trl_client():
+    try:
+        return importlib.import_module("trl.generation.vllm_client").VLLMClient
+    except ImportError as e:
+        raise BackendUnavailable(f"wsync.integrations.trl needs trl >= 1.16 (pip install trl): {e}") from e
+
+
+def client_class(config: SyncConfig | None = None) -> type:
+    """WsyncVLLMClient: TRL's VLLMClient with a wsync data plane (imports trl)."""
+    base = _trl_client()
+
+    class WsyncVLLMClient(base):
+        wsync_config = config
+
+        def init_communicator(self, device=0):
+            cfg = self.wsync_config or _CONFIG or SyncConfig()
+            self.wsync_pub = cfg.publisher()
+            self.wsync_version: int | None = None
+            init_info = {"address": cfg.dial_address(self.wsync_pub), "token": cfg.token, "timeout_s": cfg.timeout_s}
+            self._post(f"{self.base_url}/init_weight_transfer_engine", json={"init_info": init_info})
+            self.communicator = self.wsync_pub
+
+        def update_named_params(self, metadata, named_params):
+            state = host_state(named_params)  # the metadata's names, dtypes and shapes travel in the manifest
+            version = next_version(None, self.wsync_version)
+            self.wsync_pub.publish(state, version=version)
+            self.wsync_version = version
+            if not self._updating_weights:
+                self._start_weight_update()
+            # the server blocks until the version is live; the publisher streams it meanwhile
+            self._post(f"{self.base_url}/update_weights", json={"update_info": {"version": version}})
+            if not self._updating_weights:
+                self._finish_weight_update()
+
+        def close_communicator(self):
+            pub = getattr(self, "wsync_pub", None)
+            if pub is not None:
+                pub.close()
+                self.wsync_pub = None
+            self.communicator = None
+
+    WsyncVLLMClient.__module__ = __name__
+    return WsyncVLLMClient
+
+
+def patch(**config) -> type:
+    """Make TRL's VLLMGeneration build WsyncVLLMClient (config: SyncConfig fields). Returns the class."""
+    global _CONFIG
+    _CONFIG = SyncConfig(**config)
+    cls = client_class(_CONFIG)
+    module, name = PATCHED
+    setattr(importlib.import_module(module), name, cls)
+    return cls
+
+
+def unpatch() -> None:
+    module, name = PATCHED
+    setattr(importlib.import_module(module), name, _trl_client())
