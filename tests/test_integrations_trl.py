@@ -1,0 +1,118 @@
+"""TRL: the real VLLMGeneration (trl 1.16, server mode) syncs a tiny Qwen3 through WsyncVLLMClient.
+
+TRL installs on CPU with --no-deps (its generation modules need only transformers and accelerate);
+the test skips without it. The vLLM server is a stand-in speaking the HTTP routes TRL calls, whose
+update_weights does what wsync's vLLM weight-transfer backend does: Subscriber.wait_for(version).
+"""
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from engine_helpers import rl_step, same_bytes, tiny_qwen
+
+pytest.importorskip("trl.generation.vllm_generation", reason="pip install torch==2.13.0 --no-deps trl")
+accelerate = pytest.importorskip("accelerate")
+
+TOKEN = "cd" * 16
+
+
+class Server:
+    """vLLM's HTTP routes as TRL uses them, over a wsync Subscriber into an HF model."""
+
+    def __init__(self, model):
+        self.model, self.sub, self.calls = model, None, []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, body):
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                server.calls.append(self.path)
+                self._reply({"data": [{"id": "tiny"}]} if self.path.startswith("/v1/models") else {"world_size": 1})
+
+            def do_POST(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n) or b"{}")
+                server.calls.append(self.path)
+                self._reply(server.handle(self.path, body))
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def handle(self, path, body):
+        from wsync import Subscriber, engines
+
+        if path == "/init_weight_transfer_engine":
+            info = body["init_info"]
+            self.sub = Subscriber(info["address"], engine=engines.HF(self.model), token=bytes.fromhex(info["token"]),
+                                  apply="poll")
+        elif path == "/update_weights":
+            self.sub.wait_for(body["update_info"]["version"], timeout=30)
+        return {}
+
+    def close(self):
+        self.http.shutdown()
+        if self.sub is not None:
+            self.sub.close()
+
+
+@pytest.fixture
+def trl_cpu(monkeypatch):
+    import trl.generation.vllm_client as vc
+    import trl.generation.vllm_generation as vg
+
+    import wsync.integrations.trl as wt
+
+    # the trainer side of this path needs no vLLM; TRL checks for it before building a client
+    monkeypatch.setattr(vc, "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(vg, "is_vllm_available", lambda *a, **k: True)
+    yield wt
+    wt.unpatch()
+
+
+def test_grpo_server_sync_through_wsync(trl_cpu):
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    trainer, served = tiny_qwen(0, tie=False), tiny_qwen(1, tie=False)
+    server = Server(served)
+    cls = trl_cpu.patch(address="tcp://127.0.0.1:0", token=TOKEN, keyframe_every=4)
+    try:
+        vgen = VLLMGeneration(trainer, accelerate.Accelerator(cpu=True), None, mode="server",
+                              server_base_url=server.url, server_timeout=5)
+        assert isinstance(vgen.vllm_client, cls)
+        gen = torch.Generator().manual_seed(5)
+        for step in range(4):
+            rl_step(trainer, gen)
+            vgen.sync_weights()  # exactly what GRPOTrainer calls
+            assert same_bytes(trainer.state_dict(), served.state_dict())
+        assert server.sub.version == 3
+        assert server.calls.count("/update_weights") == 4 and "/reset_prefix_cache" in server.calls
+        sizes = vgen.vllm_client.wsync_pub.stats["bytes"]
+        full = sum(t.nbytes for t in trainer.state_dict().values())
+        assert sizes[1] < full / 4  # deltas, not full weights
+    finally:
+        vgen.vllm_client.close_communicator()
+        server.close()
+
+
+def test_unpatch_restores_trl_client(trl_cpu):
+    import trl.generation.vllm_generation as vg
+    from trl.generation.vllm_client import VLLMClient
+
+    trl_cpu.patch(token=TOKEN)
+    assert vg.VLLMClient is not VLLMClient and issubclass(vg.VLLMClient, VLLMClient)
+    trl_cpu.unpatch()
+    assert vg.VLLMClient is VLLMClient
