@@ -25,7 +25,7 @@ from .common import SyncConfig
 BASE = ("prime_rl.transports.weights.base", "WeightBroadcast")
 TRAINERS = ("prime_rl.trainer.rl.train", "prime_rl.trainer.sft.train")  # modules that import setup_weight_broadcast
 OVERRIDES = [("prime_rl.transports.weights.base", "WeightBroadcast.broadcast_weights")]
-CALLS = [("prime_rl.transports.weights", "setup_weight_broadcast", 2, ("parallel_dims", "lora_config"), False),
+CALLS = [("prime_rl.transports.weights.__init__", "setup_weight_broadcast", 2, ("parallel_dims", "lora_config"), False),
          ("prime_rl.utils.weights", "gather_weights_parallel", 1, (), False),
          ("prime_rl.utils.weights", "convert_state_dict_to_hf", 2, (), False)]
 
