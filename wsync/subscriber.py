@@ -23,12 +23,12 @@ import numpy as np
 from . import api
 from .errors import ChecksumError, MismatchError, TransportError, WsyncError
 from .payload import Payload
+from .sender import PROTOCOL
 from .snapshot import TensorBits, as_state, digest, to_torch
 from .transports import Message, TransportTimeout, connect, parse_address
 from .transports.base import with_token
 
 log = logging.getLogger("wsync.sync")
-PROTOCOL = 1
 GIVE_UP = 3  # wait_for raises the apply error after this many failures in a row (the subscriber keeps trying)
 
 

@@ -26,15 +26,15 @@ import time
 from dataclasses import dataclass
 
 from . import api
-from .errors import TransportError, VersionError, WsyncError
+from .errors import VersionError, WsyncError
 from .history import Encoded, History, Keyframe, keyframe_due
+from .sender import Sender
 from .checksum import state_digest
 from .snapshot import State, owned_copy, plan_buckets
 from .transports import Message, listen
 from .transports.base import with_token
 
 log = logging.getLogger("wsync.sync")
-PROTOCOL = 1
 
 
 @dataclass(kw_only=True)
@@ -64,7 +64,7 @@ class Publisher:
         self._published = 0  # versions accepted by publish()
         self._since_keyframe = 0
         self._last: int | None = None
-        self._peers: list[_Peer] = []
+        self._peers: list[Sender] = []
         self._error: BaseException | None = None
         self._closed = False
         self._queue: queue.Queue = queue.Queue(self.config.max_queued)
@@ -267,12 +267,12 @@ class Publisher:
                 raise
             if link is None:
                 continue
-            peer = _Peer(self, link)
+            peer = Sender(self, link)
             with self._cv:
                 self._peers = [p for p in self._peers if not p.dead] + [peer]
             peer.start()
 
-    def _next_for(self, peer: "_Peer") -> tuple[Keyframe | None, list[Encoded]] | None:
+    def _next_for(self, peer: "Sender") -> tuple[Keyframe | None, list[Encoded]] | None:
         """Block until the peer is behind the newest version (or closing); return what to send."""
         with self._cv:
             while True:
@@ -313,122 +313,5 @@ class Publisher:
 def _layout(state: State) -> list:
     return [(n, tb.dtype.name, tb.shape) for n, tb in state.items()]
 
-
-class _Peer:
-    """One link (one subscriber, or one broadcast group) and the thread that feeds it."""
-
-    def __init__(self, pub: Publisher, link):
-        self.pub, self.link = pub, link
-        self.fanout = getattr(link, "fanout", 1)
-        self.lockstep = self.fanout > 1
-        self.sent: int | None = None  # newest version fully sent (or held at hello)
-        self.sent_checksum: str | None = None
-        self.acked: int | None = None  # newest version every member acknowledged
-        self.need_keyframe = False
-        self.greeted = False  # its hello has arrived
-        self.dead = False
-        self._threads: list[threading.Thread] = []
-
-    def start(self) -> None:
-        t = threading.Thread(target=self._run, name=f"wsync-send-{self.link.peer}", daemon=True)
-        self._threads.append(t)
-        t.start()
-
-    def stop(self) -> None:
-        try:
-            if not self.dead and not self.lockstep:
-                self.link.send(Message("bye", {}))
-        except WsyncError:
-            pass
-        self._die()
-        self.link.close()
-
-    def _die(self) -> None:
-        with self.pub._cv:
-            self.dead = True
-            self.pub._cv.notify_all()
-
-    def _run(self) -> None:
-        try:
-            self._hello()
-            if not self.lockstep:
-                t = threading.Thread(target=self._read_acks, name=f"wsync-acks-{self.link.peer}", daemon=True)
-                self._threads.append(t)
-                t.start()
-            while (plan := self.pub._next_for(self)) is not None:
-                self._send_plan(*plan)
-        except WsyncError as e:
-            if not self.pub._closed:
-                log.warning("subscriber %s dropped: %s", self.link.peer, e)
-        finally:
-            self._die()
-
-    def _hello(self) -> None:
-        versions, checksums = [], set()
-        for _ in range(self.fanout):
-            msg = self.link.recv(timeout=self.pub.config.hello_timeout)
-            if msg.kind != "hello" or msg.meta.get("protocol") != PROTOCOL:
-                raise TransportError(f"{self.link.peer}: expected a protocol {PROTOCOL} hello, got {msg.kind!r}")
-            versions.append(msg.meta.get("version"))
-            checksums.add(msg.meta.get("checksum"))
-        if None in versions or len(set(versions)) > 1 or len(checksums) > 1:
-            self.sent, self.sent_checksum = None, None  # members disagree: everyone takes the keyframe
-        else:
-            self.sent, self.sent_checksum = versions[0], checksums.pop()
-        log.info("subscriber %s joined holding version %s", self.link.peer, self.sent)
-        with self.pub._cv:
-            self.greeted = True
-            self.pub._cv.notify_all()
-        if not self.lockstep:
-            with self.pub._cv:
-                newest = self.pub._history.newest
-            self.link.send(Message("welcome", {"newest": newest}))
-
-    def _send_plan(self, kf: Keyframe | None, deltas: list[Encoded]) -> None:
-        versions = ([self.pub._keyframe_buckets(kf)] if kf is not None else []) + deltas
-        for enc in versions:
-            if not self._send_version(enc):
-                continue
-            with self.pub._cv:
-                self.sent, self.sent_checksum = enc.version, enc.checksum
-                self.pub._cv.notify_all()
-            if self.lockstep:
-                self._gather_acks(enc.version)
-
-    def _send_version(self, enc: Encoded) -> bool:
-        for i in range(enc.count):
-            msg = self.pub._wait_bucket(enc, i)
-            if msg is None:
-                return False
-            self.link.send(msg)
-        return True
-
-    def _gather_acks(self, version: int) -> None:
-        need = False
-        for _ in range(self.fanout):
-            msg = self.link.recv(timeout=None)
-            need |= msg.kind == "ack" and bool(msg.meta.get("need_keyframe"))
-        with self.pub._cv:
-            self.acked = version
-            self.need_keyframe |= need
-            self.pub._cv.notify_all()
-
-    def _read_acks(self) -> None:
-        try:
-            while not self.dead:
-                msg = self.link.recv(timeout=None)
-                with self.pub._cv:
-                    if msg.kind == "ack":
-                        self.acked = msg.meta.get("version")
-                        self.need_keyframe |= bool(msg.meta.get("need_keyframe"))
-                    elif msg.kind == "need":
-                        self.need_keyframe = True
-                    elif msg.kind == "bye":
-                        self.dead = True
-                    self.pub._cv.notify_all()
-        except WsyncError:
-            pass
-        finally:
-            self._die()
 
 from .subscriber import Subscriber, apply_version  # noqa: E402  (the engine side of the same protocol)
