@@ -123,6 +123,7 @@ EXTENSIONS = [
     ("", "wsync.serve"),
     ("bench", "wsync.bench.transport"),
     ("bench", "wsync.bench.sync"),
+    ("bench", "wsync.bench.all"),
     ("", "wsync.plan.cli"),
     ("", "trainer.cli"),
 ]

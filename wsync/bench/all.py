@@ -1,0 +1,250 @@
+"""`wsync bench all`: every suite and every peer that installs here, in one run, one report.
+
+    wsync bench all            # the full suite (tens of minutes on 2 cores)
+    wsync bench all --quick    # small sizes, a couple of minutes (what the slow test runs)
+
+Suites: codec (our delta tiers vs XOR+zstd-1, PULSE, zipnn on consecutive RL
+snapshots), transport (tcp, gloo = torch.distributed broadcast, local, ucx where
+installed; each beside its raw baseline), sync (publish -> live, full vs delta,
+loopback and an emulated WAN when network namespaces can be built), the
+whole-checkpoint paths others use (safetensors save -> copy -> load, shardcast
+over HTTP) on the same weights as the sync suite, and LoRA (full vs delta vs
+adapter-only sync of a peft run). A suite that cannot run says why in the
+report instead of failing the rest. Writes `<out>/<date>-<host>.{json,md}` and
+PNG plots when matplotlib is installed; `python -m wsync.bench.report` turns
+the JSON into the README table.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LORA_SCRIPT = ROOT / "benchmarks" / "bench_lora_sync.py"
+
+
+@dataclass(kw_only=True)
+class Sizes:
+    """What each suite runs on; `quick()` and `full()` are the two presets."""
+
+    snapshots: str = "bench"  # model preset of the generated snapshots (codec, sync, disk/HTTP peers)
+    codec_lrs: tuple = (1e-6, 1e-5)  # learning rates of the snapshot series
+    codec_gaps: tuple = (1, 4, 16)  # optimizer steps between the compared snapshots
+    codec_repeats: int = 3  # timed rounds per scheme (best is kept)
+    transport_bytes: int = 256 << 20  # one message through each transport
+    transport_repeats: int = 5  # timed moves per transport and baseline
+    sync_versions: int = 4  # timed versions after the warm-up keyframe
+    sync_modes: tuple = ("full", "delta", "delta-sparse")
+    wan: str = "200,40,0.005"  # emulated WAN: Mbit/s, RTT ms, loss
+    peer_repeats: int = 3  # safetensors / shardcast rounds
+    lora_args: tuple = ()  # extra arguments of benchmarks/bench_lora_sync.py (its defaults when empty)
+    suites: tuple = ("codec", "transport", "sync", "peers", "lora")
+
+    @classmethod
+    def quick(cls) -> "Sizes":
+        return cls(snapshots="tiny", codec_lrs=(1e-6,), codec_gaps=(1,), codec_repeats=1, transport_bytes=4 << 20,
+                   transport_repeats=2, sync_versions=2, sync_modes=("full", "delta"), wan="200,10,0.0",
+                   peer_repeats=2, lora_args=("--steps", "2", "--hidden", "64", "--layers", "2", "--vocab", "512",
+                                              "--seq", "16"))
+
+
+@dataclass(kw_only=True)
+class Options:
+    sizes: Sizes = field(default_factory=Sizes)
+    quick: bool = False  # the preset used, recorded in the results
+    wan: bool = True  # run the WAN rows when namespaces can be built
+    ucx: bool = True  # run ucx when ucxx imports
+    out: Path = ROOT / "benchmarks" / "results"  # where the .json/.md/.png go
+
+
+def stem(hw: dict, today: str | None = None) -> str:
+    """`<date>-<host>`: the machine named the way the other results files are."""
+    cpu = hw["cpu"]
+    chip = "xeon" if "xeon" in cpu.lower() else "".join(c for c in cpu.lower().split("(")[0] if c.isalnum())[:12] or "cpu"
+    return f"{today or dt.date.today().isoformat()}-{chip}-{hw['cores']}core-{'gpu' if hw['gpu'] else 'nogpu'}"
+
+
+def _guard(name: str, fn, *args, **kw) -> dict:
+    """Run one suite; an exception becomes {'error': ...} in the results rather than ending the run."""
+    t = time.perf_counter()
+    print(f"== {name}", file=sys.stderr, flush=True)
+    try:
+        res = fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - a broken suite is reported, the others still run
+        traceback.print_exc()
+        res = {"error": f"{type(e).__name__}: {e}"}
+    res["suite_seconds"] = time.perf_counter() - t
+    return res
+
+
+def codec_suite(s: Sizes) -> dict:
+    from . import codec
+    from .snapshots import SnapshotConfig, default_cache_dir, ensure_snapshots, snapshot_pairs
+
+    runs = []
+    for lr in s.codec_lrs:
+        cfg = SnapshotConfig(size=s.snapshots, lr=lr, steps=max(s.codec_gaps))
+        paths = ensure_snapshots(default_cache_dir(cfg), cfg)
+        for g, b, n in snapshot_pairs(paths, gaps=s.codec_gaps):
+            run = codec.compare(b, n, repeats=s.codec_repeats, label=f"{s.snapshots} model, lr {lr:g}, gap {g}")
+            run["summary"] = codec.summary(run)
+            runs.append(run)
+    return {"runs": runs}
+
+
+def ucx_unavailable() -> str | None:
+    try:
+        import ucxx  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means no ucx here
+        return f"ucxx does not import ({type(e).__name__}: {e}); pip install ucxx-cu12"
+    return None
+
+
+def transport_suite(s: Sizes, ucx: bool = True) -> dict:
+    from . import transport
+
+    out = {}
+    for name in ("tcp", "gloo", "local", "ucx"):
+        why = ucx_unavailable() if name == "ucx" else None
+        if name == "ucx" and not ucx:
+            why = "left out (--no-ucx)"
+        if why:
+            out[name] = {"skipped": why}
+            continue
+        out[name] = _guard(f"transport {name}", transport.run, name, s.transport_bytes, repeats=s.transport_repeats)
+        out[name].pop("hardware", None)  # named once for the whole run
+    out["nccl"] = {"skipped": "needs two CUDA GPUs"}
+    return out
+
+
+def _snapshot_paths(s: Sizes) -> list:
+    from .snapshots import SnapshotConfig, ensure_snapshots
+
+    return ensure_snapshots(None, SnapshotConfig(size=s.snapshots, lr=1e-6))[: s.sync_versions + 1]
+
+
+def sync_suite(s: Sizes, wan: bool = True) -> dict:
+    from . import sync
+    from .wan import unavailable
+
+    paths = _snapshot_paths(s)
+    out = {"source": f"generated {s.snapshots} snapshots, lr 1e-06", "model_bytes": _model_bytes(paths[0])}
+    out["loopback"] = {"link": {"kind": "loopback"}, "results": [sync.run_mode(m, paths) for m in s.sync_modes]}
+    why = "left out (--no-wan)" if not wan else unavailable()
+    if why:
+        out["wan"] = {"skipped": why}
+        return out
+    from .wan import WanLink
+
+    rate, rtt, loss = (float(x) for x in s.wan.split(","))
+    with WanLink(rate_mbit=rate, rtt_ms=rtt, loss=loss) as link:
+        res = [sync.run_mode(m, paths, listen=f"tcp://{link.ip_a}:0", wan=link) for m in s.sync_modes]
+    out["wan"] = {"link": {"kind": "wan", "rate_mbit": rate, "rtt_ms": rtt, "loss": loss}, "results": res}
+    return out
+
+
+def _model_bytes(path) -> int:
+    from ..checkpoint import read_checkpoint
+
+    return sum(tb.nbytes for tb in read_checkpoint(path).state.values())
+
+
+def peers_suite(s: Sizes) -> dict:
+    """Whole-checkpoint paths of others on version 1 of the sync suite's snapshots."""
+    from ..checkpoint import read_checkpoint
+    from .dist_peers import run_peers
+
+    path = _snapshot_paths(s)[1]
+    res = run_peers(read_checkpoint(path).state, repeats=s.peer_repeats)
+    return {"checkpoint": str(path), **res}
+
+
+def lora_suite(s: Sizes) -> dict:
+    if not LORA_SCRIPT.exists():
+        return {"skipped": f"{LORA_SCRIPT} is not here (an installed wheel has no benchmarks/)"}
+    with tempfile.TemporaryDirectory(prefix="wsync-lora-") as tmp:
+        r = subprocess.run([sys.executable, str(LORA_SCRIPT), *s.lora_args, "--out", tmp], capture_output=True,
+                           text=True, timeout=1800)
+        if r.returncode:
+            raise RuntimeError(f"bench_lora_sync.py exited {r.returncode}: {r.stderr.strip()[-1500:]}")
+        res = json.loads(next(Path(tmp).glob("*.json")).read_text())
+    res.pop("hardware", None)
+    for lane in res["lanes"].values():
+        lane.pop("versions", None)  # per-version rows stay in the suite's own results files
+    return res
+
+
+def run_all(o: Options) -> dict:
+    """Every suite in `o.sizes.suites`; returns the results document (also what `report` renders)."""
+    from .hardware import describe, one_line
+
+    hw = describe()
+    doc = {"kind": "wsync bench all", "date": dt.datetime.now().isoformat(timespec="seconds"), "quick": o.quick,
+           "command": "wsync bench all" + (" --quick" if o.quick else ""), "hardware": hw,
+           "hardware_line": one_line(hw), "load_average_before": os.getloadavg(), "sizes": asdict(o.sizes),
+           "suites": {}}
+    s, suites = o.sizes, doc["suites"]
+    if "codec" in s.suites:
+        suites["codec"] = _guard("codec", codec_suite, s)
+    if "transport" in s.suites:
+        suites["transport"] = transport_suite(s, ucx=o.ucx)
+    if "sync" in s.suites:
+        suites["sync"] = _guard("sync", sync_suite, s, wan=o.wan)
+    if "peers" in s.suites:
+        suites["peers"] = _guard("peers (safetensors, shardcast)", peers_suite, s)
+    if "lora" in s.suites:
+        suites["lora"] = _guard("lora", lora_suite, s)
+    doc["load_average_after"] = os.getloadavg()
+    return doc
+
+
+def write(doc: dict, out: Path) -> list[Path]:
+    """`<date>-<host>.json` and `.md`, plus plots; returns the paths written."""
+    from .report import full_report, plot_all
+
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / (stem(doc["hardware"], doc["date"][:10]) + ("-quick" if doc["quick"] else ""))
+    js, md = base.with_suffix(".json"), base.with_suffix(".md")
+    js.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    pngs = plot_all(doc, base)
+    md.write_text(full_report(doc, plots=[p.name for p in pngs]) + "\n")
+    return [js, md, *pngs]
+
+
+def _cli(a) -> None:
+    sizes = Sizes.quick() if a.quick else Sizes()
+    if a.suites:
+        sizes.suites = tuple(a.suites)
+    doc = run_all(Options(sizes=sizes, quick=a.quick, wan=not a.no_wan, ucx=not a.no_ucx, out=a.out))
+    for p in write(doc, a.out):
+        print(f"wrote {p}")
+    errors = [f"{k}: {v['error']}" for k, v in _flat(doc["suites"]) if "error" in v]
+    if errors:
+        from ..errors import WsyncError
+
+        raise WsyncError("some suites failed (results written anyway): " + "; ".join(errors))
+
+
+def _flat(suites: dict):
+    for k, v in suites.items():
+        yield k, v
+        if k == "transport":
+            yield from ((f"transport {n}", r) for n, r in v.items())
+
+
+def add_parsers(bench) -> None:
+    p = bench.add_parser("all", help="every benchmark suite and peer, one report (--quick: a couple of minutes)")
+    p.add_argument("--quick", action="store_true", help="small sizes, a couple of minutes")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="folder for .json/.md/.png")
+    p.add_argument("--suites", nargs="+", choices=list(Sizes().suites), help="run only these suites")
+    p.add_argument("--no-wan", action="store_true", help="skip the emulated WAN rows even where namespaces work")
+    p.add_argument("--no-ucx", action="store_true", help="skip ucx even where ucxx imports")
+    p.set_defaults(fn=_cli)
