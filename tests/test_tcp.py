@@ -16,6 +16,7 @@ from tcp_helpers import Proxy, self_signed
 from wsync.errors import ChecksumError, TransportError
 from wsync.transports import Message, TransportTimeout, connect, listen
 from wsync.transports import tcp_auth, tcp_frames as tf
+from wsync.transports.tcp_outbox import frame_size
 
 LOG = "wsync.transports.tcp"
 
@@ -82,6 +83,37 @@ def test_large_message_over_several_streams_is_exact(pair):
     t.join()
     m = out["msg"]
     assert m.blobs[0] == data.data and bytes(m.blobs[1]) == small
+
+
+@pytest.mark.parametrize("nbytes, streams, frame_bytes, want", [
+    (1 << 30, 1, 4 << 20, 4 << 20),  # one stream: no tail to shorten, frame_bytes as set
+    (96 << 20, 1, 4 << 20, 4 << 20),
+    (1 << 30, 4, 4 << 20, 4 << 20),  # large message: 64 frames per stream already
+    (96 << 20, 4, 4 << 20, 1572864),  # 16 frames per stream: 1.5 MiB
+    (96 << 20, 8, 4 << 20, 1 << 20),  # would be 0.75 MiB: held at the 1 MiB floor
+    (64 << 20, 4, 4 << 20, 1 << 20),  # a sync bucket
+    ((40 << 20) + 1, 2, 4 << 20, 21 << 16),  # 1.25 MiB and a byte: rounded up to whole 64 KiB
+    (10, 4, 4 << 20, 1 << 20),
+    (96 << 20, 4, 512 << 10, 512 << 10),  # frame_bytes below the floor wins
+    (96 << 20, 4, 64 << 20, 1572864),
+])
+def test_frame_size_per_message(nbytes, streams, frame_bytes, want):
+    f = frame_size(nbytes, streams, frame_bytes)
+    assert f == want and tf.MIN_FRAME <= f <= tf.MAX_FRAME
+
+
+def test_split_frames_resume_after_a_cut_bit_exact():
+    """Default frame_bytes over 4 streams: a 40 MiB message travels in 1 MiB frames, and a cut resumes it."""
+    lst = listen("tcp://127.0.0.1:0")
+    proxy = Proxy(int(lst.address.rsplit(":", 1)[1]), direction="down", cut_after=14 << 20)
+    cli = connect(proxy.address, streams=4)
+    srv = lst.accept(timeout=10)
+    data = blob((40 << 20) + 777, 9)
+    t, out = recv_in_thread(cli)
+    srv.send(Message("a", {}, [data]))
+    t.join()
+    assert proxy.cuts == 1 and cli.reconnects == 1 and out["msg"].blobs[0] == data
+    cli.close(), srv.close(), proxy.close(), lst.close()
 
 
 def test_many_messages_stay_in_order(pair):

@@ -68,7 +68,7 @@ class TcpLink:
     def __init__(self, cfg, *, peer: str, session: str, on_end=None):
         self.cfg, self.peer, self.session = cfg, peer, session
         self.cv = threading.Condition()
-        self.out = Outbox(self.cv, cfg.frame_bytes)
+        self.out = Outbox(self.cv, cfg.frame_bytes, cfg.streams)
         self.inbox = Inbox(self.cv, cfg.max_message, cfg.recv_window, cfg.pool_bytes)
         self.state, self.epoch, self.error = "connecting", 0, None
         self.reconnects = 0  # epochs started after a drop (tests and logs read it)
@@ -159,6 +159,7 @@ class TcpLink:
         for m in self.inbox.msgs.values():  # no reader is running: nothing is being received
             m.claimed.clear()
         self.epoch, self.state, self._socks = e, "up", outs + ins
+        self.out.streams = len(outs)
         self._threads = [threading.Thread(target=self._writer, args=(e, k, s), daemon=True, name=f"wsync-tx{k}")
                          for k, s in enumerate(outs)]
         self._threads += [threading.Thread(target=self._reader, args=(e, s), daemon=True, name=f"wsync-rx{k}")

@@ -19,6 +19,26 @@ import xxhash
 from . import tcp_frames as tf
 
 MISSING = object()  # the peer holds nothing of this message, not even its HEAD
+FRAMES_PER_STREAM = 16  # with several streams, cut a message into at least this many frames per stream...
+MIN_SPLIT = 1 << 20  # ...but no frame smaller than this (or than frame_bytes, if that is smaller)
+
+
+def frame_size(nbytes: int, streams: int, frame_bytes: int) -> int:
+    """The frame size for one message of nbytes over `streams` streams.
+
+    Frames are dealt to streams as they free up, so a message ends when the
+    last stream finishes its last frame; the others sit idle meanwhile, and on
+    a WAN the busy one cannot take over their share of the link at once
+    (measured: 4 streams under bbr on 200 Mbit/s, 40 ms lost ~15% of the rate
+    with 4 MiB frames on a 96 MiB message, none with 1 MiB). Smaller frames
+    shrink that tail; large messages keep frame_bytes, so fast links keep
+    their few, cheap, large frames.
+    """
+    if streams <= 1 or frame_bytes <= MIN_SPLIT:
+        return frame_bytes
+    want = -(-nbytes // (streams * FRAMES_PER_STREAM))
+    want = -(-want // (64 << 10)) * (64 << 10)  # whole 64 KiB units
+    return min(frame_bytes, max(MIN_SPLIT, want))
 
 
 class OutMsg:
@@ -52,8 +72,9 @@ def as_views(blobs) -> list[memoryview]:
 class Outbox:
     """Queues shared by the writer threads; every method runs under the session's condition ``cv``."""
 
-    def __init__(self, cv: threading.Condition, frame: int):
-        self.cv, self.frame = cv, frame
+    def __init__(self, cv: threading.Condition, frame: int, streams: int):
+        self.cv, self.frame = cv, frame  # frame: the largest frame size (frame_bytes)
+        self.streams = streams  # writer streams of the current epoch (the dialling side decides how many)
         self.next_seq = 0
         self.retained: OrderedDict[int, OutMsg] = OrderedDict()  # sent, not yet acknowledged
         self.control: deque = deque()  # HEAD/CLOSE jobs, written on stream 0 first
@@ -61,7 +82,8 @@ class Outbox:
         self.ack: int | None = None  # newest cumulative ACK still to write
 
     def add(self, kind: str, meta: dict, views: list[memoryview]) -> OutMsg:
-        om = OutMsg(self.next_seq, kind, meta, views, self.frame)
+        frame = frame_size(sum(len(v) for v in views), self.streams, self.frame)
+        om = OutMsg(self.next_seq, kind, meta, views, frame)
         self.next_seq += 1
         self.retained[om.seq] = om
         return om
