@@ -87,7 +87,9 @@ def _sync_rows(link: str, block: dict) -> tuple[list[str], float | None]:
 def sync_table(sync: dict, peers: dict | None) -> str:
     lines = [f"{sync['source']}, {sync['model_bytes'] / 1e6:.1f} MB per version; seconds from the trainer's tensors "
              "to the engine serving them (wsync: publish() to committed on a subscriber process; others: save to "
-             "loaded), speed-up vs wsync full on the same link.", "",
+             "loaded), speed-up vs wsync full on the same link. wsync rows cross two processes (checksums, "
+             "verify, atomic commit); safetensors runs in one process through the page cache of the temp folder, "
+             "shardcast adds HTTP on loopback (wget) and a blake3 check.", "",
              "| link | path | seconds | MB moved | vs wsync full | exact |", "|---|---|---:|---:|---:|---|"]
     notes = []
     rows, base = _sync_rows("loopback", sync["loopback"])
