@@ -90,11 +90,13 @@ def test_large_message_over_several_streams_is_exact(pair):
     (96 << 20, 1, 4 << 20, 4 << 20),
     (1 << 30, 4, 4 << 20, 4 << 20),  # large message: 64 frames per stream already
     (96 << 20, 4, 4 << 20, 1572864),  # 16 frames per stream: 1.5 MiB
-    (96 << 20, 8, 4 << 20, 1 << 20),  # would be 0.75 MiB: held at the 1 MiB floor
+    (96 << 20, 8, 4 << 20, 768 << 10),
+    (4 << 20, 4, 4 << 20, 256 << 10),  # would be 64 KiB: held at the 256 KiB floor
     (64 << 20, 4, 4 << 20, 1 << 20),  # a sync bucket
     ((40 << 20) + 1, 2, 4 << 20, 21 << 16),  # 1.25 MiB and a byte: rounded up to whole 64 KiB
-    (10, 4, 4 << 20, 1 << 20),
-    (96 << 20, 4, 512 << 10, 512 << 10),  # frame_bytes below the floor wins
+    (10, 4, 4 << 20, 256 << 10),
+    (96 << 20, 4, 512 << 10, 512 << 10),  # frame_bytes caps it
+    (96 << 20, 4, 128 << 10, 128 << 10),  # frame_bytes below the floor wins
     (96 << 20, 4, 64 << 20, 1572864),
 ])
 def test_frame_size_per_message(nbytes, streams, frame_bytes, want):
@@ -103,7 +105,7 @@ def test_frame_size_per_message(nbytes, streams, frame_bytes, want):
 
 
 def test_split_frames_resume_after_a_cut_bit_exact():
-    """Default frame_bytes over 4 streams: a 40 MiB message travels in 1 MiB frames, and a cut resumes it."""
+    """Default options over 4 streams (frames of 640 KiB, unsent data limited): a cut resumes bit-exact."""
     lst = listen("tcp://127.0.0.1:0")
     proxy = Proxy(int(lst.address.rsplit(":", 1)[1]), direction="down", cut_after=14 << 20)
     cli = connect(proxy.address, streams=4)

@@ -3,8 +3,11 @@
 Built for long fat pipes and for links that drop:
 
 * **several streams** per link (``streams=4``): each message is cut into frames
-  (``frame_bytes``, 4 MiB) that any stream may carry, each with its own header
-  (message, blob, offset, length, xxh3-64), and reassembled in place;
+  (at most ``frame_bytes``, 4 MiB; smaller for messages that would give a
+  stream fewer than 16, see ``tcp_outbox.frame_size``) that any stream may
+  carry, each with its own header (message, blob, offset, length, xxh3-64),
+  and reassembled in place. A stream takes its next frame once its unsent
+  bytes fall below ``notsent_lowat``, so faster streams carry more;
 * **large socket buffers** (``sndbuf``/``rcvbuf``, 16 MiB) and TCP_NODELAY;
 * **resume**: if connections drop, the subscriber reconnects within
   ``resume_window`` seconds and the link carries on from the last good frame,
@@ -52,6 +55,7 @@ class TcpConfig:
     frame_bytes: int = 4 << 20  # bytes per frame: the unit of striping, checksumming and resending
     sndbuf: int = 16 << 20  # SO_SNDBUF per connection (0: kernel autotuning)
     rcvbuf: int = 16 << 20  # SO_RCVBUF per connection (0: kernel autotuning)
+    notsent_lowat: int = 256 << 10  # with 2+ streams, TCP_NOTSENT_LOWAT: unsent bytes a stream may hold (0: no limit)
     resume_window: float = 30.0  # seconds a dropped link may take to reconnect before TransportError
     connect_timeout: float = 10.0  # seconds per TCP connect attempt
     handshake_timeout: float = 10.0  # seconds for a connection's handshake (TLS + token + join)
@@ -75,9 +79,9 @@ class TcpConfig:
         return cfg
 
 
-KINDS = {"streams": int, "frame_bytes": "size", "sndbuf": "size", "rcvbuf": "size", "resume_window": float,
-         "connect_timeout": float, "handshake_timeout": float, "user_timeout": float, "stall_timeout": float,
-         "max_message": "size", "recv_window": "size", "max_resends": int, "linger": float, "pool_bytes": "size"}
+KINDS = {"streams": int, "frame_bytes": "size", "sndbuf": "size", "rcvbuf": "size", "notsent_lowat": "size",
+         "resume_window": float, "connect_timeout": float, "handshake_timeout": float, "user_timeout": float,
+         "stall_timeout": float, "max_message": "size", "recv_window": "size", "max_resends": int, "linger": float, "pool_bytes": "size"}
 
 
 def listen(addr: Address, *, token=None, tls=None, **opts) -> "TcpListener":
