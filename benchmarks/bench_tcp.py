@@ -7,18 +7,31 @@ Baseline: one TCP connection, ``sendall(memoryview)`` on one side and
 moves bytes. Ours: one message of the same size over a tcp:// link (frames,
 per-frame xxh3, reassembly) on one long-lived link per stream count, so
 receive buffers are recycled as in a sync that sends version after version
-(the baseline's receive buffer is reused too). Runs alternate (baseline, ours, baseline, ...)
+(the baseline's receive buffer is reused too). A sync's messages are buckets
+(64 MiB) that the default receive pool (``pool_bytes``, 256 MiB) recycles; a
+1 GiB message would not fit it, so the link gets ``pool_bytes`` = the message
+size here, unless ``--fresh-buffers`` asks for the default pool: then every
+run receives into new pages, whose first touch costs more CPU here than the
+copy itself (0.2-0.8 s per GiB measured on the 2-core Xeon, against 0.1 s to
+overwrite a buffer already mapped). Runs alternate (baseline, ours, baseline, ...)
 so background load hits both alike; the best of --repeat is kept for each.
 The receiver is a child process (optionally in a network namespace, see
-``--netns``, used by the WAN benchmark) and checks every run byte for byte by
-comparing the xxh3-128 of what it got with that of what was sent.
+``--netns``) and checks every run byte for byte by comparing the xxh3-128 of
+what it got with that of what was sent.
+
+With two or more cores the sender is pinned to core 0 and the receiver to
+core 1 (both the baseline and ours; ``--no-pin`` leaves placement to the
+scheduler). Between hosts each side has its own cores; on one 2-core machine
+the scheduler sometimes keeps the sending and the receiving thread on the same
+core for a whole run, which halves whichever path it happens to (measured
+here: tcp:// runs at 0.55-0.6 or 0.9-1.0 of the baseline from one launch to
+the next, unpinned; 0.9-1.09 in every launch, pinned).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -31,6 +44,9 @@ import xxhash
 def _recv_main(a) -> None:
     """Child: accept runs one by one and print "ok <digest>" after each."""
     from wsync.transports import Message, listen
+
+    if a.pin_recv:
+        os.sched_setaffinity(0, {1})
 
     raw = socket.create_server((a.host, 0))
     lst = listen(f"tcp://{a.host}:0", **json.loads(a.opts))
@@ -81,12 +97,17 @@ def ours(link, data: memoryview) -> float:
 
 
 def run(size_mib: int, streams: list[int], repeat: int, host: str = "127.0.0.1", netns: str | None = None,
-        opts: dict | None = None) -> dict:
-    opts = opts or {}
+        opts: dict | None = None, fresh: bool = False, pin: bool = True) -> dict:
+    opts = dict(opts or {})
+    pin = pin and len(os.sched_getaffinity(0)) >= 2 and {0, 1} <= os.sched_getaffinity(0)
+    if pin:
+        os.sched_setaffinity(0, {0})
+    if not fresh:
+        opts.setdefault("pool_bytes", max(size_mib << 20, 256 << 20))  # recycle the message buffer, as a sync does
     data = memoryview(np.random.default_rng(0).integers(0, 255, size_mib << 20, dtype=np.uint8))
     want = xxhash.xxh3_128_hexdigest(data)
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "recv", "--size-mib", str(size_mib), "--host", host,
-           "--opts", json.dumps(opts)]
+           "--opts", json.dumps(opts)] + (["--pin-recv"] if pin else [])
     if netns:
         cmd = ["ip", "netns", "exec", netns] + cmd
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(os.path.abspath(p or ".") for p in sys.path))
@@ -105,22 +126,29 @@ def run(size_mib: int, streams: list[int], repeat: int, host: str = "127.0.0.1",
 
         from wsync.transports import connect
 
-        res = {"hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-               "size_bytes": len(data), "baseline_gbps": 0.0}
+        from wsync.bench.wan_bench import hardware
+
+        res = {"hardware": hardware(), "load_avg_before": os.getloadavg()[0], "size_bytes": len(data),
+               "opts": opts, "repeat": repeat, "pinned": bool(pin), "baseline_gbps": 0.0}
         links = {n: connect(address, streams=n, **opts) for n in streams}
         for n in streams:  # warm-up: first-touch of the receive buffers, TCP windows opening
             once(f"tcp {n}", ours, links[n], data)
             res[f"tcp_streams{n}_gbps"] = 0.0
         once("raw", baseline, int(raw_port), host, data)
+        res["runs"] = []  # every timed run in order, (what, GB/s), to show the spread under shared load
         for _ in range(repeat):
             for n in streams:
-                res["baseline_gbps"] = max(res["baseline_gbps"], once("raw", baseline, int(raw_port), host, data))
+                g = once("raw", baseline, int(raw_port), host, data)
+                res["baseline_gbps"] = max(res["baseline_gbps"], g)
                 key = f"tcp_streams{n}_gbps"
-                res[key] = max(res[key], once(f"tcp {n}", ours, links[n], data))
+                mine = once(f"tcp {n}", ours, links[n], data)
+                res[key] = max(res[key], mine)
+                res["runs"] += [["raw", round(g, 3)], [f"tcp{n}", round(mine, 3)]]
         for link in links.values():
             link.close()
         for n in streams:
             res[f"tcp_streams{n}_ratio"] = res[f"tcp_streams{n}_gbps"] / res["baseline_gbps"]
+        res["load_avg_after"] = os.getloadavg()[0]
         return res
     finally:
         child.stdin.close()
@@ -136,11 +164,16 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1", help="where the receiver listens")
     ap.add_argument("--netns", help="run the receiver inside this network namespace")
     ap.add_argument("--opts", default="{}", help="tcp options for both ends, as JSON")
+    ap.add_argument("--fresh-buffers", action="store_true",
+                    help="keep the default receive pool (256 MiB): larger messages land in new pages every run")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="leave both processes to the scheduler (default: sender on core 0, receiver on core 1)")
+    ap.add_argument("--pin-recv", action="store_true", help=argparse.SUPPRESS)  # the receiver child: core 1
     ap.add_argument("--json", help="write results here")
     a = ap.parse_args()
     if a.role == "recv":
         return _recv_main(a)
-    res = run(a.size_mib, a.streams, a.repeat, a.host, a.netns, json.loads(a.opts))
+    res = run(a.size_mib, a.streams, a.repeat, a.host, a.netns, json.loads(a.opts), a.fresh_buffers, a.pin)
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:

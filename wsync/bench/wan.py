@@ -137,6 +137,15 @@ class WanLink:
 
     # -- running things inside ------------------------------------------------------------------
 
+    def delay_cpu(self) -> float:
+        """CPU seconds (user + system) the delay line has used so far; 0.0 once it has ended."""
+        try:
+            with open(f"/proc/{self._delay.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, AttributeError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def ns(self, side: str) -> str:
         return {"a": self.ns_a, "b": self.ns_b, "m": self.ns_m}[side]
 

@@ -6,7 +6,11 @@
 For each congestion control and stream count, one message of --size-mib
 random bytes goes from a publisher in namespace a to a subscriber in namespace
 b, which checks it byte for byte. Throughput is reported as a fraction of the
-configured link rate, beside one plain TCP stream measured on the same link.
+configured link rate, beside a plain-socket baseline measured the same way on
+the same link just before: the same bytes over as many plain TCP connections
+(``sendall`` in one thread each, same congestion control), so a ceiling of
+the emulation shows up in both. The CPU seconds the delay line spent during
+each run are recorded too: it is a Python process sharing the machine.
 """
 from __future__ import annotations
 
@@ -30,12 +34,13 @@ def measure_rtt(wan: WanLink, n: int = 15) -> float:
     return json.loads(r.stdout)["rtt_s"]
 
 
-def measure_rate(wan: WanLink, nbytes: int) -> float:
-    """Bits per second of one plain TCP stream (sendall) from a to b."""
+def measure_rate(wan: WanLink, nbytes: int, streams: int = 1, congestion: str | None = None) -> float:
+    """Bits per second of plain TCP (sendall) from a to b over `streams` connections together."""
     srv = wan.python("b", "-m", "wsync.bench.wan_roles", "probe-server", "--host", wan.ip_b)
     port = srv.stdout.readline().strip()
+    extra = ["--streams", str(streams)] + (["--congestion", congestion] if congestion else [])
     r = wan.exec("a", *_py(), "-m", "wsync.bench.wan_roles", "probe", "--host", wan.ip_b, "--port", port, "rate",
-                 str(nbytes), timeout=600)
+                 str(nbytes), *extra, timeout=600)
     srv.kill()
     return json.loads(r.stdout)["mbit"] * 1e6
 
@@ -71,6 +76,17 @@ def transfer(wan: WanLink, size: int, *, seed: int = 0, opts: dict | None = None
     return res
 
 
+def hardware() -> str:
+    """CPU model and core count, for results files."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores, no GPU"
+
+
 def _py() -> list[str]:
     import sys
 
@@ -86,10 +102,12 @@ def main(argv=None) -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--congestion", nargs="+", default=[None], help="TCP congestion control(s), e.g. bbr cubic")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--opts", default="{}", help="more tcp:// options for both ends, as JSON")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the plain-socket run before each transfer")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    res = {"hardware": f"{platform.machine()}, {os.cpu_count()} cores", "rate_mbit": a.rate, "rtt_ms": a.rtt,
-           "loss": a.loss, "size_bytes": a.size_mib << 20, "runs": []}
+    res = {"hardware": hardware(), "load_avg_before": os.getloadavg()[0], "rate_mbit": a.rate, "rtt_ms": a.rtt,
+           "loss": a.loss, "size_bytes": a.size_mib << 20, "opts": json.loads(a.opts), "runs": []}
     with WanLink(rate_mbit=a.rate, rtt_ms=a.rtt, loss=a.loss) as wan:
         res["measured_rtt_ms"] = measure_rtt(wan) * 1000
         res["plain_tcp_stream_mbit"] = measure_rate(wan, min(a.size_mib, 64) << 20) / 1e6
@@ -98,15 +116,22 @@ def main(argv=None) -> None:
         for cc in a.congestion:
             for n in a.streams:
                 for _ in range(a.repeat):
-                    opts = {"streams": n, **({"congestion": cc} if cc else {})}
-                    t0 = time.time()
+                    opts = {**json.loads(a.opts), "streams": n, **({"congestion": cc} if cc else {})}
+                    run = {"congestion": cc or "system", "streams": n}
+                    if not a.no_baseline:
+                        plain = measure_rate(wan, a.size_mib << 20, n, cc) / 1e6
+                        run.update(plain_mbit=plain, plain_fraction_of_link=plain / a.rate)
+                    t0, cpu0 = time.time(), wan.delay_cpu()
                     r = transfer(wan, a.size_mib << 20, opts=opts)
-                    run = {"congestion": cc or "system", "streams": n, "mbit": r["mbit"],
-                           "fraction_of_link": r["mbit"] / a.rate, "exact": r["exact"], "wall_s": time.time() - t0}
+                    run.update(mbit=r["mbit"], fraction_of_link=r["mbit"] / a.rate, exact=r["exact"],
+                               wall_s=time.time() - t0, delay_line_cpu_s=wan.delay_cpu() - cpu0)
+                    if "plain_mbit" in run:
+                        run["vs_plain"] = r["mbit"] / run["plain_mbit"]
                     res["runs"].append(run)
                     print(json.dumps(run), flush=True)
         res["delay_line"] = None
     res["delay_line"] = wan.delay_stats
+    res["load_avg_after"] = os.getloadavg()[0]
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:

@@ -2,13 +2,17 @@
 
     python -m wsync.bench.wan_roles probe-server --host IP            # prints its port
     python -m wsync.bench.wan_roles probe --host IP --port P rtt 20   # prints {"rtt_s": median}
-    python -m wsync.bench.wan_roles probe --host IP --port P rate N   # one plain TCP stream, N bytes
+    python -m wsync.bench.wan_roles probe --host IP --port P rate N [--streams K] [--congestion CC]
+                                    # N bytes over K plain TCP streams (sendall, one thread each)
     python -m wsync.bench.wan_roles serve --host IP --size N --seed S --opts JSON  # prints its address
     python -m wsync.bench.wan_roles fetch --address A --size N --seed S --opts JSON
 
-``serve`` sends one message of N seeded random bytes to the first subscriber
-and waits for its verdict; ``fetch`` receives it and compares it byte for byte
-with the same bytes made from the seed. Each prints one JSON line of results.
+``serve`` sends one message of N seeded random bytes to the first subscriber;
+``fetch`` answers "got" the moment it holds the whole message (every frame
+already checked against its xxh3), which stops the publisher's clock, and only
+then compares it byte for byte with the same bytes made from the seed (made
+before connecting, so their making is not timed) and sends its verdict. Each
+prints one JSON line of results.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import argparse
 import json
 import socket
 import sys
+import threading
 import time
 
 import numpy as np
@@ -30,22 +35,27 @@ def probe_server(a) -> None:
     print(srv.getsockname()[1], flush=True)
     while True:
         c, _ = srv.accept()
-        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        mode = c.recv(1)
-        if mode == b"e":  # echo single bytes
-            while (b := c.recv(1)):
-                c.sendall(b)
-        elif mode == b"s":  # sink: read to EOF, then answer one byte
-            while c.recv(1 << 20):
-                pass
-            c.sendall(b"k")
-        c.close()
+        threading.Thread(target=_probe_conn, args=(c,), daemon=True).start()  # several streams at once
+
+
+def _probe_conn(c: socket.socket) -> None:
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    mode = c.recv(1)
+    if mode == b"e":  # echo single bytes
+        while (b := c.recv(1)):
+            c.sendall(b)
+    elif mode == b"s":  # sink: read to EOF into one reused buffer, then answer one byte
+        buf = bytearray(1 << 20)
+        while c.recv_into(buf):
+            pass
+        c.sendall(b"k")
+    c.close()
 
 
 def probe(a) -> None:
-    c = socket.create_connection((a.host, a.port))
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if a.what == "rtt":
+        c = socket.create_connection((a.host, a.port))
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         c.sendall(b"e")
         times = []
         for _ in range(a.n):
@@ -55,14 +65,26 @@ def probe(a) -> None:
             times.append(time.perf_counter() - t)
         print(json.dumps({"rtt_s": sorted(times)[len(times) // 2], "min_s": min(times)}), flush=True)
     else:
-        c.sendall(b"s")
+        socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(a.streams)]
+        for s in socks:
+            if a.congestion:  # before connect, as tcp:// does
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, a.congestion.encode())
+            s.connect((a.host, a.port))
+            s.sendall(b"s")
         data = memoryview(bytes(a.n))
+        cut = [a.n * k // a.streams for k in range(a.streams + 1)]
+
+        def push(k: int) -> None:
+            socks[k].sendall(data[cut[k]: cut[k + 1]])
+            socks[k].shutdown(socket.SHUT_WR)
+            socks[k].recv(1)  # the sink has read every byte
+
         t = time.perf_counter()
-        c.sendall(data)
-        c.shutdown(socket.SHUT_WR)
-        c.recv(1)
+        threads = [threading.Thread(target=push, args=(k,)) for k in range(a.streams)]
+        [th.start() for th in threads]
+        [th.join() for th in threads]
         dt = time.perf_counter() - t
-        print(json.dumps({"bytes": a.n, "seconds": dt, "mbit": a.n * 8 / dt / 1e6}), flush=True)
+        print(json.dumps({"bytes": a.n, "streams": a.streams, "seconds": dt, "mbit": a.n * 8 / dt / 1e6}), flush=True)
 
 
 def serve(a) -> None:
@@ -75,8 +97,9 @@ def serve(a) -> None:
     link = lst.accept(timeout=60)
     t = time.perf_counter()
     link.send(Message("payload", {"seed": a.seed}, [data]))
-    verdict = link.recv(timeout=a.timeout)
+    link.recv(timeout=a.timeout)  # "got": the subscriber holds every byte
     dt = time.perf_counter() - t
+    verdict = link.recv(timeout=a.timeout)
     print(json.dumps({"seconds": dt, "mbit": a.size * 8 / dt / 1e6, "reconnects": link.reconnects,
                       **verdict.meta}), flush=True)
     link.close()
@@ -86,13 +109,14 @@ def serve(a) -> None:
 def fetch(a) -> None:
     from wsync.transports import Message, connect
 
+    want = payload(a.size, a.seed)
     link = connect(a.address, **json.loads(a.opts))
     print("connected", flush=True)
     t = time.perf_counter()
     m = link.recv(timeout=a.timeout)
     dt = time.perf_counter() - t
+    link.send(Message("got"))
     got = np.frombuffer(m.blobs[0], dtype=np.uint8)
-    want = payload(a.size, a.seed)
     exact = got.shape == want.shape and bool(np.array_equal(got, want))  # byte for byte
     link.send(Message("verdict", {"exact": exact, "fetch_reconnects": link.reconnects}))
     link.flush(30)
@@ -110,6 +134,8 @@ def main(argv=None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("what", choices=["rtt", "rate"])
     p.add_argument("n", type=int)
+    p.add_argument("--streams", type=int, default=1, help="rate: parallel TCP connections")
+    p.add_argument("--congestion", help="rate: TCP_CONGESTION for each connection (default: the system's)")
     for name in ("serve", "fetch"):
         p = sub.add_parser(name)
         p.add_argument("--host" if name == "serve" else "--address", required=True)
