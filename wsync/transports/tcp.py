@@ -81,7 +81,8 @@ class TcpConfig:
 
 KINDS = {"streams": int, "frame_bytes": "size", "sndbuf": "size", "rcvbuf": "size", "notsent_lowat": "size",
          "resume_window": float, "connect_timeout": float, "handshake_timeout": float, "user_timeout": float,
-         "stall_timeout": float, "max_message": "size", "recv_window": "size", "max_resends": int, "linger": float, "pool_bytes": "size"}
+         "stall_timeout": float, "max_message": "size", "recv_window": "size", "max_resends": int, "linger": float,
+         "pool_bytes": "size"}
 
 
 def listen(addr: Address, *, token=None, tls=None, **opts) -> "TcpListener":
