@@ -24,9 +24,13 @@ def test_the_link_adds_delay_limits_rate_and_drops():
     with wanmod.WanLink(rate_mbit=40, rtt_ms=40, loss=0.01, seed=3) as wan:
         rtt = measure_rtt(wan)
         rate = measure_rate(wan, 3 << 20)
+        cpu = wan.delay_cpu()
+        several = measure_rate(wan, 3 << 20, streams=3, congestion="cubic")  # the WAN bench's plain baseline
     assert base_rtt < 0.01 and 0.035 < rtt < 0.2, (base_rtt, rtt)
     assert rtt > base_rtt + 0.03
     assert 2e6 < rate < 40e6 * 1.15, rate  # limited to the link rate (loss and slow start keep it lower)
+    assert 1e6 < several < 40e6 * 1.15, several  # three streams together cannot beat it either
+    assert cpu > 0  # the delay line's CPU is readable while it runs
     s = wan.delay_stats
     seen = s["lost"] + s["forwarded"]
     assert seen > 1000 and 0.002 < s["lost"] / seen < 0.04, s  # ~1% of packets, either direction
