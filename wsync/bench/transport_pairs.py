@@ -132,7 +132,9 @@ class TcpSide(Side):
     def __init__(self, role: str, spec: dict):
         n = spec["streams"]
         self.base = SocketBaseline(role, _stream_pair(role, socket.AF_INET, ("127.0.0.1", spec["raw_port"]), n), spec["size"])
-        super().__init__(role, spec, f"tcp://127.0.0.1:{spec['port']}", streams=n, token=spec["token"])
+        # the baseline receives into one reused buffer; let the link reuse its receive buffer too
+        super().__init__(role, spec, f"tcp://127.0.0.1:{spec['port']}", streams=n, token=spec["token"],
+                         pool_bytes=max(spec["size"], 256 << 20))
         self.raw = self.base.raw
 
     def close(self) -> None:
