@@ -89,6 +89,7 @@ def test_grpo_server_sync_through_wsync(trl_cpu):
     trainer, served = tiny_qwen(0, tie=False), tiny_qwen(1, tie=False)
     server = Server(served)
     cls = trl_cpu.patch(address="tcp://127.0.0.1:0", token=TOKEN, keyframe_every=4)
+    vgen = None
     try:
         vgen = VLLMGeneration(trainer, accelerate.Accelerator(cpu=True), None, mode="server",
                               server_base_url=server.url, server_timeout=5)
@@ -104,7 +105,8 @@ def test_grpo_server_sync_through_wsync(trl_cpu):
         full = sum(t.nbytes for t in trainer.state_dict().values())
         assert sizes[1] < full / 4  # deltas, not full weights
     finally:
-        vgen.vllm_client.close_communicator()
+        if vgen is not None:
+            vgen.vllm_client.close_communicator()
         server.close()
 
 
