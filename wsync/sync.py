@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from . import api
@@ -61,6 +62,8 @@ class Publisher:
         self._state: State | None = None  # newest state handed to the encoder
         self._on_demand: Keyframe | None = None  # keyframe of the newest state, for subscribers that lost their way
         self._spare: State | None = None  # an old state's arrays, reused by the next snapshot (no fresh pages)
+        # states that became keyframes are never recycled: a sender may still be encoding one after history moved on
+        self._keyframe_states: deque[int] = deque(maxlen=64)
         self._published = 0  # versions accepted by publish()
         self._since_keyframe = 0
         self._last: int | None = None
@@ -173,6 +176,7 @@ class Publisher:
             self._published += 1
             if make_kf:
                 self._history.add_keyframe(version, state, checksum, delta)
+                self._keyframe_states.append(id(state))
                 self._since_keyframe = 0
             else:
                 self._history.add_delta(delta)
@@ -233,10 +237,7 @@ class Publisher:
 
     def _recycle(self, old: State | None) -> None:
         """Keep a state no one needs any more, so the next publish() copies into warm memory. Holds _cv."""
-        h = self._history
-        held = [s for s in (h.keyframe.state if h.keyframe else None, self._on_demand.state if self._on_demand else None,
-                            self._state) if s is not None]
-        if old is not None and not any(old is s for s in held):
+        if old is not None and old is not self._state and id(old) not in self._keyframe_states:
             self._spare = old
 
     def _take_spare(self) -> State | None:
@@ -299,6 +300,7 @@ class Publisher:
             return h.keyframe
         if self._on_demand is None or self._on_demand.version != h.newest:
             self._on_demand = Keyframe(h.newest, self._state, h.checksums[h.newest])
+            self._keyframe_states.append(id(self._state))
         return self._on_demand
 
     def _wait_bucket(self, enc: Encoded, i: int):
