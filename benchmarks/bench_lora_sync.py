@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from wsync import engines  # noqa: E402
 from wsync.bench import hardware  # noqa: E402
-from wsync.engines.hf import unique_tensors  # noqa: E402
+from wsync.snapshot import unique_tensors  # noqa: E402
 from wsync.engines.peft import PEFT, adapter_state  # noqa: E402
 from wsync.sync import Publisher, Subscriber  # noqa: E402
 

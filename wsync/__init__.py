@@ -8,6 +8,7 @@ from .backends import backend
 from .errors import (
     BackendUnavailable,
     ChecksumError,
+    EngineError,
     FormatError,
     MismatchError,
     TransportError,
@@ -23,6 +24,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Publisher", "Subscriber", "engines", "encode", "apply", "apply_state", "apply_to_checkpoint", "inspect", "backend", "Payload", "Manifest", "TensorSpec",
-    "WsyncError", "FormatError", "ChecksumError", "VersionError", "MismatchError", "TransportError",
+    "WsyncError", "FormatError", "ChecksumError", "EngineError", "VersionError", "MismatchError", "TransportError",
     "BackendUnavailable", "__version__",
 ]

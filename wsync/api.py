@@ -18,7 +18,7 @@ from .codecs.base import Applied, Decoded, Overwritten
 from .errors import ChecksumError, FormatError, MismatchError, VersionError
 from .manifest import Manifest, TensorSpec
 from .payload import Payload, as_payload
-from .snapshot import State, TensorBits, as_state, digest, to_torch
+from .snapshot import State, TensorBits, aliases, as_state, digest, to_torch
 
 
 def _load(obj) -> tuple[State, dict | None, dict]:
@@ -264,7 +264,7 @@ def apply(base, payload, *, inplace: bool = False, backend: str | None = None):
 
 def _apply_inplace(base: dict, state: State, payload: Payload, backend) -> None:
     for name, tb in state.items():
-        if not tb.bits.flags.writeable or not _aliases(base[name], tb.bits):
+        if not tb.bits.flags.writeable or not aliases(base[name], tb.bits):
             raise TypeError(f"inplace apply needs writable, contiguous CPU tensors; {name!r} is not")
     _apply(state, payload, backends.kernels(backend), inplace=True)
 
@@ -289,12 +289,6 @@ def apply_payloads_inplace(state: State, payloads: list[Payload], *, backend: st
         undo()
         raise
     return undo
-
-
-def _aliases(t, bits: np.ndarray) -> bool:
-    if isinstance(t, np.ndarray):
-        return t.size == 0 or np.shares_memory(t, bits)
-    return t.device.type == "cpu" and t.is_contiguous()
 
 
 def apply_to_checkpoint(base_path, payload, out_path) -> None:

@@ -30,5 +30,9 @@ class TransportError(WsyncError):
     """A connection failed, timed out, or the peer broke the protocol."""
 
 
+class EngineError(WsyncError):
+    """The serving framework failed to take a version (its own exception is the __cause__)."""
+
+
 class BackendUnavailable(WsyncError):
     """A backend or optional dependency was asked for but cannot be loaded here."""

@@ -121,7 +121,7 @@ def pull(address: str, out, *, token=None, timeout: float | None = None, version
     bar = _Progress() if progress else None
     sub = Subscriber(address, engine=engine, token=token, apply="poll", progress=bar)
     try:
-        target = version if version is not None else _newest(sub, timeout)
+        target = version if version is not None else sub.wait_announced(timeout)
         if engine.version is not None and engine.version >= target:
             return engine.version
         got = sub.wait_for(target, timeout=timeout)
@@ -134,17 +134,6 @@ def pull(address: str, out, *, token=None, timeout: float | None = None, version
     with atomic_write(out / VERSION_FILE) as f:  # for people and scripts; read_replica trusts the metadata
         f.write(json.dumps({"version": got, "digest": held, "source": address}).encode())
     return got
-
-
-def _newest(sub, timeout: float | None) -> int:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    with sub._cv:
-        while sub.newest_seen is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError("the publisher did not announce a version in time")
-            sub._cv.wait(min(left, 0.5) if left is not None else 0.5)
-        return sub.newest_seen
 
 
 class _Progress:

@@ -88,6 +88,33 @@ def digest(state: State, checksums: dict[str, str] | None = None) -> str:
     return state_digest((n, tb.dtype.name, tb.shape, checksums[n]) for n, tb in state.items())
 
 
+def unique_tensors(named: dict) -> dict:
+    """Drop later names that alias an earlier tensor's memory (tied weights)."""
+    seen, out = set(), {}
+    for name, t in named.items():
+        key = storage_key(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+def storage_key(t):
+    if hasattr(t, "untyped_storage"):
+        return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+    return id(t)
+
+
+def aliases(t, bits: np.ndarray) -> bool:
+    """Is bits a view of t's own memory (a torch tensor, numpy array or TensorBits), so writing one writes the other?"""
+    if isinstance(t, TensorBits):
+        t = t.bits
+    if isinstance(t, np.ndarray):
+        return t.size == 0 or np.shares_memory(t, bits)
+    return t.device.type == "cpu" and (bits.size == 0 or bits.__array_interface__["data"][0] == t.data_ptr())
+
+
 def owned_copy(obj, into: State | None = None) -> State:
     """A state the caller can no longer change: bit patterns copied out of its tensors.
 
@@ -98,8 +125,6 @@ def owned_copy(obj, into: State | None = None) -> State:
     """
     if not isinstance(obj, dict):
         return {n: TensorBits(tb.dtype, tb.shape, tb.bits.copy()) for n, tb in as_state(obj).items()}
-    from .engines.hf import unique_tensors
-
     out = {}
     for name, t in as_state(unique_tensors(obj)).items():
         src = obj[name]

@@ -24,7 +24,7 @@ from . import api
 from .errors import ChecksumError, MismatchError, TransportError, WsyncError
 from .payload import Payload
 from .sender import PROTOCOL
-from .snapshot import TensorBits, as_state, digest, to_torch
+from .snapshot import TensorBits, aliases, as_state, digest, to_torch
 from .transports import Message, TransportTimeout, connect, parse_address
 from .transports.base import with_token
 
@@ -107,6 +107,17 @@ class Subscriber:
                     raise TimeoutError(f"engine still at version {self.version}, waited for {version}")
                 if not self._staged or self.mode == "background":
                     self._cv.wait(min(left, 0.5) if left is not None else 0.5)
+
+    def wait_announced(self, timeout: float | None = None) -> int:
+        """Block until the publisher has announced a version (its newest on connect); return the newest seen."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self.newest_seen is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("the publisher did not announce a version in time")
+                self._cv.wait(min(left, 0.5) if left is not None else 0.5)
+            return self.newest_seen
 
     def close(self) -> None:
         with self._cv:
@@ -287,9 +298,9 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
         raise MismatchError(f"version does not cover the engine's tensors: engine-only {missing[:5]}, "
                             f"payload-only {extra[:5]} ({len(missing)} and {len(extra)})")
     state = as_state(live)
-    inplace = all(_aliases(live[n], state[n].bits) for n in state)
+    inplace = all(_writes_through(live[n], state[n].bits) for n in state)
     if not inplace:  # work on a host copy and hand the changed tensors to engine.load
-        state = {n: tb if tb.bits.flags.writeable and not _aliases(live[n], tb.bits) else
+        state = {n: tb if tb.bits.flags.writeable and not _writes_through(live[n], tb.bits) else
                  TensorBits(tb.dtype, tb.shape, tb.bits.copy()) for n, tb in state.items()}
     specs = {s.name: s for p in payloads for s in p.manifest.tensors}
     # verifies every base and payload checksum, writes, and checks every result against the manifest
@@ -320,12 +331,6 @@ def _replace(engine, payloads: list[Payload], checksum: str, backend) -> None:
     engine.replace(new)
 
 
-def _aliases(t, bits: np.ndarray) -> bool:
-    """Is bits a view of t's own memory (so writing bits writes the engine)?"""
-    if not bits.flags.writeable:
-        return False
-    if isinstance(t, np.ndarray):
-        return np.shares_memory(t, bits)
-    if hasattr(t, "bits"):  # TensorBits
-        return t.bits is bits or np.shares_memory(t.bits, bits)
-    return t.device.type == "cpu" and (bits.size == 0 or bits.__array_interface__["data"][0] == t.data_ptr())
+def _writes_through(t, bits: np.ndarray) -> bool:
+    """Writing bits writes the engine's own memory."""
+    return bits.flags.writeable and aliases(t, bits)

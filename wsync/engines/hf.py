@@ -33,25 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import MismatchError
-from ..snapshot import TensorBits, as_state, digest, to_bits
-
-
-def unique_tensors(named: dict) -> dict:
-    """Drop later names that alias an earlier tensor's memory (tied weights)."""
-    seen, out = set(), {}
-    for name, t in named.items():
-        key = _storage_key(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = t
-    return out
-
-
-def _storage_key(t):
-    if hasattr(t, "untyped_storage"):
-        return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-    return id(t)
+from ..snapshot import TensorBits, as_state, digest, to_bits, unique_tensors
 
 
 @dataclass(kw_only=True, frozen=True)

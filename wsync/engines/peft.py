@@ -19,7 +19,8 @@ compared once at start-up (the adapter stream never carries the base).
 from __future__ import annotations
 
 from ..snapshot import as_state, digest
-from .hf import HF, unique_tensors
+from ..snapshot import storage_key, unique_tensors
+from .hf import HF
 
 
 def adapter_state(model, adapter_name: str = "default") -> dict:
@@ -33,11 +34,10 @@ def adapter_state(model, adapter_name: str = "default") -> dict:
 
 def base_digest(model, adapter_name: str = "default") -> str:
     """Digest of everything that is not this adapter: the frozen base both sides must share."""
-    from .hf import _storage_key
 
-    adapter = {_storage_key(t) for t in adapter_state(model, adapter_name).values()}
+    adapter = {storage_key(t) for t in adapter_state(model, adapter_name).values()}
     base = {n: t.detach() for n, t in unique_tensors(model.state_dict(keep_vars=True)).items()
-            if _storage_key(t) not in adapter and ".lora_" not in n}
+            if storage_key(t) not in adapter and ".lora_" not in n}
     return digest(as_state(base))
 
 

@@ -19,13 +19,9 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import WsyncError
+from ..errors import EngineError, WsyncError
 from ..snapshot import State, TensorBits, as_state, to_torch
 from .shadow import Shadow
-
-
-class EngineError(WsyncError):
-    """The serving framework failed to take a version (its own exception is the __cause__)."""
 
 
 class Staged:

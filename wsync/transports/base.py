@@ -167,6 +167,17 @@ def pack_header(msg: Message) -> bytes:
     return ENVELOPE.pack(MAGIC, len(head), xxhash.xxh3_64_intdigest(head)) + head
 
 
+def open_head(head: bytes, hsum: int, keys: tuple[str, ...]) -> list:
+    """Check a message header's xxh3 and parse its JSON; returns the values of keys (types unchecked)."""
+    if xxhash.xxh3_64_intdigest(head) != hsum:
+        raise ChecksumError("message header checksum mismatch (corrupt in transit)")
+    try:
+        doc = json.loads(head)
+        return [doc[k] for k in keys]
+    except (ValueError, KeyError, TypeError) as e:
+        raise TransportError(f"malformed message header: {e}") from None
+
+
 def parse_header(env: bytes, read) -> tuple[str, dict, list[int], list[str]]:
     """Check an envelope and read its header with read(n) -> bytes; returns kind, meta, sizes, sums."""
     magic, hlen, hsum = ENVELOPE.unpack(env)
@@ -174,14 +185,7 @@ def parse_header(env: bytes, read) -> tuple[str, dict, list[int], list[str]]:
         raise TransportError(f"peer sent a frame that is not a wsync message (magic {magic!r})")
     if hlen > MAX_HEADER:
         raise TransportError(f"message header of {hlen} bytes exceeds the {MAX_HEADER}-byte limit")
-    head = read(hlen)
-    if xxhash.xxh3_64_intdigest(head) != hsum:
-        raise ChecksumError("message header checksum mismatch (corrupt in transit)")
-    try:
-        doc = json.loads(head)
-        kind, meta, sizes, sums = doc["kind"], doc["meta"], doc["sizes"], doc["sums"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise TransportError(f"malformed message header: {e}") from None
+    kind, meta, sizes, sums = open_head(read(hlen), hsum, ("kind", "meta", "sizes", "sums"))
     ok = (isinstance(kind, str) and isinstance(meta, dict) and isinstance(sizes, list) and isinstance(sums, list)
           and len(sizes) == len(sums) and all(type(n) is int and 0 <= n <= MAX_BLOB for n in sizes)
           and all(isinstance(s, str) for s in sums))

@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 from ..errors import ChecksumError, TransportError
-from .base import ENVELOPE, MAGIC, MAX_BLOB, MAX_HEADER, Message
+from .base import ENVELOPE, MAGIC, MAX_BLOB, MAX_HEADER, Message, open_head
 
 WINDOW = 2  # pieces in flight: one on the wire while the CPU hashes or copies the other
 
@@ -65,14 +65,7 @@ def parse_head(raw: bytes) -> tuple[str, dict, list[int], int]:
     magic, hlen, hsum = ENVELOPE.unpack_from(raw)
     if magic != MAGIC or hlen != len(raw) - ENVELOPE.size:
         raise TransportError(f"peer sent a frame that is not a wsync message (magic {magic!r}, length {hlen})")
-    head = raw[ENVELOPE.size:]
-    if xxhash.xxh3_64_intdigest(head) != hsum:
-        raise ChecksumError("message header checksum mismatch (corrupt in transit)")
-    try:
-        doc = json.loads(head)
-        kind, meta, sizes, chunk = doc["kind"], doc["meta"], doc["sizes"], doc["chunk"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise TransportError(f"malformed message header: {e}") from None
+    kind, meta, sizes, chunk = open_head(raw[ENVELOPE.size:], hsum, ("kind", "meta", "sizes", "chunk"))
     ok = (isinstance(kind, str) and isinstance(meta, dict) and isinstance(sizes, list)
           and all(type(n) is int and 0 <= n <= MAX_BLOB for n in sizes) and type(chunk) is int and 0 < chunk < (1 << 40))
     if not ok:
