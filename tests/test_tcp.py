@@ -16,7 +16,7 @@ from tcp_helpers import Proxy, self_signed
 from wsync.errors import ChecksumError, TransportError
 from wsync.transports import Message, TransportTimeout, connect, listen
 from wsync.transports import tcp_auth, tcp_frames as tf
-from wsync.transports.tcp_outbox import frame_size
+from wsync.transports.tcp_outbox import Outbox, as_views, frame_size
 
 LOG = "wsync.transports.tcp"
 
@@ -102,6 +102,47 @@ def test_large_message_over_several_streams_is_exact(pair):
 def test_frame_size_per_message(nbytes, streams, frame_bytes, want):
     f = frame_size(nbytes, streams, frame_bytes)
     assert f == want and tf.MIN_FRAME <= f <= tf.MAX_FRAME
+
+
+def test_small_messages_keep_to_stream_zero_large_ones_spread():
+    """The outbox's dealing rule, with four writer threads whose 'sendall' takes 2 ms."""
+    cv, live = threading.Condition(), [True]
+    out, taken = Outbox(cv, 4 << 20, 4), []
+
+    def writer(k):
+        while True:
+            with cv:
+                job = out.take(k, lambda: live[0])
+            if job is None:
+                return
+            time.sleep(0.002)
+            with cv:
+                taken.append((k, job[0], job[1].seq))
+                out.written(job)
+
+    threads = [threading.Thread(target=writer, args=(k,), daemon=True) for k in range(4)]
+    for t in threads:
+        t.start()
+
+    def send(nbytes):
+        with cv:
+            assert cv.wait_for(lambda: out.free == {0, 1, 2, 3}, timeout=10)  # every writer waiting
+            om = out.add("m", {}, as_views([b"h" * 100, bytes(nbytes)]))
+            out.queue(om)
+            cv.notify_all()
+            assert cv.wait_for(lambda: om.pending == 0, timeout=10)
+            return om.seq
+
+    small = [send(170_000) for _ in range(10)]  # a delta bucket each: head + body, whole on stream 0
+    big = send(16 << 20)  # 64 frames of 256 KiB: every stream takes some
+    with cv:
+        live[0] = False
+        cv.notify_all()
+    for t in threads:
+        t.join(timeout=10)
+    assert all((0, "frames", seq) in taken for seq in small)
+    assert {k for k, kind, seq in taken if kind != "head" and seq in small} == {0}
+    assert {k for k, kind, seq in taken if seq == big and kind == "frame"} == {0, 1, 2, 3}
 
 
 def test_split_frames_resume_after_a_cut_bit_exact():
