@@ -14,7 +14,8 @@ import wsync
 from wsync.checksum import checksum
 from wsync.codecs import delta_ref
 from wsync.errors import ChecksumError, FormatError, MismatchError, VersionError, WsyncError
-from wsync.payload import HEADER
+from wsync import api
+from wsync.payload import HEADER, Payload
 
 from conftest import rewrite_manifest, states_equal
 
@@ -65,6 +66,14 @@ def _refused(base, blob, err, match=None):
     with pytest.raises(err, match=match):
         wsync.apply(target, blob, inplace=True)
     assert states_equal(target, before)
+    try:  # as a subscriber does: checked and unzipped on arrival (quietly), applied later
+        prepared = api.prepare(Payload.from_bytes(blob))
+    except WsyncError:
+        prepared = None  # not even a payload: nothing to prepare
+    if prepared is not None:
+        with pytest.raises(err, match=match):
+            wsync.apply(target, prepared, inplace=True)
+        assert states_equal(target, before)
     assert states_equal(base, before)
 
 

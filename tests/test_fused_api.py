@@ -159,3 +159,29 @@ def test_apply_state_matches_decode_and_scatter():
         bits[dec.positions] = dec.values
         assert out[name].bits.tobytes() == bits.tobytes() == new[name].tobytes()
     assert states_equal(base, _pair(seed=3)[0])  # out of place never writes the base
+
+
+@pytest.mark.parametrize("tier", ["sparse", "packed"])
+def test_prepared_payload_applies_bit_exact_and_keeps_error_ranks(tier):
+    """api.prepare (what a subscriber runs as a bucket arrives) changes what apply does, never what it yields."""
+    base, new = _pair()
+    blob = wsync.encode(base, new, tier=tier).to_bytes()
+    prepared = api.prepare(wsync.payload.Payload.from_bytes(blob))
+    assert sorted(prepared.unpacked) == ["t0", "t1", "t2"]
+    target = _clone(base)
+    wsync.apply(target, prepared, inplace=True)
+    assert all(target[n].tobytes() == new[n].tobytes() for n in new)
+
+    # t2's frame is corrupt: prepare stops there quietly, apply raises it, and a wrong base still outranks it
+    bad = _corrupt_frame(blob, prepared, "t2")
+    prepared = api.prepare(wsync.payload.Payload.from_bytes(bad))
+    assert sorted(prepared.unpacked) == ["t0", "t1"]
+    target = _clone(base)
+    with pytest.raises(ChecksumError, match="t2: stored bytes"):
+        wsync.apply(target, prepared, inplace=True)
+    assert states_equal(target, base)
+    target["t1"][7] ^= 1
+    before = _clone(target)
+    with pytest.raises(VersionError, match="t1"):
+        wsync.apply(target, api.prepare(wsync.payload.Payload.from_bytes(bad)), inplace=True)
+    assert states_equal(target, before)

@@ -159,6 +159,27 @@ def _base_errors_first(base: State | None, man: Manifest, i: int, k, needs_base:
         raise
 
 
+def prepare(payload: Payload, *, backend: str | None = None) -> Payload:
+    """Check each tensor's stored bytes and do the decoding that needs no base (zstd stages), ahead of apply.
+
+    A subscriber calls this as each bucket of a version arrives, so the apply
+    at the end touches little more than the engine's tensors. It stops
+    quietly at the first problem: apply meets it again and raises it, ranked
+    as always (a wrong base before a corrupt payload).
+    """
+    k = backends.kernels(backend)
+    codec = CODECS.get(payload.manifest.codec)
+    for spec in payload.manifest.tensors if codec is not None else ():
+        if spec.name in payload.unpacked:
+            continue
+        try:
+            _check_frame(payload, spec, k)
+            payload.unpacked[spec.name] = codec.unpack(spec, payload.parts(spec), dtypes.by_name(spec.dtype))
+        except Exception:  # noqa: BLE001  (apply does this work again and raises it properly)
+            break
+    return payload
+
+
 def apply_state(base: State | None, payload, *, backend: str | None = None) -> State:
     """Out-of-place apply on TensorBits states; every checksum verified before returning."""
     return _apply(base, as_payload(payload), backends.kernels(backend), inplace=False)
@@ -184,9 +205,10 @@ def _apply(base: State | None, payload: Payload, k, *, inplace: bool, log: list 
                 if spec.name in shared:
                     a = _scatter(shared[spec.name], b, k)
                 else:
-                    _check_frame(payload, spec, k)
+                    if spec.name not in payload.unpacked:
+                        _check_frame(payload, spec, k)
                     a = codec.apply_tensor(b, spec, payload.parts(spec), kernels=k, dtype=dtypes.by_name(spec.dtype),
-                                           inplace=inplace, base_sum=needs_base)
+                                           inplace=inplace, base_sum=needs_base, unpacked=payload.unpacked.get(spec.name))
             done.append(a)
             if needs_base:
                 _check_base_sum(spec, man, a.base_sum)

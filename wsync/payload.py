@@ -18,7 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -35,6 +35,9 @@ MAX_MANIFEST = 256 << 20  # a manifest this large is a lie, not a model
 class Payload:
     manifest: Manifest
     body: memoryview  # the tensors' bytes; may be backed by an mmap
+    # tensors whose stored bytes passed their checksum, with what decoding them needed no base for
+    # (api.prepare fills it as a bucket arrives; apply then skips that work)
+    unpacked: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:

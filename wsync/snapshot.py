@@ -127,10 +127,29 @@ def owned_copy(obj, into: State | None = None) -> State:
         return {n: TensorBits(tb.dtype, tb.shape, tb.bits.copy()) for n, tb in as_state(obj).items()}
     out = {}
     for name, t in as_state(unique_tensors(obj)).items():
-        src = obj[name]
-        fresh = not isinstance(src, (np.ndarray, TensorBits)) and getattr(src, "device", None) is not None \
-            and src.device.type != "cpu"
+        fresh = _off_host(obj[name])
         out[name] = t if fresh else TensorBits(t.dtype, t.shape, _copy(t.bits, (into or {}).get(name)))
+    return out
+
+
+def _off_host(t) -> bool:
+    """A device tensor: as_state already copied it to the host."""
+    return not isinstance(t, (np.ndarray, TensorBits)) and getattr(t, "device", None) is not None \
+        and t.device.type != "cpu"
+
+
+def copies_on_host(obj) -> bool:
+    """owned_copy(obj) copies host memory (so a spare state saves it faulting in fresh pages)."""
+    return isinstance(obj, dict) and not any(_off_host(t) for t in obj.values())
+
+
+def blank_like(state: State) -> State:
+    """Arrays shaped like state's, their pages already faulted in: a spare for owned_copy(into=...)."""
+    out = {}
+    for name, tb in state.items():
+        bits = np.empty_like(tb.bits)
+        bits.fill(0)
+        out[name] = TensorBits(tb.dtype, tb.shape, bits)
     return out
 
 

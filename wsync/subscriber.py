@@ -185,7 +185,8 @@ class Subscriber:
                 cur = Staged(m)
             elif cur is None or m["version"] != cur.version or m["index"] != len(cur.payloads):
                 raise TransportError(f"bucket {m['index']} of version {m['version']} arrived out of order")
-            cur.payloads.append(Payload.from_parts(msg.blobs[0], msg.blobs[1]))
+            # checked and unzipped now, while later buckets are still on the wire
+            cur.payloads.append(api.prepare(Payload.from_parts(msg.blobs[0], msg.blobs[1]), backend=self.backend))
             cur.nbytes += msg.nbytes
             if len(cur.payloads) == cur.count:
                 cur.checksum = m["checksum"]

@@ -62,8 +62,17 @@ def decode_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype) -> Dec
     return Decoded(values, pos, base_sum)
 
 
-def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace: bool, base_sum: bool) -> Applied:
-    """The new tensor, out of place or written into base.bits; base_sum is always taken (it comes free)."""
+def unpack(spec, parts: dict, dtype) -> DeltaSections | None:
+    """What decoding needs no base for: a delta's sections, out of their zstd stage. The XOR data of a dense
+    change is left packed (unpacked, it is as large as the tensor, and it would wait in memory for the base)."""
+    return _sections(spec, parts, dtype.bits_dtype) if spec.kind.startswith("delta") else None
+
+
+def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace: bool, base_sum: bool,
+                 unpacked: DeltaSections | None = None) -> Applied:
+    """The new tensor, out of place or written into base.bits; base_sum is always taken (it comes free).
+
+    unpacked: the tensor's sections from unpack(), when the caller did that ahead."""
     bits_dt = dtype.bits_dtype
     if spec.kind == "same":
         if inplace:
@@ -77,7 +86,7 @@ def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace
                            base_sum=True)
     if spec.kind == "xor":
         return _apply_xor(base, _xor_data(spec, parts, bits_dt), kernels, inplace)
-    sec = _sections(spec, parts, bits_dt)
+    sec = unpacked if unpacked is not None else _sections(spec, parts, bits_dt)
     with _named(spec):
         if inplace:
             overwritten, before, after = kernels.delta_apply_inplace(base.bits, sec, dtype.order)

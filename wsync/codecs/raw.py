@@ -13,8 +13,13 @@ def decode_tensor(base: TensorBits | None, spec, parts: dict, *, kernels, dtype)
     return Decoded(frombuffer(parts["data"], dtype.bits_dtype, spec.name))
 
 
+def unpack(spec, parts: dict, dtype) -> None:
+    """Nothing to decode ahead of the base: the bytes are the tensor."""
+    return None
+
+
 def apply_tensor(base: TensorBits | None, spec, parts: dict, *, kernels, dtype, inplace: bool,
-                 base_sum: bool) -> Applied:
+                 base_sum: bool, unpacked=None) -> Applied:
     """The data as the new tensor; base only matters in place (it is the target)."""
     values = frombuffer(parts["data"], dtype.bits_dtype, spec.name)
     return write_whole(values, base, kernels=kernels, inplace=inplace, base_sum=base_sum)
