@@ -148,6 +148,44 @@ def test_versions_must_increase():
             pub.publish(state, version=-1)
 
 
+def test_publish_that_fails_mid_copy_leaves_no_version(gen, monkeypatch):
+    """publish() copies bucket by bucket while the encoder streams: a copy that dies half way raises to the
+    trainer, the half-sent version never commits anywhere, and the same number can be published again."""
+    from wsync import snapshot
+    from wsync.errors import SnapshotError
+
+    trainer, engine_model = tiny_qwen(0), tiny_qwen(1)
+    with Publisher(ADDR, token=TOKEN, keyframe_every=0, bucket_bytes=8 << 10) as pub, \
+            Subscriber(pub.address, engine=engines.HF(engine_model), token=TOKEN) as sub:
+        pub.publish(trainer.state_dict(), version=0)
+        assert sub.wait_for(0, timeout=30) == 0
+        held = engines.HF(engine_model).digest()
+        rl_step(trainer, gen)
+        real_run = snapshot.Copying.run
+
+        def dies_after_two_buckets(self, groups):
+            real_run(self, groups[:2])  # the first buckets reach the encoder (and the wire), then it fails
+        monkeypatch.setattr(snapshot.Copying, "run", dies_after_two_buckets)
+        with pytest.raises(ValueError, match="in no group"):
+            pub.publish(trainer.state_dict(), version=1)
+        monkeypatch.setattr(snapshot.Copying, "run", real_run)
+        pub.publish(trainer.state_dict(), version=1)  # the failed one never counted
+        assert sub.wait_for(1, timeout=30) == 1
+        assert same_bytes(trainer, engine_model) and held != engines.HF(engine_model).digest()
+        assert sub.stats["failures"] == 0
+        rl_step(trainer, gen)
+        pub.publish(trainer.state_dict(), version=2)  # and deltas go on against version 1
+        assert sub.wait_for(2, timeout=30) == 2 and same_bytes(trainer, engine_model)
+        assert not sub.stats["last"]["keyframe"]
+
+    state = snapshot.Copying({"a": np.arange(4), "b": np.arange(3)})
+    with pytest.raises(ValueError, match="in no group"):
+        state.run([["a"]])
+    state.wait(["a"])
+    with pytest.raises(SnapshotError):
+        state.wait(["b"])
+
+
 def test_late_and_returning_subscribers_catch_up(gen):
     trainer = tiny_qwen(0)
     with Publisher(ADDR, token=TOKEN, keyframe_every=5, bucket_bytes=16 << 10) as pub:

@@ -36,3 +36,7 @@ class EngineError(WsyncError):
 
 class BackendUnavailable(WsyncError):
     """A backend or optional dependency was asked for but cannot be loaded here."""
+
+
+class SnapshotError(WsyncError):
+    """publish() failed while copying a state, so the version it was taking does not exist."""

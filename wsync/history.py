@@ -103,8 +103,11 @@ class History:
             self.keyframe.checksum = checksum
 
     def drop(self, version: int) -> None:
-        """Forget a version whose encoding failed."""
+        """Forget a version whose encoding failed; if it was the newest, the one before is newest again."""
         self.deltas.pop(version, None)
+        if self.newest == version and (self.keyframe is None or self.keyframe.version != version):
+            self.checksums.pop(version, None)
+            self.newest = max(self.checksums, default=None)
 
     def plan(self, have: int | None, have_checksum: str | None) -> tuple[Keyframe | None, list[Encoded]]:
         """The keyframe (or None) and deltas that bring a subscriber at `have` to the newest version."""

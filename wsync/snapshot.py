@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 from . import dtypes
 from .checksum import checksum, state_digest
 from .dtypes import DType
+from .errors import SnapshotError
 
 
 @dataclass(frozen=True)
@@ -123,13 +125,74 @@ def owned_copy(obj, into: State | None = None) -> State:
     `into`: a state nobody uses any more; arrays of matching dtype and shape are
     reused, which spares the kernel faulting in fresh pages for every copy.
     """
-    if not isinstance(obj, dict):
-        return {n: TensorBits(tb.dtype, tb.shape, tb.bits.copy()) for n, tb in as_state(obj).items()}
-    out = {}
-    for name, t in as_state(unique_tensors(obj)).items():
-        fresh = _off_host(obj[name])
-        out[name] = t if fresh else TensorBits(t.dtype, t.shape, _copy(t.bits, (into or {}).get(name)))
-    return out
+    snap = Copying(obj, into)
+    snap.run([list(snap)])
+    return snap
+
+
+class Copying(dict):
+    """owned_copy's state, filled in groups of tensors: a reader on another thread waits only for its group.
+
+    Construction converts and plans (a GPU tensor is copied to the host there,
+    once); ``run`` then copies group by group. The Publisher's encoder reads
+    bucket k while publish() is still copying bucket k+1, so a version's first
+    bucket is on the wire before its snapshot is complete.
+    """
+
+    def __init__(self, obj, into: State | None = None):
+        super().__init__()
+        self._jobs: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # name -> (source bits, destination)
+        named = unique_tensors(obj) if isinstance(obj, dict) else None
+        for name, t in as_state(named if named is not None else obj).items():
+            if named is not None and _off_host(named[name]):
+                self[name] = t  # as_state already copied it off the device
+                continue
+            dst = _destination(t.bits, (into or {}).get(name))
+            self[name] = TensorBits(t.dtype, t.shape, dst)
+            self._jobs[name] = (t.bits, dst)
+        self._cv = threading.Condition()
+        self._pending = set(self._jobs)
+        self._error: BaseException | None = None
+
+    def run(self, groups: list[list[str]]) -> None:
+        """Copy each group's tensors, in order, waking readers after each group."""
+        try:
+            for names in groups:
+                for name in names:
+                    job = self._jobs.pop(name, None)
+                    if job is not None:
+                        np.copyto(job[1], job[0])
+                with self._cv:
+                    self._pending.difference_update(names)
+                    self._cv.notify_all()
+            if self._pending:
+                raise ValueError(f"{len(self._pending)} tensors were in no group, e.g. {sorted(self._pending)[0]!r}")
+        except BaseException as e:
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+            raise
+
+    def wait(self, names) -> None:
+        """Block until every one of names is copied; SnapshotError if the copying failed."""
+        with self._cv:
+            while not self._pending.isdisjoint(names):
+                if self._error is not None:
+                    raise SnapshotError(f"the snapshot was not completed: {self._error!r}") from self._error
+                self._cv.wait()
+
+
+def wait_copied(state: State, names) -> None:
+    """For readers of any state: wait for names if it is still being copied."""
+    if isinstance(state, Copying):
+        state.wait(names)
+
+
+def _destination(bits: np.ndarray, spare: TensorBits | None) -> np.ndarray:
+    if spare is not None and spare.bits.dtype == bits.dtype and spare.bits.shape == bits.shape \
+            and spare.bits.flags.writeable:
+        return spare.bits
+    return np.empty_like(bits)
 
 
 def _off_host(t) -> bool:
@@ -151,14 +214,6 @@ def blank_like(state: State) -> State:
         bits.fill(0)
         out[name] = TensorBits(tb.dtype, tb.shape, bits)
     return out
-
-
-def _copy(bits: np.ndarray, spare: TensorBits | None) -> np.ndarray:
-    if spare is not None and spare.bits.dtype == bits.dtype and spare.bits.shape == bits.shape \
-            and spare.bits.flags.writeable:
-        np.copyto(spare.bits, bits)
-        return spare.bits
-    return bits.copy()
 
 
 def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:

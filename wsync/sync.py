@@ -27,11 +27,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from . import api
-from .errors import VersionError, WsyncError
+from .errors import SnapshotError, VersionError, WsyncError
 from .history import Encoded, History, Keyframe, keyframe_due
 from .sender import Sender
 from .checksum import state_digest
-from .snapshot import State, blank_like, copies_on_host, owned_copy, plan_buckets
+from .snapshot import Copying, State, blank_like, copies_on_host, plan_buckets, wait_copied
 from .transports import Message, listen
 from .transports.base import with_token
 
@@ -89,10 +89,11 @@ class Publisher:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if self._last is not None and version <= self._last:
             raise VersionError(f"versions must increase: got {version} after {self._last}")
-        snap = owned_copy(state, into=self._take_spare())
+        snap = Copying(state, into=self._take_spare())
         self._spare_wanted = copies_on_host(state)
-        self._last = version
         self._queue.put((version, snap))
+        snap.run(self._buckets(snap))  # bucket by bucket: the encoder starts on each as soon as it is in
+        self._last = version
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every version so far is encoded and acknowledged by every connected subscriber."""
@@ -159,6 +160,8 @@ class Publisher:
                 if item is None:
                     return
                 self._encode_version(*item)
+            except SnapshotError:
+                pass  # publish() failed while copying, and raised that to its caller: the version does not exist
             except BaseException as e:  # surfaces at the next publish()/flush()
                 log.exception("encoding a version failed")
                 self._error = e
@@ -171,6 +174,8 @@ class Publisher:
         checksum = None  # the state's digest, known once its buckets are encoded (from their checksums)
         same_layout = prev is not None and _layout(prev) == _layout(state)
         make_kf = keyframe_due(self._published, self._since_keyframe, cfg.keyframe_every) or not same_layout
+        if make_kf:
+            wait_copied(state, state)  # a keyframe stays in the history: never register one half copied
         delta = None
         if same_layout:
             delta = Encoded(version, self._history.newest, checksum, len(self._buckets(state)))
@@ -186,7 +191,13 @@ class Publisher:
             self._state = state
             self._cv.notify_all()
         if delta is not None:
-            self._fill(delta, prev, state)
+            try:
+                self._fill(delta, prev, state)
+            except BaseException:
+                with self._cv:
+                    if self._state is state:  # the version failed: the next one is a delta against prev
+                        self._state = prev
+                raise
         with self._cv:
             self._recycle(prev)  # only now: _fill read prev as the delta's base
         self.stats["versions"] += 1
@@ -221,6 +232,7 @@ class Publisher:
         sums = []  # (name, dtype, shape, checksum) of every tensor: the state digest, without another pass
         try:
             for i, names in enumerate(self._buckets(state)):
+                wait_copied(state, names)  # publish() may still be copying this bucket
                 new = {n: state[n] for n in names}
                 old = {n: base[n] for n in names} if codec == "delta" else None
                 payload = api.encode(old, new, codec=codec, tier=cfg.tier, version=enc.version,
