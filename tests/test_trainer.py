@@ -26,7 +26,7 @@ def _decode_all(model, digit_lists, cfg: DecodeConfig, seed=0, on_step=None):
     todo = [dict(digits=d, i=i) for i, d in enumerate(digit_lists)]
     out, version = [], 0
     while todo or dec.active:
-        while todo and dec.free:
+        while todo and dec.free and dec.refilling:
             t = todo.pop(0)
             dec.add(Sequence(prompt=prompt_ids(t["digits"]), limit=response_limit(t["digits"]), tag=t))
         if on_step is not None:
@@ -69,13 +69,16 @@ def test_long_tail_lengths():
 # -- policy and decode ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kv_cache", ["keep", "recompute"])
+@pytest.mark.parametrize("kv_cache,refill_at", [("keep", 0.0), ("recompute", 0.0), ("keep", 0.5)])
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_behaviour_logprobs_match_trainer_scoring(model, kv_cache, top_p):
-    """Zero staleness: the logprob a token was sampled with equals the trainer's, after temperature/top-p."""
+def test_behaviour_logprobs_match_trainer_scoring(model, kv_cache, refill_at, top_p):
+    """Zero staleness: the logprob a token was sampled with equals the trainer's, after temperature/top-p.
+
+    Refills put short prompts into a cache made wide by long rows (their prefill is only as wide as they are)."""
     rng = np.random.default_rng(1)
     digits = [sample_digits(TaskConfig(min_digits=2, max_digits=9, tail_prob=0.5), rng) for _ in range(24)]
-    seqs, _ = _decode_all(model, digits, DecodeConfig(slots=8, kv_cache=kv_cache, top_p=top_p, temperature=0.9))
+    cfg = DecodeConfig(slots=8, kv_cache=kv_cache, top_p=top_p, temperature=0.9, refill_at=refill_at)
+    seqs, _ = _decode_all(model, digits, cfg)
     with torch.no_grad():
         lp, mask = score(model, [s.prompt for s in seqs], [s.response for s in seqs], 0.9, top_p)
     diff = (lp - _behaviour(seqs, lp))[mask].abs().max().item()
@@ -96,6 +99,14 @@ def test_continuous_batching_refills_slots_and_bounds_the_cache(model):
     # fewer decode steps than running the 40 prompts in waves of 6, each as long as its longest member
     waves = sum(max(response_limit(d) for d in digits[i : i + 6]) for i in range(0, 40, 6))
     assert dec.steps < waves
+
+    # refill_at=0.5: freed slots wait until three are free, then fill up in one prefill
+    free_at_refill = []
+    seqs, dec = _decode_all(model, digits, DecodeConfig(slots=6, refill_at=0.5),
+                            on_step=lambda step, d, v: free_at_refill.append(len(d.fresh)) or v)
+    assert len(seqs) == 40 and dec.free == 6
+    refills = [n for n in free_at_refill[1:] if n]  # after the first; the last may be the few prompts left
+    assert len(refills) > 3 and all(n >= 3 for n in refills[:-1])
 
 
 def _perturb(model, seed):

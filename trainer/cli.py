@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=0, help="trainer steps budget")
     p.add_argument("--samplers", type=int, default=1, help="sampler processes")
     p.add_argument("--slots", type=int, default=64, help="sequences each sampler decodes together")
+    p.add_argument("--refill-at", type=float, default=0.25,
+                   help="refill freed slots once this fraction of them is free (fewer, larger prefills)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--batch-groups", type=int, default=16, help="groups per trainer step")
     p.add_argument("--digits", type=int, default=3, help="digits of an ordinary prompt")
@@ -65,7 +67,8 @@ def config_from_args(a):
         mode=a.mode, max_staleness=a.max_staleness, steps=a.steps, seconds=a.seconds, samplers=a.samplers,
         group_size=a.group_size, batch_groups=a.batch_groups, seed=a.seed, address=a.address, codec=a.codec,
         progress=not a.quiet, task=task, grpo=GRPOConfig(lr=a.lr, is_cap=a.is_cap),
-        decode=DecodeConfig(slots=a.slots, temperature=a.temperature, top_p=a.top_p, kv_cache=a.kv_cache),
+        decode=DecodeConfig(slots=a.slots, temperature=a.temperature, top_p=a.top_p, kv_cache=a.kv_cache,
+                            refill_at=a.refill_at),
     )
 
 

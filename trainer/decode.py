@@ -27,7 +27,10 @@ from .task import Vocab
 
 @dataclass(kw_only=True)
 class DecodeConfig:
-    slots: int = 32  # sequences decoded together; freed slots are refilled at once
+    slots: int = 32  # sequences decoded together
+    # freed slots are refilled once this fraction of them is free (or none is busy). Each refill costs a prefill
+    # forward of its own, which on a small model is mostly fixed per-call cost, so fewer, larger ones pay off
+    refill_at: float = 0.25
     temperature: float = 1.0  # sampling temperature; logprobs are recorded after it
     top_p: float = 1.0  # nucleus mass; logprobs are those of the renormalised nucleus
     kv_cache: str = "keep"  # keep | recompute: the in-flight sequences' KV cache after a weight update
@@ -37,6 +40,8 @@ class DecodeConfig:
             raise ValueError(f"kv_cache must be 'keep' or 'recompute', got {self.kv_cache!r}")
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if not 0.0 <= self.refill_at <= 1.0:
+            raise ValueError(f"refill_at must be within [0, 1], got {self.refill_at}")
 
 
 @dataclass(kw_only=True)
@@ -82,6 +87,12 @@ class Decoder:
     def active(self) -> int:
         return self.cfg.slots - self.free
 
+    @property
+    def refilling(self) -> bool:
+        """Whether to admit new sequences now: enough slots are free to share one prefill (see refill_at),
+        nothing is running, or a refill has begun (it goes on until the slots are full)."""
+        return not self.active or bool(self.fresh) or self.free >= self.cfg.refill_at * self.cfg.slots
+
     def add(self, seq: Sequence) -> None:
         i = self.rows.index(None)  # ValueError when full: callers check `free` first
         self.rows[i] = seq
@@ -120,12 +131,18 @@ class Decoder:
         return done
 
     def _prefill(self, rows: list[int]) -> None:
-        """Compute the cache of `rows` from scratch with the current weights and write it into their slots."""
+        """Compute the cache of `rows` from scratch with the current weights and write it into their slots.
+
+        The forward is only as wide as the longest of these rows (a new short
+        prompt does not pay for the cache's width); the result goes into the
+        rightmost columns, the rest of each such row is masked.
+        """
         import torch
         from transformers.cache_utils import DynamicCache
 
-        width = max(max(len(self.rows[i].fed()) for i in rows), self.valid.shape[1])
+        width = max(len(self.rows[i].fed()) for i in rows)
         self._widen(width)
+        left = self.valid.shape[1] - width  # columns of the cache to the left of these rows' tokens
         ids = torch.full((len(rows), width), Vocab.PAD, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.bool)
         for j, i in enumerate(rows):
@@ -141,9 +158,11 @@ class Decoder:
                        for k, v in new]
         for (k, v), (nk, nv) in zip(self.kv, new):
             keep = mask[:, None, :, None]  # padding keys/values are zeroed: masked, but never NaN
-            k[idx] = torch.where(keep, nk, 0.0)
-            v[idx] = torch.where(keep, nv, 0.0)
-        self.valid[idx] = mask
+            k[idx, :, :left], v[idx, :, :left] = 0.0, 0.0
+            k[idx, :, left:] = torch.where(keep, nk, 0.0)
+            v[idx, :, left:] = torch.where(keep, nv, 0.0)
+        self.valid[idx] = False
+        self.valid[idx, left:] = mask
         self.fresh.clear()
 
     def _decode(self):

@@ -98,7 +98,7 @@ class Worker:
                 if self.held is None:  # the driver's stop sentinel
                     return False
             ticket = self.held
-            if ticket["size"] > self.decoder.free:
+            if ticket["size"] > self.decoder.free or not self.decoder.refilling:
                 return True
             if ticket["min_version"] > self.sub.version:
                 if self.decoder.active:
