@@ -13,7 +13,7 @@ from wsync.plan.sim import simulate
 from wsync.plan.validate import (TOLERANCE, LoopMeasurement, fit_early_stop, from_bench_run, loop_config,
                                  mean_length, predict, task_caps, validate)
 
-LOOP_JSON = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-21-xeon-2core-nogpu-loop.json"
+LOOP_JSON = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-22-xeon-2core-nogpu-loop.json"
 
 
 def test_prediction_within_20_percent_of_the_measured_loop():
