@@ -482,3 +482,19 @@ def test_non_contiguous_blob_is_refused_with_a_hint(pair):
     _, cli, _ = pair
     with pytest.raises(ValueError, match="contiguous"):
         cli.send(Message("x", {}, [np.zeros((4, 4))[:, 1]]))
+
+
+def test_retransmit_timers_where_the_kernel_has_them(pair):
+    """rto_min / delack_max reach every connection (Linux >= 6.15), and must keep delayed ACKs under the RTO."""
+    _, cli, srv = pair
+    socks = cli._socks + srv._socks
+    try:
+        got = [(s.getsockopt(socket.IPPROTO_TCP, tcp_auth.TCP_RTO_MIN_US),
+                s.getsockopt(socket.IPPROTO_TCP, tcp_auth.TCP_DELACK_MAX_US)) for s in socks]
+    except OSError as e:
+        pytest.skip(f"this kernel has no TCP_RTO_MIN_US / TCP_DELACK_MAX_US ({e})")
+    assert len(socks) == 16  # 4 streams each way, both ends
+    # the kernel keeps them in jiffies: what it reports is rounded up to its tick (4 ms at HZ=250)
+    assert all(50_000 <= rto < 60_000 and 10_000 <= ack < 20_000 for rto, ack in got), got
+    with pytest.raises(ValueError, match="delack_max"):
+        connect("tcp://127.0.0.1:1", rto_min=0.01, delack_max=0.01)

@@ -66,6 +66,13 @@ class TcpConfig:
     max_resends: int = 3  # times one frame may fail its checksum in a row before ChecksumError
     linger: float = 5.0  # close(): seconds to wait for the peer to acknowledge what was sent
     congestion: str | None = None  # TCP_CONGESTION for every connection, e.g. "bbr" or "cubic" (None: system)
+    # Linux >= 6.15, ignored elsewhere: the shortest retransmission timeout (the system's is 200 ms), and the
+    # longest an ACK may be delayed (40 ms), kept well under it so a delayed ACK never looks like a loss. A
+    # delta version is a few hundred packets after an idle gap: a lost tail packet whose probe is lost too
+    # waited 200 ms; on the emulated 200 Mbit/s, 40 ms, 0.5% loss WAN the slowest of 16 versions went from
+    # 0.60 s to 0.27 s. 0: the system's.
+    rto_min: float = 0.05
+    delack_max: float = 0.01
     pool_bytes: int = 256 << 20  # received buffers (>= 1 MiB) kept for reuse once the caller drops them (fresh pages are slow)
 
     @classmethod
@@ -76,13 +83,15 @@ class TcpConfig:
             raise ValueError(f"streams must be 1..64, got {cfg.streams}")
         if not 64 << 10 <= cfg.frame_bytes <= 64 << 20:
             raise ValueError(f"frame_bytes must be 64K..64M, got {cfg.frame_bytes}")
+        if cfg.rto_min < 0 or cfg.delack_max < 0 or (cfg.rto_min and cfg.delack_max * 2 > cfg.rto_min):
+            raise ValueError(f"need 0 <= 2 * delack_max <= rto_min (or rto_min 0), got {cfg.delack_max}, {cfg.rto_min}")
         return cfg
 
 
 KINDS = {"streams": int, "frame_bytes": "size", "sndbuf": "size", "rcvbuf": "size", "notsent_lowat": "size",
          "resume_window": float, "connect_timeout": float, "handshake_timeout": float, "user_timeout": float,
          "stall_timeout": float, "max_message": "size", "recv_window": "size", "max_resends": int, "linger": float,
-         "pool_bytes": "size"}
+         "pool_bytes": "size", "rto_min": float, "delack_max": float}
 
 
 def listen(addr: Address, *, token=None, tls=None, **opts) -> "TcpListener":

@@ -37,6 +37,8 @@ LEN = struct.Struct("<I")
 MAGIC = b"WSH1"
 MAX_JSON = 1 << 20  # request/reply JSON (a resume state lists held frames: small)
 
+TCP_RTO_MIN_US, TCP_DELACK_MAX_US = 45, 46  # linux/tcp.h (6.15); Python's socket module does not name them yet
+
 
 class Refused(TransportError):
     """The other side said no (token, version, unknown session): retrying the same request will not help."""
@@ -90,6 +92,12 @@ def tune(sock: socket.socket, cfg) -> None:
     if cfg.user_timeout and hasattr(socket, "TCP_USER_TIMEOUT"):
         # unacknowledged data older than this breaks the connection, so a silently dead path resumes
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(cfg.user_timeout * 1000))
+    for opt, seconds in ((TCP_RTO_MIN_US, cfg.rto_min), (TCP_DELACK_MAX_US, cfg.delack_max)):
+        if seconds:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, int(seconds * 1e6))
+            except OSError:  # before Linux 6.15: the system's timers
+                pass
     if cfg.congestion:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg.congestion.encode())
