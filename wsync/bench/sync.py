@@ -170,7 +170,7 @@ def add_parsers(bench) -> None:
     p.add_argument("--src", type=Path, help="folder of checkpoints (default: generated RL snapshots)")
     p.add_argument("--size", default="small", choices=["tiny", "small", "bench"])
     p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--versions", type=int, default=4, help="timed versions after the warm-up keyframe")
+    p.add_argument("--versions", type=int, default=12, help="timed versions after the warm-up keyframe")
     p.add_argument("--modes", nargs="+", default=["full", "delta"], choices=list(MODES))
     p.add_argument("--bucket-bytes", type=int, default=16 << 20)
     p.add_argument("--wan", help="RATE_MBIT,RTT_MS,LOSS: run across an emulated WAN between network namespaces")
