@@ -7,8 +7,12 @@ Built for long fat pipes and for links that drop:
   stream fewer than 16, see ``tcp_outbox.frame_size``) that any stream may
   carry, each with its own header (message, blob, offset, length, xxh3-64),
   and reassembled in place. A stream takes its next frame once its unsent
-  bytes fall below ``notsent_lowat``, so faster streams carry more;
+  bytes fall below ``notsent_lowat``, so faster streams carry more. A message
+  of at most 1 MiB (a delta bucket) goes whole to the lowest-numbered free
+  stream, so a trickle of small versions keeps one connection's window open;
 * **large socket buffers** (``sndbuf``/``rcvbuf``, 16 MiB) and TCP_NODELAY;
+  where the kernel has them (Linux >= 6.15), a 50 ms minimum retransmission
+  timeout (``rto_min``) and ACKs delayed at most 10 ms (``delack_max``);
 * **resume**: if connections drop, the subscriber reconnects within
   ``resume_window`` seconds and the link carries on from the last good frame,
   with nothing lost or repeated; after the window both sides see TransportError;
