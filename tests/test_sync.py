@@ -40,6 +40,15 @@ def gen():
     return torch.Generator().manual_seed(7)
 
 
+def publish_steps(pub, trainer, gen, versions, subs=(), timeout=60):
+    """An RL step then a publish for each of versions; then every subscriber serves the last one."""
+    for v in versions:
+        rl_step(trainer, gen)
+        pub.publish(trainer.state_dict(), version=v)
+    for s in subs:
+        s.wait_for(versions[-1], timeout=timeout)
+
+
 def test_hf_model_follows_bit_exact(gen):
     trainer, engine_model = tiny_qwen(0), tiny_qwen(1)
     assert not same_bytes(trainer, engine_model)
@@ -66,11 +75,7 @@ def test_eight_subscribers_fifty_deltas(gen):
         subs += [Subscriber(pub.address, engine=engines.Shadow(), token=TOKEN, apply="poll") for _ in range(4)]
         try:
             pub.wait_for_subscribers(8, timeout=30)
-            for v in range(51):
-                rl_step(trainer, gen)
-                pub.publish(trainer.state_dict(), version=v)
-            for s in subs:
-                s.wait_for(50, timeout=60)
+            publish_steps(pub, trainer, gen, range(51), subs)
             pub.flush(timeout=30)
         finally:
             for s in subs:
@@ -106,11 +111,7 @@ def test_two_engines_follow_over_each_transport(scheme, gen):
         subs = [Subscriber(pub.address, engine=engines.HF(m)) for m in models]
         try:
             pub.wait_for_subscribers(2, timeout=60)
-            for v in range(6):
-                rl_step(trainer, gen)
-                pub.publish(trainer.state_dict(), version=v)
-            for s in subs:
-                s.wait_for(5, timeout=60)
+            publish_steps(pub, trainer, gen, range(6), subs)
         finally:
             for s in subs:
                 s.close()
@@ -126,11 +127,7 @@ def test_relay_tree_forwards_bit_exact(gen):
             Subscriber(pub.address, engine=engines.Shadow(), token=TOKEN, relay=ADDR) as relay:
         subs = [Subscriber(relay.relay.address, engine=engines.HF(m), token=TOKEN) for m in leaves]
         try:
-            for v in range(6):
-                rl_step(trainer, gen)
-                pub.publish(trainer.state_dict(), version=v)
-            for s in subs:
-                s.wait_for(5, timeout=30)
+            publish_steps(pub, trainer, gen, range(6), subs, timeout=30)
         finally:
             for s in subs:
                 s.close()

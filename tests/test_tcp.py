@@ -117,7 +117,8 @@ def test_small_messages_keep_to_stream_zero_large_ones_spread():
                 return
             time.sleep(0.002)
             with cv:
-                taken.append((k, job[0], job[1].seq))
+                kind = job[0] if job[0] != "frames" else ("spread" if job[3] else "whole")
+                taken.append((k, kind, job[1].seq))
                 out.written(job)
 
     threads = [threading.Thread(target=writer, args=(k,), daemon=True) for k in range(4)]
@@ -140,9 +141,9 @@ def test_small_messages_keep_to_stream_zero_large_ones_spread():
         cv.notify_all()
     for t in threads:
         t.join(timeout=10)
-    assert all((0, "frames", seq) in taken for seq in small)
+    assert all((0, "whole", seq) in taken for seq in small)
     assert {k for k, kind, seq in taken if kind != "head" and seq in small} == {0}
-    assert {k for k, kind, seq in taken if seq == big and kind == "frame"} == {0, 1, 2, 3}
+    assert {k for k, kind, seq in taken if seq == big and kind == "spread"} == {0, 1, 2, 3}
 
 
 def test_split_frames_resume_after_a_cut_bit_exact():

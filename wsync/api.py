@@ -167,9 +167,11 @@ def prepare(payload: Payload, *, backend: str | None = None) -> Payload:
     quietly at the first problem: apply meets it again and raises it, ranked
     as always (a wrong base before a corrupt payload).
     """
-    k = backends.kernels(backend)
     codec = CODECS.get(payload.manifest.codec)
-    for spec in payload.manifest.tensors if codec is not None else ():
+    if codec is None:
+        return payload
+    k = backends.kernels(backend)
+    for spec in payload.manifest.tensors:
         if spec.name in payload.unpacked:
             continue
         try:

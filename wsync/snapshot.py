@@ -142,10 +142,12 @@ class Copying(dict):
     def __init__(self, obj, into: State | None = None):
         super().__init__()
         self._jobs: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # name -> (source bits, destination)
+        self.on_host = True  # every tensor is copied here (none came off a device already copied)
         named = unique_tensors(obj) if isinstance(obj, dict) else None
         for name, t in as_state(named if named is not None else obj).items():
             if named is not None and _off_host(named[name]):
                 self[name] = t  # as_state already copied it off the device
+                self.on_host = False
                 continue
             dst = _destination(t.bits, (into or {}).get(name))
             self[name] = TensorBits(t.dtype, t.shape, dst)
@@ -199,11 +201,6 @@ def _off_host(t) -> bool:
     """A device tensor: as_state already copied it to the host."""
     return not isinstance(t, (np.ndarray, TensorBits)) and getattr(t, "device", None) is not None \
         and t.device.type != "cpu"
-
-
-def copies_on_host(obj) -> bool:
-    """owned_copy(obj) copies host memory (so a spare state saves it faulting in fresh pages)."""
-    return isinstance(obj, dict) and not any(_off_host(t) for t in obj.values())
 
 
 def blank_like(state: State) -> State:

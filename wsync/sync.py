@@ -31,7 +31,7 @@ from .errors import SnapshotError, VersionError, WsyncError
 from .history import Encoded, History, Keyframe, keyframe_due
 from .sender import Sender
 from .checksum import state_digest
-from .snapshot import Copying, State, blank_like, copies_on_host, plan_buckets, wait_copied
+from .snapshot import Copying, State, blank_like, plan_buckets, wait_copied
 from .transports import Message, listen
 from .transports.base import with_token
 
@@ -90,7 +90,7 @@ class Publisher:
         if self._last is not None and version <= self._last:
             raise VersionError(f"versions must increase: got {version} after {self._last}")
         snap = Copying(state, into=self._take_spare())
-        self._spare_wanted = copies_on_host(state)
+        self._spare_wanted = snap.on_host  # else a spare would never be used
         self._queue.put((version, snap))
         snap.run(self._buckets(snap))  # bucket by bucket: the encoder starts on each as soon as it is in
         self._last = version

@@ -81,7 +81,7 @@ class Outbox:
         self.next_seq = 0
         self.retained: OrderedDict[int, OutMsg] = OrderedDict()  # sent, not yet acknowledged
         self.control: deque = deque()  # HEAD/CLOSE jobs, written on stream 0 first
-        self.frames: deque = deque()  # (msg, blob, frame) jobs, taken by any stream
+        self.frames: deque = deque()  # ("frames", msg, [(blob, frame), ...], spread) jobs (see take)
         self.ack: int | None = None  # newest cumulative ACK still to write
         self.free: set[int] = set()  # writers waiting in take(), or writing a control record (back at once)
 
@@ -105,10 +105,10 @@ class Outbox:
                 raise ValueError(f"peer's resume state lists {len(held)} blobs for a {len(om.views)}-blob message")
             jobs = [(b, i) for b, i in om.all_frames() if i not in held[b]]
         om.pending = (held is MISSING) + len(jobs)
-        if sum(len(v) for v in om.views) <= WHOLE and len(jobs) > 1:
-            self.frames.append(("frames", om, jobs))
+        if sum(len(v) for v in om.views) <= WHOLE:
+            self.frames.append(("frames", om, jobs, False))  # whole, on one stream
         else:
-            self.frames.extend(("frame", om, b, i) for b, i in jobs)
+            self.frames.extend(("frames", om, [job], True) for job in jobs)  # one frame each, on any stream
 
     def plan(self, nxt: int, partial: dict) -> None:
         """New epoch: drop what the peer completed and queue again everything it lacks."""
@@ -144,7 +144,7 @@ class Outbox:
                     return ("ack", n)
                 if k == 0 and self.control:
                     return self.control.popleft()
-                if self.frames and (self.frames[0][0] == "frame" or k == min(self.free)):
+                if self.frames and (self.frames[0][3] or k == min(self.free)):
                     job = self.frames.popleft()
                     self.free.discard(k)
                     return job
@@ -156,7 +156,7 @@ class Outbox:
                 self.cv.notify_all()  # another writer may be the one for what is left
 
     def written(self, job: tuple) -> None:
-        if job[0] in ("head", "frame", "frames") and job[1].pending > 0:
+        if job[0] in ("head", "frames") and job[1].pending > 0:
             # pending may already be 0: the peer can acknowledge the whole message (acked() zeroes it)
             # before this writer gets here from its sendall; going below 0 would strand send() forever
             job[1].pending = max(0, job[1].pending - (len(job[2]) if job[0] == "frames" else 1))
@@ -173,18 +173,13 @@ def write(sock, job: tuple) -> None:
         sock.sendall(tf.pack(tf.Record(tf.ACK, job[1])))
     elif what == "close":
         sock.sendall(tf.pack(tf.Record(tf.CLOSE)))
-    elif what == "frames":
-        for b, i in job[2]:
-            _write_frame(sock, job[1], b, i)
     else:
-        _write_frame(sock, job[1], job[2], job[3])
-
-
-def _write_frame(sock, om: OutMsg, b: int, i: int) -> None:
-    off = i * om.frame
-    view = om.views[b][off: off + om.frame]
-    s = om.sums.get((b, i))
-    if s is None:
-        s = om.sums[(b, i)] = xxhash.xxh3_64_intdigest(view)
-    sock.sendall(tf.pack(tf.Record(tf.FRAME, om.seq, b, off, len(view), s)))
-    sock.sendall(view)
+        om = job[1]
+        for b, i in job[2]:
+            off = i * om.frame
+            view = om.views[b][off: off + om.frame]
+            s = om.sums.get((b, i))
+            if s is None:
+                s = om.sums[(b, i)] = xxhash.xxh3_64_intdigest(view)
+            sock.sendall(tf.pack(tf.Record(tf.FRAME, om.seq, b, off, len(view), s)))
+            sock.sendall(view)
