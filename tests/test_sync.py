@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from wsync import engines
-from wsync.errors import ChecksumError, MismatchError, VersionError
+from wsync.errors import ChecksumError, MismatchError, SnapshotError, VersionError
 from wsync.snapshot import TensorBits, as_state
 from wsync.sync import Publisher, Subscriber, apply_version
 
@@ -145,35 +145,58 @@ def test_versions_must_increase():
             pub.publish(state, version=-1)
 
 
-def test_publish_that_fails_mid_copy_leaves_no_version(gen, monkeypatch):
-    """publish() copies bucket by bucket while the encoder streams: a copy that dies half way raises to the
-    trainer, the half-sent version never commits anywhere, and the same number can be published again."""
-    from wsync import snapshot
-    from wsync.errors import SnapshotError
+@pytest.mark.parametrize("live", [False, True], ids=["copied", "measured-live"])
+def test_publish_that_fails_mid_read_leaves_no_version(gen, monkeypatch, live):
+    """publish() reads the state bucket by bucket while the encoder streams (copying it, or measuring it against
+    the mirror): a read that dies half way raises to the trainer, the half-sent version never commits anywhere,
+    and the same number can be published again."""
+    from wsync import mirror, snapshot
 
     trainer, engine_model = tiny_qwen(0), tiny_qwen(1)
-    with Publisher(ADDR, token=TOKEN, keyframe_every=0, bucket_bytes=8 << 10) as pub, \
+    with Publisher(ADDR, token=TOKEN, keyframe_every=0, bucket_bytes=8 << 10, live=live) as pub, \
             Subscriber(pub.address, engine=engines.HF(engine_model), token=TOKEN) as sub:
         pub.publish(trainer.state_dict(), version=0)
         assert sub.wait_for(0, timeout=30) == 0
+        pub.flush(timeout=30)  # the mirror is made behind publish(): wait for it, or version 1 would be copied
         held = engines.HF(engine_model).digest()
         rl_step(trainer, gen)
-        real_run = snapshot.Copying.run
+        if live:
+            real, calls = mirror.LiveDelta._step, []
 
-        def dies_after_two_buckets(self, groups):
-            real_run(self, groups[:2])  # the first buckets reach the encoder (and the wire), then it fails
-        monkeypatch.setattr(snapshot.Copying, "run", dies_after_two_buckets)
-        with pytest.raises(ValueError, match="in no group"):
-            pub.publish(trainer.state_dict(), version=1)
-        monkeypatch.setattr(snapshot.Copying, "run", real_run)
+            def dies_half_way(self, m, new):
+                calls.append(1)
+                if len(calls) > 6:
+                    raise OSError("the trainer's memory went away")
+                return real(self, m, new)
+            monkeypatch.setattr(mirror.LiveDelta, "_step", dies_half_way)
+            with pytest.raises(SnapshotError, match="went away"):
+                pub.publish(trainer.state_dict(), version=1)
+            monkeypatch.setattr(mirror.LiveDelta, "_step", real)
+        else:
+            real_run = snapshot.Copying.run
+
+            def dies_after_two_buckets(self, groups):
+                real_run(self, groups[:2])  # the first buckets reach the encoder (and the wire), then it fails
+            monkeypatch.setattr(snapshot.Copying, "run", dies_after_two_buckets)
+            with pytest.raises(ValueError, match="in no group"):
+                pub.publish(trainer.state_dict(), version=1)
+            monkeypatch.setattr(snapshot.Copying, "run", real_run)
+        assert sub.version == 0 and engines.HF(engine_model).digest() == held
         pub.publish(trainer.state_dict(), version=1)  # the failed one never counted
         assert sub.wait_for(1, timeout=30) == 1
         assert same_bytes(trainer, engine_model) and held != engines.HF(engine_model).digest()
         assert sub.stats["failures"] == 0
+        # a half-written mirror is not trusted: that version goes out whole
+        assert sub.stats["last"]["keyframe"] == live
+        pub.flush(timeout=30)
         rl_step(trainer, gen)
         pub.publish(trainer.state_dict(), version=2)  # and deltas go on against version 1
         assert sub.wait_for(2, timeout=30) == 2 and same_bytes(trainer, engine_model)
         assert not sub.stats["last"]["keyframe"]
+
+
+def test_copying_that_misses_a_tensor_fails_its_readers():
+    from wsync import snapshot
 
     state = snapshot.Copying({"a": np.arange(4), "b": np.arange(3)})
     with pytest.raises(ValueError, match="in no group"):

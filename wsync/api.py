@@ -14,7 +14,7 @@ import numpy as np
 from . import backends, dtypes
 from .checksum import state_digest
 from .codecs import CODECS
-from .codecs.base import Applied, Decoded, Overwritten
+from .codecs.base import Applied, Decoded, Encoded, Overwritten
 from .errors import ChecksumError, FormatError, MismatchError, VersionError
 from .manifest import Manifest, TensorSpec
 from .payload import Payload, as_payload
@@ -66,12 +66,31 @@ def encode(base, new, *, codec: str = "delta", tier: str | None = "packed", vers
     mod = CODECS[codec]
     encoded = [(name, tb, base_state[name] if base_state else None) for name, tb in new_state.items()]
     encoded = [(name, tb, b, mod.encode_tensor(b, tb, tier=tier, kernels=k, level=level)) for name, tb, b in encoded]
+    return _payload(encoded, k, base_state, codec=codec, tier=tier, version=version, base_version=base_version,
+                    layout=layout, metadata=metadata)
+
+
+def encode_measured(measured: list[tuple[str, TensorBits, Encoded]], *, tier: str, version: int | None = None,
+                    base_version: int | None = None, level: int = 1, backend: str | None = None) -> Payload:
+    """A delta payload from tensors delta.measure()d ahead, in base order.
+
+    Only the names, dtypes and shapes of the TensorBits are read (their
+    memory may have changed since), and the measured parts and checksums.
+    """
+    k = backends.kernels(backend)
+    encoded = [(name, tb, None, CODECS["delta"].pack(enc, level)) for name, tb, enc in measured]
+    layout_of_base = {name: tb for name, tb, _ in measured}
+    return _payload(encoded, k, layout_of_base, codec="delta", tier=tier, version=version,
+                    base_version=base_version, layout=None, metadata={})
+
+
+def _payload(encoded: list, k, base_state: State | None, **fields) -> Payload:
+    """Body and manifest; base_state is read for its names, dtypes and shapes only (checksums come measured)."""
     body, specs = _assemble(encoded, k)
     manifest = Manifest(
-        codec=codec, tier=tier, version=version, base_version=base_version,
         checksum=state_digest((s.name, s.dtype, s.shape, s.checksum) for s in specs),
         base_checksum=digest(base_state, {s.name: s.base_checksum for s in specs}) if base_state else None,
-        tensors=specs, layout=layout, metadata=metadata,
+        tensors=specs, **fields,
     )
     return Payload(manifest, memoryview(body))
 

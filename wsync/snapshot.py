@@ -145,7 +145,7 @@ class Copying(dict):
         self.on_host = True  # every tensor is copied here (none came off a device already copied)
         named = unique_tensors(obj) if isinstance(obj, dict) else None
         for name, t in as_state(named if named is not None else obj).items():
-            if named is not None and _off_host(named[name]):
+            if named is not None and off_host(named[name]):
                 self[name] = t  # as_state already copied it off the device
                 self.on_host = False
                 continue
@@ -197,7 +197,7 @@ def _destination(bits: np.ndarray, spare: TensorBits | None) -> np.ndarray:
     return np.empty_like(bits)
 
 
-def _off_host(t) -> bool:
+def off_host(t) -> bool:
     """A device tensor: as_state already copied it to the host."""
     return not isinstance(t, (np.ndarray, TensorBits)) and getattr(t, "device", None) is not None \
         and t.device.type != "cpu"

@@ -26,12 +26,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from . import api
+from . import api, backends
 from .errors import SnapshotError, VersionError, WsyncError
 from .history import Encoded, History, Keyframe, keyframe_due
 from .sender import Sender
 from .checksum import state_digest
-from .snapshot import Copying, State, blank_like, plan_buckets, wait_copied
+from .mirror import LiveDelta, Mirror
+from .snapshot import Copying, State, as_state, blank_like, off_host, plan_buckets, unique_tensors, wait_copied
 from .transports import Message, listen
 from .transports.base import with_token
 
@@ -48,6 +49,7 @@ class PublisherConfig:
     backend: str | None = None  # codec backend (None: WSYNC_BACKEND or auto)
     max_queued: int = 2  # versions waiting to be encoded before publish() blocks (bounds memory)
     hello_timeout: float = 30.0  # seconds a new subscriber has to say hello
+    live: bool = True  # host-memory states: publish() measures each delta against a mirror instead of copying
 
 
 class Publisher:
@@ -65,9 +67,12 @@ class Publisher:
         self._spare_wanted = False  # the last publish() copied host memory, so a spare would be used
         # states that became keyframes are never recycled: a sender may still be encoding one after history moved on
         self._keyframe_states: deque[int] = deque(maxlen=64)
+        self._mirror = Mirror()  # the newest version, for publish() to measure host-memory states against
         self._published = 0  # versions accepted by publish()
         self._since_keyframe = 0
         self._last: int | None = None
+        self._last_layout: list | None = None
+        self._host_trainer = False  # the last publish() was handed host-memory tensors
         self._peers: list[Sender] = []
         self._error: BaseException | None = None
         self._closed = False
@@ -89,11 +94,41 @@ class Publisher:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if self._last is not None and version <= self._last:
             raise VersionError(f"versions must increase: got {version} after {self._last}")
-        snap = Copying(state, into=self._take_spare())
-        self._spare_wanted = snap.on_host  # else a spare would never be used
-        self._queue.put((version, snap))
-        snap.run(self._buckets(snap))  # bucket by bucket: the encoder starts on each as soon as it is in
+        live = _host_state(state)
+        self._host_trainer = live is not None  # worth keeping a mirror for
+        layout = _layout(live) if live is not None else None
+        make_kf = keyframe_due(self._published, self._since_keyframe, self.config.keyframe_every) \
+            or layout is None or layout != self._last_layout
+        if live is None or make_kf or not self._publish_live(version, live, layout):
+            snap = Copying(live if live is not None else state, into=self._take_spare())
+            self._spare_wanted = snap.on_host  # else a spare would never be used
+            self._queue.put((version, snap, make_kf))
+            snap.run(self._buckets(snap))  # bucket by bucket: the encoder starts on each as soon as it is in
+            self._last_layout = _layout(snap) if layout is None else layout
         self._last = version
+        self._published += 1
+        self._since_keyframe = 1 if make_kf else self._since_keyframe + 1
+
+    def _publish_live(self, version: int, live: State, layout: list) -> bool:
+        """The delta from the mirror to `live`, measured here (see mirror.py); False if the mirror is not ready."""
+        m = self._mirror
+        if not self.config.live or self.config.codec != "delta" or m.version is None or m.version != self._last:
+            return False  # the encoder has not made the previous version the mirror (yet)
+        if _layout(m.state) != layout:
+            return False
+        job = LiveDelta(version, m, live, self._buckets(live), tier=self.config.tier,
+                        kernels=backends.kernels(self.config.backend))
+        self._spare_wanted = False
+        self._queue.put((version, job, False))
+        with m.lock:
+            try:
+                job.run()  # the encoder packs and sends each group while this measures the next
+            except BaseException as e:
+                m.invalidate()  # half written: the next version is a keyframe
+                self._last_layout = None
+                raise SnapshotError(f"publishing version {version} failed while reading the state: {e!r}") from e
+            m.version = version
+        return True
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every version so far is encoded and acknowledged by every connected subscriber."""
@@ -159,40 +194,42 @@ class Publisher:
             try:
                 if item is None:
                     return
-                self._encode_version(*item)
+                version, job, make_kf = item
+                if isinstance(job, LiveDelta):
+                    self._encode_live(version, job)
+                else:
+                    self._encode_version(version, job, make_kf)
             except SnapshotError:
-                pass  # publish() failed while copying, and raised that to its caller: the version does not exist
+                pass  # publish() failed while reading the state, and raised that to its caller: no such version
             except BaseException as e:  # surfaces at the next publish()/flush()
                 log.exception("encoding a version failed")
                 self._error = e
             finally:
                 self._queue.task_done()
 
-    def _encode_version(self, version: int, state: State) -> None:
+    def _encode_version(self, version: int, state: State, make_kf: bool) -> None:
+        """A version publish() copied: a keyframe, or a delta against the state before it."""
         cfg, prev = self.config, self._state
         t0 = time.perf_counter()
         checksum = None  # the state's digest, known once its buckets are encoded (from their checksums)
         same_layout = prev is not None and _layout(prev) == _layout(state)
-        make_kf = keyframe_due(self._published, self._since_keyframe, cfg.keyframe_every) or not same_layout
+        make_kf = make_kf or not same_layout
         if make_kf:
             wait_copied(state, state)  # a keyframe stays in the history: never register one half copied
         delta = None
         if same_layout:
             delta = Encoded(version, self._history.newest, checksum, len(self._buckets(state)))
         with self._cv:
-            self._published += 1
             if make_kf:
                 self._history.add_keyframe(version, state, checksum, delta)
                 self._keyframe_states.append(id(state))
-                self._since_keyframe = 0
             else:
                 self._history.add_delta(delta)
-            self._since_keyframe += 1
             self._state = state
             self._cv.notify_all()
         if delta is not None:
             try:
-                self._fill(delta, prev, state)
+                self._fill(delta, self._buckets(state), self._encoder(delta, prev, state))
             except BaseException:
                 with self._cv:
                     if self._state is state:  # the version failed: the next one is a delta against prev
@@ -200,11 +237,55 @@ class Publisher:
                 raise
         with self._cv:
             self._recycle(prev)  # only now: _fill read prev as the delta's base
+        if cfg.live and cfg.codec == "delta" and self._host_trainer and self._last == version:
+            self._adopt(version, state)
+        self._record(version, t0, delta)
+        self._prepare_spare(state)
+
+    def _adopt(self, version: int, state: State) -> None:
+        """Make a copied version the mirror, so the next publish() measures against it (see mirror.py).
+
+        A state the history keeps as a keyframe must not change, so the mirror
+        gets a copy of it (here, behind publish()); any other becomes the
+        mirror itself, decided under _cv so a sender never takes it for an
+        on-demand keyframe at the same moment.
+        """
+        with self._cv:
+            copy = id(state) in self._keyframe_states
+            if not copy:
+                self._recycle(self._mirror.adopt(version, state, copy=False))
+        if copy:
+            self._mirror.adopt(version, state, copy=True)  # into the old mirror's arrays
+
+    def _encode_live(self, version: int, job: LiveDelta) -> None:
+        """A version publish() is measuring against the mirror: pack each group as it comes."""
+        cfg, prev = self.config, self._state
+        t0 = time.perf_counter()
+        enc = Encoded(version, job.base_version, None, job.count)
+        with self._cv:
+            self._history.add_delta(enc)
+            self._state = self._mirror.state
+            self._cv.notify_all()
+
+        def payload(i, names):
+            return api.encode_measured(job.wait(i), tier=cfg.tier, version=version, base_version=job.base_version,
+                                       level=cfg.level, backend=cfg.backend)
+        try:
+            self._fill(enc, [[]] * job.count, payload)
+        except SnapshotError:
+            with self._cv:
+                if self._state is self._mirror.state:
+                    self._state = None  # half written: the next version is a keyframe
+            raise
+        with self._cv:
+            self._recycle(prev)
+        self._record(version, t0, enc)
+
+    def _record(self, version: int, t0: float, enc: Encoded | None) -> None:
         self.stats["versions"] += 1
         self.stats["encode_s"][version] = time.perf_counter() - t0
-        self.stats["bytes"][version] = delta.nbytes if delta else None
+        self.stats["bytes"][version] = enc.nbytes if enc else None
         self._trim_stats()
-        self._prepare_spare(state)
 
     def _prepare_spare(self, state: State) -> None:
         """While nothing waits to be encoded, fault in a spare for the next publish() if none was recycled.
@@ -225,24 +306,18 @@ class Publisher:
     def _buckets(self, state: State) -> list[list[str]]:
         return plan_buckets([(n, tb.nbytes) for n, tb in state.items()], self.config.bucket_bytes)
 
-    def _fill(self, enc: Encoded, base: State | None, state: State) -> None:
-        """Encode `state` bucket by bucket into enc, waking senders after each bucket."""
-        cfg = self.config
-        codec = "raw" if base is None else cfg.codec
+    def _fill(self, enc: Encoded, groups: list[list[str]], payload) -> None:
+        """Encode a version bucket by bucket (payload(i, names) makes bucket i), waking senders after each."""
         sums = []  # (name, dtype, shape, checksum) of every tensor: the state digest, without another pass
         try:
-            for i, names in enumerate(self._buckets(state)):
-                wait_copied(state, names)  # publish() may still be copying this bucket
-                new = {n: state[n] for n in names}
-                old = {n: base[n] for n in names} if codec == "delta" else None
-                payload = api.encode(old, new, codec=codec, tier=cfg.tier, version=enc.version,
-                                     base_version=enc.base_version, level=cfg.level, backend=cfg.backend)
-                sums += [(t.name, t.dtype, t.shape, t.checksum) for t in payload.manifest.tensors]
+            for i, names in enumerate(groups):
+                p = payload(i, names)
+                sums += [(t.name, t.dtype, t.shape, t.checksum) for t in p.manifest.tensors]
                 last = i == enc.count - 1
                 # the digest of the whole version rides on its last bucket, the one the subscriber applies after
                 meta = {"version": enc.version, "base_version": enc.base_version, "index": i, "count": enc.count,
                         "checksum": state_digest(sums) if last else None}
-                msg = Message("bucket", meta, [payload.header(), payload.body])
+                msg = Message("bucket", meta, [p.header(), p.body])
                 with self._cv:
                     if last:
                         enc.checksum = meta["checksum"]
@@ -257,18 +332,31 @@ class Publisher:
                 self._cv.notify_all()
             raise
 
+    def _encoder(self, enc: Encoded, base: State | None, state: State):
+        """payload(i, names) for _fill: bucket i of state, as a delta against base (raw if base is None)."""
+        cfg = self.config
+        codec = "raw" if base is None else cfg.codec
+
+        def payload(i, names):
+            wait_copied(state, names)  # publish() may still be copying this bucket
+            return api.encode({n: base[n] for n in names} if codec == "delta" else None,
+                              {n: state[n] for n in names}, codec=codec, tier=cfg.tier, version=enc.version,
+                              base_version=enc.base_version, level=cfg.level, backend=cfg.backend)
+        return payload
+
     def _keyframe_buckets(self, kf: Keyframe) -> Encoded:
         """The raw encoding of a keyframe, made once on first use (by whichever sender needs it)."""
         with kf.lock:
             if kf.encoded is None:
                 enc = Encoded(kf.version, None, kf.checksum, len(self._buckets(kf.state)))
-                self._fill(enc, None, kf.state)
+                self._fill(enc, self._buckets(kf.state), self._encoder(enc, None, kf.state))
                 kf.checksum, kf.encoded = enc.checksum, enc
             return kf.encoded
 
     def _recycle(self, old: State | None) -> None:
         """Keep a state no one needs any more, so the next publish() copies into warm memory. Holds _cv."""
-        if old is not None and old is not self._state and id(old) not in self._keyframe_states:
+        if old is not None and old is not self._state and old is not self._mirror.state \
+                and id(old) not in self._keyframe_states:
             self._spare = old
 
     def _take_spare(self) -> State | None:
@@ -312,26 +400,38 @@ class Publisher:
                     return None
                 newest = self._history.newest
                 if newest is not None and (peer.need_keyframe or peer.sent != newest):
-                    break
-                self._cv.wait(1.0)
-            if peer.need_keyframe:
-                peer.need_keyframe = False
-                return self._fresh_keyframe(), []
-            kf, deltas = self._history.plan(peer.sent, peer.sent_checksum)
-            if kf is not None and peer.sent is not None and kf.version <= peer.sent:
-                # it holds something numbered at or past the stored keyframe that we cannot vouch for:
-                # a keyframe of the newest state moves it forward instead of back
-                return self._fresh_keyframe(), []
-            return kf, deltas
+                    if peer.need_keyframe:
+                        kf, deltas = self._fresh_keyframe(), []
+                    else:
+                        kf, deltas = self._history.plan(peer.sent, peer.sent_checksum)
+                        if kf is not None and peer.sent is not None and kf.version <= peer.sent:
+                            # it holds something numbered at or past the stored keyframe that we cannot vouch
+                            # for: a keyframe of the newest state moves it forward instead of back
+                            kf, deltas = self._fresh_keyframe(), []
+                    if kf is not None or deltas:
+                        peer.need_keyframe = False
+                        return kf, deltas
+                self._cv.wait(1.0)  # nothing to send yet, or no keyframe of the newest state to be had yet
 
-    def _fresh_keyframe(self) -> Keyframe:
-        """A keyframe of the newest state (shared by every peer that needs one at this version). Holds _cv."""
+    def _fresh_keyframe(self) -> Keyframe | None:
+        """A keyframe of the newest state (shared by every peer that needs one at this version). Holds _cv.
+
+        None when the newest state cannot be had right now: publish() has
+        already written a later version into the mirror, and the encoder will
+        register it shortly (or the mirror was lost, and the next version is a
+        keyframe anyway).
+        """
         h = self._history
         if h.keyframe.version == h.newest:
             return h.keyframe
         if self._on_demand is None or self._on_demand.version != h.newest:
-            self._on_demand = Keyframe(h.newest, self._state, h.checksums[h.newest])
-            self._keyframe_states.append(id(self._state))
+            state = self._state
+            if state is not None and state is self._mirror.state:
+                state = self._mirror.freeze(h.newest)  # publish() writes into the mirror: keep a copy
+            if state is None:
+                return None
+            self._on_demand = Keyframe(h.newest, state, h.checksums[h.newest])
+            self._keyframe_states.append(id(state))
         return self._on_demand
 
     def _wait_bucket(self, enc: Encoded, i: int):
@@ -341,6 +441,13 @@ class Publisher:
             if enc.error is not None or self._closed:
                 return None
             return enc.buckets[i]
+
+
+def _host_state(state) -> State | None:
+    """The trainer's tensors as views of their own memory, if state is a dict of host-memory tensors."""
+    if not isinstance(state, dict) or any(off_host(t) for t in state.values()):
+        return None
+    return as_state(unique_tensors(state))
 
 
 def _layout(state: State) -> list:

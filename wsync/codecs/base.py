@@ -64,6 +64,7 @@ class Encoded:
     base_sum: str | None = None  # checksum of the base bits, if the encoder computed it
     new_sum: str | None = None  # checksum of the new bits, likewise
     verbatim: bool = False  # the frame is exactly the new bits, so its checksum is theirs
+    sections: object = None  # a delta kind's DeltaSections, kept by delta.measure() for callers that apply them
 
 
 @dataclass

@@ -15,6 +15,7 @@ Per tensor the encoder picks, from counts it knows before building anything:
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 
@@ -26,26 +27,41 @@ from .delta_ref import DeltaSections
 
 
 def encode_tensor(base: TensorBits, new: TensorBits, *, tier: str, kernels, level: int) -> Encoded:
-    # One pass over both tensors yields the sections and both checksums.
+    return pack(measure(base, new, tier=tier, kernels=kernels), level)
+
+
+def measure(base: TensorBits, new: TensorBits, *, tier: str, kernels, own: bool = False) -> Encoded:
+    """The first stage of encoding: the one pass over both tensors, before any zstd.
+
+    Yields the tensor's kind, its sections (or dense data) and both checksums;
+    pack() finishes it. own: the result must not refer to base's or new's
+    memory (the caller will change them before pack() runs).
+    """
     sec, base_sum, new_sum = kernels.delta_encode_checksummed(base.bits, new.bits, new.dtype.order)
     sums = {"base_sum": base_sum, "new_sum": new_sum}
     if sec.n_changed == 0:
         return Encoded("same", {}, **sums)
     if sec.sparse_size() >= new.nbytes:
         if tier == "sparse":
-            return Encoded("raw", {"data": new.bits}, verbatim=True, **sums)
-        return Encoded("xor", {"data": zstd_compress(base.bits ^ new.bits, level)}, **sums)
+            return Encoded("raw", {"data": new.bits.copy() if own else new.bits}, verbatim=True, **sums)
+        return Encoded("xor", {"data": base.bits ^ new.bits}, **sums)
     if tier == "sparse":
-        parts = {"table": sec.table, "gaps": sec.gaps, "steps": sec.steps, "escapes": sec.escapes}
-        return Encoded("delta-sparse", parts, **sums)
+        return Encoded("delta-sparse", {"table": sec.table, "gaps": sec.gaps, "steps": sec.steps,
+                                        "escapes": sec.escapes}, sections=sec, **sums)
     g = sec.gaps.view(np.uint8)
-    return Encoded("delta-packed", {
-        "table": zstd_compress(sec.table, level),
-        "gaps_lo": zstd_compress(np.ascontiguousarray(g[0::2]), level),
-        "gaps_hi": zstd_compress(np.ascontiguousarray(g[1::2]), level),
-        "steps": zstd_compress(sec.steps, level),
-        "escapes": zstd_compress(sec.escapes, level),
-    }, **sums)
+    return Encoded("delta-packed", {"table": sec.table, "gaps_lo": np.ascontiguousarray(g[0::2]),
+                                    "gaps_hi": np.ascontiguousarray(g[1::2]), "steps": sec.steps,
+                                    "escapes": sec.escapes}, sections=sec, **sums)
+
+
+def pack(enc: Encoded, level: int) -> Encoded:
+    """The second stage: the zstd stage of the packed tier's kinds (the others are already final)."""
+    if enc.kind not in _ZSTD_STAGED:
+        return enc
+    return replace(enc, parts={p: zstd_compress(v, level) for p, v in enc.parts.items()})
+
+
+_ZSTD_STAGED = ("xor", "delta-packed")
 
 
 def decode_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype) -> Decoded:
