@@ -107,10 +107,14 @@ std::unique_ptr<uint8_t[]> staging(int64_t nc, int width) {
 
 PyObject* py_delta_encode(PyObject*, PyObject* args) {
   PyObject *old_obj, *new_obj;
-  int width, with_checksums = 0;
+  int width, with_checksums = 0;  // 0: none, 1: old and new, 2: new only (old's is returned as None)
   const char* order_name;
-  if (!PyArg_ParseTuple(args, "OOis|p:delta_encode", &old_obj, &new_obj, &width, &order_name, &with_checksums))
+  if (!PyArg_ParseTuple(args, "OOis|i:delta_encode", &old_obj, &new_obj, &width, &order_name, &with_checksums))
     return nullptr;
+  if (with_checksums < 0 || with_checksums > 2) {
+    PyErr_Format(PyExc_ValueError, "checksums must be 0, 1 or 2, got %d", with_checksums);
+    return nullptr;
+  }
   const int order = parse_order(order_name);
   Buffer a, b;
   if (!check_kind(width, order, order_name) || !a.get(old_obj) || !b.get(new_obj)) return nullptr;
@@ -130,7 +134,8 @@ PyObject* py_delta_encode(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   wsync::dispatch(width, order, [&](auto zero, auto o) {
     wsync::encode_pass1<decltype(zero), decltype(o)::value>(a.data(), b.data(), n, t, stage.get(),
-                                                           nb ? old_digests.data() : nullptr, new_digests.data());
+                                                           nb && with_checksums == 1 ? old_digests.data() : nullptr,
+                                                           nb ? new_digests.data() : nullptr);
   });
   Py_END_ALLOW_THREADS
 
@@ -152,9 +157,12 @@ PyObject* py_delta_encode(PyObject*, PyObject* args) {
   }
   if (!with_checksums)
     return Py_BuildValue("(NNNN)", table.release(), gaps.release(), steps.release(), escapes.release());
+  const unsigned long long new_sum = wsync::combine_digests(new_digests);
+  if (with_checksums == 2)
+    return Py_BuildValue("(NNNNOK)", table.release(), gaps.release(), steps.release(), escapes.release(), Py_None,
+                         new_sum);
   return Py_BuildValue("(NNNNKK)", table.release(), gaps.release(), steps.release(), escapes.release(),
-                       (unsigned long long)wsync::combine_digests(old_digests),
-                       (unsigned long long)wsync::combine_digests(new_digests));
+                       (unsigned long long)wsync::combine_digests(old_digests), new_sum);
 }
 
 // ---- decode and apply ---------------------------------------------------------
@@ -229,6 +237,49 @@ bool report(const wsync::ChunkCheck& r, int64_t n) {
     return false;
   }
   return true;
+}
+
+PyObject* py_write_changes(PyObject*, PyObject* args) {
+  PyObject *dst_obj, *src_obj, *table_obj, *gaps_obj;
+  int width;
+  if (!PyArg_ParseTuple(args, "OOOOi:write_changes", &dst_obj, &src_obj, &table_obj, &gaps_obj, &width))
+    return nullptr;
+  Buffer dst, src, tb, gb;
+  if (!dst.get(dst_obj, true) || !src.get(src_obj) || !tb.get(table_obj) || !gb.get(gaps_obj)) return nullptr;
+  if (width != 1 && width != 2 && width != 4 && width != 8) {
+    PyErr_Format(PyExc_ValueError, "width must be 1, 2, 4 or 8, got %d", width);
+    return nullptr;
+  }
+  const int64_t n = elements(dst, width, "dst"), n_table = elements(tb, 4, "table"), n_gaps = elements(gb, 2, "gaps");
+  if (n < 0 || n_table < 0 || n_gaps < 0 || elements(src, width, "src") < 0) return nullptr;
+  if (src.size() != dst.size()) {
+    PyErr_Format(PyExc_ValueError, "dst and src differ in size: %lld vs %lld bytes", (long long)dst.size(),
+                 (long long)src.size());
+    return nullptr;
+  }
+  std::vector<uint32_t> table(static_cast<size_t>(n_table));
+  if (n_table) std::memcpy(table.data(), tb.data(), size_t(4 * n_table));
+  std::vector<int64_t> offsets;
+  int64_t total = 0, total_esc = 0;
+  // steps and escapes are not read here: hold the table to the gaps alone
+  int64_t escapes = 0;
+  for (size_t c = table.size() / 2; c < table.size(); ++c) escapes += table[c];
+  if (!check_table(table, n, n_gaps, n_gaps, escapes, &total, &total_esc, offsets)) return nullptr;
+  wsync::ChunkCheck r;
+  Py_BEGIN_ALLOW_THREADS
+  auto run = [&](auto zero) {
+    r = wsync::write_changes<decltype(zero)>(dst.writable_data(), src.data(), n, table.data(), offsets.data(),
+                                             gb.data());
+  };
+  switch (width) {
+    case 1: run(uint8_t{}); break;
+    case 2: run(uint16_t{}); break;
+    case 4: run(uint32_t{}); break;
+    default: run(uint64_t{}); break;
+  }
+  Py_END_ALLOW_THREADS
+  if (!report(r, n)) return nullptr;
+  Py_RETURN_NONE;
 }
 
 PyObject* py_delta_decode(PyObject*, PyObject* args) {
@@ -346,8 +397,11 @@ PyMethodDef methods[] = {
     {"checksum", py_checksum, METH_O,
      "checksum(buf) -> int: the xxh3-64 block tree of wsync.checksum over a C-contiguous buffer."},
     {"delta_encode", py_delta_encode, METH_VARARGS,
-     "delta_encode(old, new, width, order, checksums=False) -> (table, gaps, steps, escapes) as bytearrays,\n"
-     "plus (old_checksum, new_checksum) computed in the same pass if checksums."},
+     "delta_encode(old, new, width, order, checksums=0) -> (table, gaps, steps, escapes) as bytearrays,\n"
+     "plus (old_checksum, new_checksum) computed in the same pass if checksums is 1, (None, new_checksum) if 2."},
+    {"write_changes", py_write_changes, METH_VARARGS,
+     "write_changes(dst, src, table, gaps, width) -> None: dst[i] = src[i] at every change position the table\n"
+     "and gaps give; raises InvalidSections on a position outside its chunk (nothing past it is written)."},
     {"delta_decode", py_delta_decode, METH_VARARGS,
      "delta_decode(old, table, gaps, steps, escapes, width, order, checksum=False) -> (positions, values) as\n"
      "bytearrays, plus old's checksum from the same pass if checksum; raises InvalidSections on sections the\n"

@@ -185,22 +185,24 @@ void stage_chunk(const uint8_t* a, const uint8_t* b, int64_t begin, int64_t end,
   *esc = uint32_t(e);
 }
 
-// Pass 1: the table (counts, then escape counts), staged output, and if
-// digests are given, the xxh3 of every 1 MiB block of old and of new.
+// Pass 1: the table (counts, then escape counts), staged output, and the
+// xxh3 of every 1 MiB block of old and of new where those digests are given.
 template <class T, int O>
 void encode_pass1(const uint8_t* a, const uint8_t* b, int64_t n, uint32_t* table, uint8_t* stage,
                   uint64_t* old_digests, uint64_t* new_digests) {
   constexpr int W = sizeof(T);
-  const Units units(n, W, old_digests != nullptr);
+  const Units units(n, W, old_digests != nullptr || new_digests != nullptr);
   parallel_for(units.count, 1, [&](int64_t u) {
     BlockHash ho, hn;
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c);
       stage_chunk<T, O>(a, b, begin, begin + len, stage ? stage + c * slot_bytes<T>() : nullptr, &table[c],
                         &table[units.nc + c]);
-      if (old_digests) ho.add(a + begin * W, len * W), hn.add(b + begin * W, len * W);
+      if (old_digests) ho.add(a + begin * W, len * W);
+      if (new_digests) hn.add(b + begin * W, len * W);
     }
-    if (old_digests) old_digests[u] = ho.digest(), new_digests[u] = hn.digest();
+    if (old_digests) old_digests[u] = ho.digest();
+    if (new_digests) new_digests[u] = hn.digest();
   });
 }
 
@@ -325,6 +327,30 @@ ChunkCheck decode_all(const uint8_t* old, int64_t n, const uint32_t* table, cons
                                      });
     }
     if (old_digests) old_digests[u] = ho.digest();
+  });
+  return first_failure(checks);
+}
+
+// dst[i] = src[i] at every change position of the sections (the publisher's
+// mirror taking the new version's changed elements). Each position is checked
+// against its chunk's length before anything is written there.
+template <class T>
+ChunkCheck write_changes(uint8_t* dst, const uint8_t* src, int64_t n, const uint32_t* table,
+                         const int64_t* offsets, const uint8_t* gaps) {
+  const int64_t nc = nchunks(n);
+  std::vector<ChunkCheck> checks(static_cast<size_t>(nc));
+  parallel_for(nc, 8, [&](int64_t c) {
+    const int64_t begin = c * kChunk, len = chunk_len(n, c), k0 = offsets[c];
+    int64_t off = -1;
+    for (int64_t k = k0; k < k0 + int64_t(table[c]); ++k) {
+      off += int64_t(load<uint16_t>(gaps, k)) + 1;
+      if (off >= len) {
+        checks[c].bad_change = k;
+        checks[c].bad_offset = off;
+        return;
+      }
+      store<T>(dst, begin + off, load<T>(src, begin + off));
+    }
   });
   return first_failure(checks);
 }

@@ -107,6 +107,31 @@ def test_fused_kernels_across_checksum_blocks(kernels, width):
     assert bits.tobytes() == old.tobytes()
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("density", [0.0, 1e-3, 0.05, 1.0])
+def test_write_changes_makes_a_copy_of_old_into_new(kernels, width, density):
+    """The publisher's mirror step: encode hashing only new, then copy the changed elements across, byte-exact."""
+    old, new = make_pair(3 + width, width, "float", 3 * C + 17, density)
+    sec, old_sum, new_sum = kernels.delta_encode_checksummed(old, new, "float", old_sum=False)
+    assert old_sum is None and new_sum == checksum(new)
+    assert_same_sections(sec, delta_ref.encode(old, new, "float"))
+    mirror = old.copy()
+    kernels.write_changes(mirror, new, sec)
+    assert mirror.tobytes() == new.tobytes()
+    assert (delta_ref.positions(sec, len(old)) == np.flatnonzero(old != new)).all()
+
+
+def test_write_changes_refuses_a_position_off_its_chunk(kernels):
+    old, new = make_pair(9, 2, "float", 2 * C, 0.01)
+    sec = delta_ref.encode(old, new, "float")
+    sec.gaps = sec.gaps.copy()
+    sec.gaps[-1] = 65535
+    with pytest.raises(FormatError, match="lands at offset"):
+        kernels.write_changes(old.copy(), new, sec)
+    with pytest.raises(ValueError):
+        kernels.write_changes(np.empty(5, old.dtype), new, sec)
+
+
 def test_inplace_refusal_puts_back_earlier_chunks(kernels):
     """A bad change in the last chunk, after earlier chunks were written: the base comes back whole."""
     old, new = make_pair(5, 2, "float", 4 * C, 0.05)

@@ -163,11 +163,11 @@ def test_publish_that_fails_mid_read_leaves_no_version(gen, monkeypatch, live):
         if live:
             real, calls = mirror.LiveDelta._step, []
 
-            def dies_half_way(self, m, new):
+            def dies_half_way(self, name, m, new):
                 calls.append(1)
                 if len(calls) > 6:
                     raise OSError("the trainer's memory went away")
-                return real(self, m, new)
+                return real(self, name, m, new)
             monkeypatch.setattr(mirror.LiveDelta, "_step", dies_half_way)
             with pytest.raises(SnapshotError, match="went away"):
                 pub.publish(trainer.state_dict(), version=1)

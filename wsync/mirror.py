@@ -32,10 +32,12 @@ class Mirror:
     on-demand keyframe) holds the lock too.
     """
 
-    def __init__(self):
+    def __init__(self, kernels):
         self.state: State | None = None
         self.version: int | None = None
+        self.sums: dict[str, str] = {}  # each tensor's checksum: the next delta's base sums, without hashing it
         self.lock = threading.Lock()
+        self.kernels = kernels
 
     def adopt(self, version: int, state: State, *, copy: bool) -> State | None:
         """Become `version`: its state itself, or (copy, for a state the history keeps) a copy of it.
@@ -46,6 +48,7 @@ class Mirror:
             old = self.state
             if copy:
                 state, old = owned_copy(state, into=old), None
+            self.sums = {name: self.kernels.checksum(tb.bits) for name, tb in state.items()}
             self.state, self.version = state, version
             return old
 
@@ -69,7 +72,7 @@ class LiveDelta:
 
     def __init__(self, version: int, mirror: Mirror, live: State, groups: list[list[str]], *, tier: str, kernels):
         self.version, self.base_version = version, mirror.version
-        self._mirror, self._live, self._groups = mirror.state, live, groups
+        self._mirror, self._sums, self._live, self._groups = mirror.state, mirror.sums, live, groups
         self._tier, self._kernels = tier, kernels
         self._done: list[list[tuple[str, TensorBits, Encoded]]] = []
         self._error: BaseException | None = None
@@ -82,7 +85,7 @@ class LiveDelta:
     def run(self) -> None:
         try:
             for names in self._groups:
-                measured = [(name, self._mirror[name], self._step(self._mirror[name], self._live[name]))
+                measured = [(name, self._mirror[name], self._step(name, self._mirror[name], self._live[name]))
                             for name in names]
                 with self._cv:
                     self._done.append(measured)
@@ -93,14 +96,15 @@ class LiveDelta:
                 self._cv.notify_all()
             raise
 
-    def _step(self, mirror: TensorBits, new: TensorBits) -> Encoded:
-        """Measure one tensor's change, then write it into the mirror (as a subscriber's apply would)."""
-        enc = delta.measure(mirror, new, tier=self._tier, kernels=self._kernels, own=True)
+    def _step(self, name: str, mirror: TensorBits, new: TensorBits) -> Encoded:
+        """Measure one tensor's change, then write the changed elements into the mirror."""
+        enc = delta.measure(mirror, new, tier=self._tier, kernels=self._kernels, own=True,
+                            base_sum=self._sums[name])
         if enc.sections is not None:
-            pos, values = self._kernels.delta_decode(mirror.bits, enc.sections, new.dtype.order)
-            mirror.bits[pos] = values
+            self._kernels.write_changes(mirror.bits, new.bits, enc.sections)
         elif enc.kind != "same":
             mirror.bits[...] = new.bits
+        self._sums[name] = enc.new_sum
         return enc
 
     def wait(self, i: int) -> list[tuple[str, TensorBits, Encoded]]:

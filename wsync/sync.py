@@ -67,7 +67,8 @@ class Publisher:
         self._spare_wanted = False  # the last publish() copied host memory, so a spare would be used
         # states that became keyframes are never recycled: a sender may still be encoding one after history moved on
         self._keyframe_states: deque[int] = deque(maxlen=64)
-        self._mirror = Mirror()  # the newest version, for publish() to measure host-memory states against
+        # the newest version, for publish() to measure host-memory states against (mirror.py)
+        self._mirror = Mirror(backends.kernels(self.config.backend))
         self._published = 0  # versions accepted by publish()
         self._since_keyframe = 0
         self._last: int | None = None
@@ -116,8 +117,7 @@ class Publisher:
             return False  # the encoder has not made the previous version the mirror (yet)
         if _layout(m.state) != layout:
             return False
-        job = LiveDelta(version, m, live, self._buckets(live), tier=self.config.tier,
-                        kernels=backends.kernels(self.config.backend))
+        job = LiveDelta(version, m, live, self._buckets(live), tier=self.config.tier, kernels=m.kernels)
         self._spare_wanted = False
         self._queue.put((version, job, False))
         with m.lock:

@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from ..codecs.base import Overwritten
+from ..codecs import delta_ref
 from ..codecs.delta_ref import DeltaSections
 
 
@@ -34,8 +35,15 @@ class Kernels(Protocol):
 
     # ---- fused (Composed provides each from the three above) ----
 
-    def delta_encode_checksummed(self, old: np.ndarray, new: np.ndarray, order: str) -> tuple[DeltaSections, str, str]:
-        """(delta_encode(old, new), checksum(old), checksum(new))."""
+    def delta_encode_checksummed(self, old: np.ndarray, new: np.ndarray, order: str,
+                                 old_sum: bool = True) -> tuple[DeltaSections, str | None, str]:
+        """(delta_encode(old, new), checksum(old), checksum(new)); old's is None unless old_sum."""
+
+    def write_changes(self, dst: np.ndarray, src: np.ndarray, sec: DeltaSections) -> None:
+        """dst[p] = src[p] at every position the sections change (dst, src: 1-D, one dtype and length).
+
+        FormatError on a position outside the tensor; what came before it is written.
+        """
 
     def delta_decode_checksummed(self, old: np.ndarray, sec: DeltaSections,
                                  order: str) -> tuple[np.ndarray, np.ndarray, str]:
@@ -59,10 +67,10 @@ class Kernels(Protocol):
         """dst[:] = src (same bytes, no overlap) and return the checksum of those bytes."""
 
 
-def check_out(old: np.ndarray, out: np.ndarray) -> None:
+def check_out(old: np.ndarray, out: np.ndarray, overlap: bool = False) -> None:
     if out.dtype != old.dtype or out.shape != old.shape:
         raise ValueError(f"out must be {old.dtype}{list(old.shape)}, got {out.dtype}{list(out.shape)}")
-    if np.may_share_memory(out, old) and old.size:
+    if not overlap and np.may_share_memory(out, old) and old.size:
         raise ValueError("out must not overlap old")
 
 
@@ -74,8 +82,13 @@ class Composed:
     to them against the reference).
     """
 
-    def delta_encode_checksummed(self, old, new, order):
-        return self.delta_encode(old, new, order), self.checksum(old), self.checksum(new)
+    def delta_encode_checksummed(self, old, new, order, old_sum=True):
+        return self.delta_encode(old, new, order), self.checksum(old) if old_sum else None, self.checksum(new)
+
+    def write_changes(self, dst, src, sec):
+        check_out(src, dst, overlap=True)
+        pos = delta_ref.positions(sec, len(dst))
+        dst[pos] = src[pos]
 
     def delta_decode_checksummed(self, old, sec, order):
         pos, values = self.delta_decode(old, sec, order)

@@ -76,9 +76,21 @@ class CpuKernels(Composed):
     # tensor where Composed's take two or three (wsync/bench/kernels.py
     # measures what that is worth end to end).
 
-    def delta_encode_checksummed(self, old: np.ndarray, new: np.ndarray, order: str) -> tuple[DeltaSections, str, str]:
-        sec, sums = self._encode(old, new, order, True)
+    def delta_encode_checksummed(self, old: np.ndarray, new: np.ndarray, order: str,
+                                 old_sum: bool = True) -> tuple[DeltaSections, str | None, str]:
+        sec, sums = self._encode(old, new, order, 1 if old_sum else 2)
         return sec, *sums
+
+    def write_changes(self, dst: np.ndarray, src: np.ndarray, sec: DeltaSections) -> None:
+        if not isinstance(dst, np.ndarray) or dst.ndim != 1 or not dst.flags.c_contiguous or not dst.flags.writeable:
+            raise TypeError("write_changes needs a writable 1-D C-contiguous dst")
+        src = _bits(src, "src")
+        check_out(src, dst, overlap=True)
+        try:
+            self._cpu.write_changes(dst, src, _section(sec.table, "<u4", "table"), _section(sec.gaps, "<u2", "gaps"),
+                                    dst.dtype.itemsize)
+        except self._cpu.InvalidSections as e:
+            raise FormatError(str(e)) from None
 
     def delta_decode_checksummed(self, old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray, np.ndarray, str]:
         old = _bits(old, "old")
@@ -104,7 +116,8 @@ class CpuKernels(Composed):
     def copy_checksummed(self, src, dst: np.ndarray) -> str:
         return f"{self._cpu.copy_checksum(src, dst):016x}"
 
-    def _encode(self, old, new, order, checksums: bool) -> tuple[DeltaSections, tuple]:
+    def _encode(self, old, new, order, checksums: int) -> tuple[DeltaSections, tuple]:
+        """checksums: 0 none, 1 old's and new's, 2 new's only (old's is None)."""
         old, new = _bits(old, "old"), _bits(new, "new")
         if old.dtype != new.dtype or old.shape != new.shape:
             raise ValueError(f"old and new differ: {old.dtype}{list(old.shape)} vs {new.dtype}{list(new.shape)}")
@@ -115,7 +128,7 @@ class CpuKernels(Composed):
             steps=np.frombuffer(steps, np.int8),
             escapes=np.frombuffer(esc, new.dtype.newbyteorder("<")),
         )
-        return sec, tuple(f"{s:016x}" for s in sums)
+        return sec, tuple(None if s is None else f"{s:016x}" for s in sums)
 
     def _call(self, fn, old: np.ndarray, sec: DeltaSections, order: str, *out):
         """Run a decoding kernel on checked sections; bad payload bytes become FormatError."""

@@ -30,14 +30,18 @@ def encode_tensor(base: TensorBits, new: TensorBits, *, tier: str, kernels, leve
     return pack(measure(base, new, tier=tier, kernels=kernels), level)
 
 
-def measure(base: TensorBits, new: TensorBits, *, tier: str, kernels, own: bool = False) -> Encoded:
+def measure(base: TensorBits, new: TensorBits, *, tier: str, kernels, own: bool = False,
+            base_sum: str | None = None) -> Encoded:
     """The first stage of encoding: the one pass over both tensors, before any zstd.
 
     Yields the tensor's kind, its sections (or dense data) and both checksums;
     pack() finishes it. own: the result must not refer to base's or new's
-    memory (the caller will change them before pack() runs).
+    memory (the caller will change them before pack() runs). base_sum: the
+    base's checksum, when the caller knows it (the pass then hashes only new).
     """
-    sec, base_sum, new_sum = kernels.delta_encode_checksummed(base.bits, new.bits, new.dtype.order)
+    sec, got, new_sum = kernels.delta_encode_checksummed(base.bits, new.bits, new.dtype.order,
+                                                         old_sum=base_sum is None)
+    base_sum = base_sum or got
     sums = {"base_sum": base_sum, "new_sum": new_sum}
     if sec.n_changed == 0:
         return Encoded("same", {}, **sums)

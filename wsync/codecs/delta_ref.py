@@ -124,7 +124,23 @@ def decode(old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray,
     Returns (positions int64, new bit patterns at those positions); the caller
     scatters them, so an in-place apply can keep what it overwrote.
     """
-    n = len(old)
+    pos, chunk = _positions(sec, len(old))
+    nc = nchunks(len(old))
+    is_esc = sec.steps == ESCAPE
+    if not np.array_equal(np.bincount(chunk[is_esc], minlength=nc), sec.table[nc:].astype(np.int64)):
+        raise FormatError("escape markers in the steps disagree with the chunk table's escape counts")
+    kold = monotone_key(old[pos], order)
+    values = unkey(kold + sec.steps.astype(old.dtype), order)  # i8 -> uW sign-extends; uW add wraps
+    values[is_esc] = sec.escapes
+    return pos, values
+
+
+def positions(sec: DeltaSections, n: int) -> np.ndarray:
+    """The element indices the sections change, in a tensor of n elements (validated as decode() does)."""
+    return _positions(sec, n)[0]
+
+
+def _positions(sec: DeltaSections, n: int) -> tuple[np.ndarray, np.ndarray]:
     nc = nchunks(n)
     if len(sec.table) != 2 * nc:
         raise FormatError(f"chunk table has {len(sec.table)} entries, expected {2 * nc}")
@@ -156,12 +172,4 @@ def decode(old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray,
     if len(outside):
         i = int(outside[0])
         raise FormatError(f"change #{i} lands at offset {offset[i]} of chunk {chunk[i]}, which has {chunk_len[chunk[i]]} elements")
-    pos = chunk * CHUNK_ELEMS + offset
-
-    is_esc = sec.steps == ESCAPE
-    if not np.array_equal(np.bincount(chunk[is_esc], minlength=nc), esc_counts):
-        raise FormatError("escape markers in the steps disagree with the chunk table's escape counts")
-    kold = monotone_key(old[pos], order)
-    values = unkey(kold + sec.steps.astype(old.dtype), order)  # i8 -> uW sign-extends; uW add wraps
-    values[is_esc] = sec.escapes
-    return pos, values
+    return chunk * CHUNK_ELEMS + offset, chunk
