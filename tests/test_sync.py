@@ -232,12 +232,15 @@ def test_late_and_returning_subscribers_catch_up(gen):
         assert same_bytes(trainer, late_model)
 
 
-def test_drifted_engine_refuses_delta_then_recovers_by_keyframe(gen):
+@pytest.mark.parametrize("live", [False, True], ids=["copied", "measured-live"])
+def test_drifted_engine_refuses_delta_then_recovers_by_keyframe(gen, live):
+    """live: version 1 is measured against the mirror, so its on-demand keyframe is a frozen copy of the mirror."""
     trainer, model = tiny_qwen(0), tiny_qwen(1)
-    with Publisher(ADDR, token=TOKEN, keyframe_every=100) as pub, \
+    with Publisher(ADDR, token=TOKEN, keyframe_every=100, live=live) as pub, \
             Subscriber(pub.address, engine=engines.HF(model), token=TOKEN) as sub:
         pub.publish(trainer.state_dict(), version=0)
         sub.wait_for(0, timeout=30)
+        pub.flush(timeout=30)
         with torch.no_grad():
             model.model.norm.weight.view(torch.int16)[0] += 1  # someone wrote into the engine
         drifted = {k: v.clone() for k, v in model.state_dict().items()}
@@ -247,6 +250,11 @@ def test_drifted_engine_refuses_delta_then_recovers_by_keyframe(gen):
         assert isinstance(sub.error, VersionError) and sub.stats["failures"] == 1
         assert sub.stats["last"]["keyframe"] and same_bytes(trainer, model)
         assert not all(torch.equal(drifted[k], v) for k, v in model.state_dict().items())
+        assert (pub._mirror.version == 1) == live
+        rl_step(trainer, gen)
+        pub.publish(trainer.state_dict(), version=2)  # and deltas go on, against the mirror the keyframe froze
+        sub.wait_for(2, timeout=30)
+        assert not sub.stats["last"]["keyframe"] and same_bytes(trainer, model)
 
 
 def test_poll_mode_applies_only_when_asked(gen):

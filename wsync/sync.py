@@ -1,7 +1,14 @@
 """Publisher (trainer side): versions out to any number of subscribers, over any transport.
 
     pub = wsync.Publisher("tcp://0.0.0.0:7070", codec="delta", keyframe_every=50, token=...)
-    pub.publish(model.state_dict(), version=step)   # copies the state, returns; encoding and sending run behind
+    pub.publish(model.state_dict(), version=step)   # reads the state once, returns; packing and sending run behind
+
+publish() reads the trainer's tensors one of two ways. Host-memory tensors,
+when a delta is due, are measured against the Mirror (mirror.py: the
+publisher's own copy of the previous version, which takes each delta's
+changes), so each byte is read once and nothing else is copied. Otherwise
+(keyframes, GPU tensors, a raw codec, the mirror not ready) the state is
+copied bucket by bucket (snapshot.Copying) and the encoder works on the copy.
 
 The protocol, in messages (see transports/base.py for how they travel):
 
