@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 MODES = {"full": dict(codec="raw"), "delta": dict(codec="delta", tier="packed"),
+         # the delta path before the mirror (mirror.py): publish() copies the state, the encoder reads the copy
+         "delta-copied": dict(codec="delta", tier="packed", live=False),
          "delta-sparse": dict(codec="delta", tier="sparse")}
 
 
