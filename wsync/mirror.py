@@ -21,7 +21,7 @@ import threading
 from .codecs import delta
 from .codecs.base import Encoded
 from .errors import SnapshotError
-from .snapshot import State, TensorBits, owned_copy
+from .snapshot import State, TensorBits, destination, owned_copy
 
 
 class Mirror:
@@ -45,11 +45,17 @@ class Mirror:
         Returns the state the mirror let go of, for reuse; None when the copy went into its arrays.
         """
         with self.lock:
-            old = self.state
-            if copy:
-                state, old = owned_copy(state, into=old), None
-            self.sums = {name: self.kernels.checksum(tb.bits) for name, tb in state.items()}
-            self.state, self.version = state, version
+            old, sums = self.state, {}
+            if copy:  # copy and checksum in one pass, into the old mirror's arrays where they fit
+                mine = {}
+                for name, tb in state.items():
+                    dst = destination(tb.bits, (old or {}).get(name))
+                    sums[name] = self.kernels.copy_checksummed(tb.bits, dst)
+                    mine[name] = TensorBits(tb.dtype, tb.shape, dst)
+                state, old = mine, None
+            else:
+                sums = {name: self.kernels.checksum(tb.bits) for name, tb in state.items()}
+            self.state, self.version, self.sums = state, version, sums
             return old
 
     def freeze(self, version: int) -> State | None:
@@ -70,8 +76,8 @@ class LiveDelta:
     written, and the caller invalidates it.
     """
 
-    def __init__(self, version: int, mirror: Mirror, live: State, groups: list[list[str]], *, tier: str, kernels):
-        self.version, self.base_version = version, mirror.version
+    def __init__(self, mirror: Mirror, live: State, groups: list[list[str]], *, tier: str, kernels):
+        self.base_version = mirror.version
         self._mirror, self._sums, self._live, self._groups = mirror.state, mirror.sums, live, groups
         self._tier, self._kernels = tier, kernels
         self._done: list[list[tuple[str, TensorBits, Encoded]]] = []

@@ -149,7 +149,7 @@ class Copying(dict):
                 self[name] = t  # as_state already copied it off the device
                 self.on_host = False
                 continue
-            dst = _destination(t.bits, (into or {}).get(name))
+            dst = destination(t.bits, (into or {}).get(name))
             self[name] = TensorBits(t.dtype, t.shape, dst)
             self._jobs[name] = (t.bits, dst)
         self._cv = threading.Condition()
@@ -190,7 +190,7 @@ def wait_copied(state: State, names) -> None:
         state.wait(names)
 
 
-def _destination(bits: np.ndarray, spare: TensorBits | None) -> np.ndarray:
+def destination(bits: np.ndarray, spare: TensorBits | None) -> np.ndarray:
     if spare is not None and spare.bits.dtype == bits.dtype and spare.bits.shape == bits.shape \
             and spare.bits.flags.writeable:
         return spare.bits

@@ -107,7 +107,7 @@ class Publisher:
         layout = _layout(live) if live is not None else None
         make_kf = keyframe_due(self._published, self._since_keyframe, self.config.keyframe_every) \
             or layout is None or layout != self._last_layout
-        if live is None or make_kf or not self._publish_live(version, live, layout):
+        if live is None or make_kf or not self._publish_live(version, live):
             snap = Copying(live if live is not None else state, into=self._take_spare())
             self._spare_wanted = snap.on_host  # else a spare would never be used
             self._queue.put((version, snap, make_kf))
@@ -117,14 +117,12 @@ class Publisher:
         self._published += 1
         self._since_keyframe = 1 if make_kf else self._since_keyframe + 1
 
-    def _publish_live(self, version: int, live: State, layout: list) -> bool:
+    def _publish_live(self, version: int, live: State) -> bool:
         """The delta from the mirror to `live`, measured here (see mirror.py); False if the mirror is not ready."""
         m = self._mirror
         if not self.config.live or self.config.codec != "delta" or m.version is None or m.version != self._last:
-            return False  # the encoder has not made the previous version the mirror (yet)
-        if _layout(m.state) != layout:
-            return False
-        job = LiveDelta(version, m, live, self._buckets(live), tier=self.config.tier, kernels=m.kernels)
+            return False  # the encoder has not made the previous version the mirror (yet); its layout is the last
+        job = LiveDelta(m, live, self._buckets(live), tier=self.config.tier, kernels=m.kernels)
         self._spare_wanted = False
         self._queue.put((version, job, False))
         with m.lock:
@@ -236,7 +234,7 @@ class Publisher:
             self._cv.notify_all()
         if delta is not None:
             try:
-                self._fill(delta, self._buckets(state), self._encoder(delta, prev, state))
+                self._fill(delta, self._encoder(delta, prev, state))
             except BaseException:
                 with self._cv:
                     if self._state is state:  # the version failed: the next one is a delta against prev
@@ -274,11 +272,11 @@ class Publisher:
             self._state = self._mirror.state
             self._cv.notify_all()
 
-        def payload(i, names):
+        def payload(i):
             return api.encode_measured(job.wait(i), tier=cfg.tier, version=version, base_version=job.base_version,
                                        level=cfg.level, backend=cfg.backend)
         try:
-            self._fill(enc, [[]] * job.count, payload)
+            self._fill(enc, payload)
         except SnapshotError:
             with self._cv:
                 if self._state is self._mirror.state:
@@ -313,12 +311,12 @@ class Publisher:
     def _buckets(self, state: State) -> list[list[str]]:
         return plan_buckets([(n, tb.nbytes) for n, tb in state.items()], self.config.bucket_bytes)
 
-    def _fill(self, enc: Encoded, groups: list[list[str]], payload) -> None:
-        """Encode a version bucket by bucket (payload(i, names) makes bucket i), waking senders after each."""
+    def _fill(self, enc: Encoded, payload) -> None:
+        """Encode a version bucket by bucket (payload(i) makes bucket i of enc.count), waking senders after each."""
         sums = []  # (name, dtype, shape, checksum) of every tensor: the state digest, without another pass
         try:
-            for i, names in enumerate(groups):
-                p = payload(i, names)
+            for i in range(enc.count):
+                p = payload(i)
                 sums += [(t.name, t.dtype, t.shape, t.checksum) for t in p.manifest.tensors]
                 last = i == enc.count - 1
                 # the digest of the whole version rides on its last bucket, the one the subscriber applies after
@@ -340,11 +338,12 @@ class Publisher:
             raise
 
     def _encoder(self, enc: Encoded, base: State | None, state: State):
-        """payload(i, names) for _fill: bucket i of state, as a delta against base (raw if base is None)."""
-        cfg = self.config
+        """payload(i) for _fill: bucket i of state, as a delta against base (raw if base is None)."""
+        cfg, groups = self.config, self._buckets(state)
         codec = "raw" if base is None else cfg.codec
 
-        def payload(i, names):
+        def payload(i):
+            names = groups[i]
             wait_copied(state, names)  # publish() may still be copying this bucket
             return api.encode({n: base[n] for n in names} if codec == "delta" else None,
                               {n: state[n] for n in names}, codec=codec, tier=cfg.tier, version=enc.version,
@@ -356,7 +355,7 @@ class Publisher:
         with kf.lock:
             if kf.encoded is None:
                 enc = Encoded(kf.version, None, kf.checksum, len(self._buckets(kf.state)))
-                self._fill(enc, self._buckets(kf.state), self._encoder(enc, None, kf.state))
+                self._fill(enc, self._encoder(enc, None, kf.state))
                 kf.checksum, kf.encoded = enc.checksum, enc
             return kf.encoded
 
