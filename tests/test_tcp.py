@@ -16,6 +16,7 @@ from tcp_helpers import Proxy, self_signed
 from wsync.errors import ChecksumError, TransportError
 from wsync.transports import Message, TransportTimeout, connect, listen
 from wsync.transports import tcp_auth, tcp_frames as tf
+from wsync.transports.tcp_link import HASH_PIECE, ConnectionLost, recv_hashed
 from wsync.transports.tcp_outbox import Outbox, as_views, frame_size
 
 LOG = "wsync.transports.tcp"
@@ -146,6 +147,24 @@ def test_small_messages_keep_to_stream_zero_large_ones_spread(streams):
     assert {k for k, kind, seq in taken if kind != "head" and seq in small} == {0}
     spread = {k for k, kind, seq in taken if seq == big and kind == "spread"}
     assert spread == ({0, 1} if streams == 2 else {1, 2, 3})  # from 3 streams on, 0 is the lane of small messages
+
+
+@pytest.mark.parametrize("n", [1, HASH_PIECE - 1, HASH_PIECE, 3 * HASH_PIECE + 12345])
+def test_recv_hashed_fills_the_view_and_hashes_it_like_one_shot(n):
+    import xxhash
+
+    data = blob(n, n)
+    a, b = socket.socketpair()
+    t = threading.Thread(target=lambda: [a.sendall(data[i: i + 1000]) for i in range(0, n, 1000)])  # ragged arrival
+    t.start()
+    buf = bytearray(n)
+    got = recv_hashed(b, memoryview(buf), "peer")
+    t.join()
+    assert bytes(buf) == data and got == xxhash.xxh3_64_intdigest(data)
+    a.close()
+    with pytest.raises(ConnectionLost, match="closed a connection"):
+        recv_hashed(b, memoryview(bytearray(10)), "peer")
+    b.close()
 
 
 def test_split_frames_resume_after_a_cut_bit_exact():
