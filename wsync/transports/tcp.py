@@ -10,8 +10,9 @@ Built for long fat pipes and for links that drop:
   bytes fall below ``notsent_lowat``, so faster streams carry more. A message
   of at most 1 MiB (a delta bucket) goes whole to the lowest-numbered free
   stream, so a trickle of small versions keeps one connection's window open;
-  with 3 or more streams the frames of large messages skip stream 0, so a
-  keyframe never cuts the rate that connection learned (``tcp_outbox.take``);
+  with 3 or more streams the frames of large messages skip stream 0 (after
+  its first MiB, which opens its window), so a keyframe never cuts the rate
+  that connection learned (``tcp_outbox.take``);
 * **large socket buffers** (``sndbuf``/``rcvbuf``, 16 MiB) and TCP_NODELAY;
   where the kernel has them (Linux >= 6.15), a 50 ms minimum retransmission
   timeout (``rto_min``) and ACKs delayed at most 10 ms (``delack_max``);

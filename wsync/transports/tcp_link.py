@@ -204,7 +204,7 @@ class TcpLink:
         for m in self.inbox.msgs.values():  # no reader is running: nothing is being received
             m.claimed.clear()
         self.epoch, self.state, self._socks = e, "up", outs + ins
-        self.out.streams = len(outs)
+        self.out.start(len(outs))
         if len(outs) > 1:
             _limit_unsent(outs, self.cfg.notsent_lowat)
         self._threads = [threading.Thread(target=self._writer, args=(e, k, s), daemon=True, name=f"wsync-tx{k}")
