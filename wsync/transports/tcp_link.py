@@ -35,16 +35,21 @@ class ConnectionLost(TransportError):
     """A connection of the link failed; the link resumes unless the window runs out."""
 
 
+def recv_some(sock, view: memoryview, peer: str) -> int:
+    """One recv_into: how many bytes landed (at least one); ConnectionLost if none can."""
+    try:
+        n = sock.recv_into(view)
+    except OSError as e:
+        raise ConnectionLost(f"connection to {peer} lost: {e}") from None
+    if not n:
+        raise ConnectionLost(f"{peer} closed a connection")
+    return n
+
+
 def recv_into(sock, view: memoryview, peer: str) -> None:
     got = 0
     while got < len(view):
-        try:
-            n = sock.recv_into(view[got:])
-        except OSError as e:
-            raise ConnectionLost(f"connection to {peer} lost: {e}") from None
-        if not n:
-            raise ConnectionLost(f"{peer} closed a connection")
-        got += n
+        got += recv_some(sock, view[got:], peer)
 
 
 HASH_PIECE = 256 << 10  # recv_hashed hashes each piece this size as it lands, while it is in cache
@@ -60,14 +65,8 @@ def recv_hashed(sock, view: memoryview, peer: str) -> int:
     """
     h, got = xxhash.xxh3_64(), 0
     while got < len(view):
-        piece = view[got: got + HASH_PIECE]
-        try:
-            n = sock.recv_into(piece)
-        except OSError as e:
-            raise ConnectionLost(f"connection to {peer} lost: {e}") from None
-        if not n:
-            raise ConnectionLost(f"{peer} closed a connection")
-        h.update(piece[:n])
+        n = recv_some(sock, view[got: got + HASH_PIECE], peer)
+        h.update(view[got: got + n])
         got += n
     return h.intdigest()
 
