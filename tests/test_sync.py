@@ -232,6 +232,31 @@ def test_late_and_returning_subscribers_catch_up(gen):
         assert same_bytes(trainer, late_model)
 
 
+def test_copied_delta_becomes_the_mirror_with_the_checksums_its_encoding_gave(gen, monkeypatch):
+    """A delta publish() had to copy (the mirror was not ready) becomes the mirror without being hashed again:
+    its checksums come from its encoding, and the next delta, measured against them, applies bit-exact."""
+    from wsync import mirror, sync
+
+    real_live, real_adopt, adopted = sync.Publisher._publish_live, mirror.Mirror.adopt, []
+    monkeypatch.setattr(sync.Publisher, "_publish_live", lambda self, v, state: v >= 2 and real_live(self, v, state))
+
+    def adopt(self, version, state, *, copy, sums=None):
+        adopted.append((version, copy, sums is not None))
+        return real_adopt(self, version, state, copy=copy, sums=sums)
+    monkeypatch.setattr(mirror.Mirror, "adopt", adopt)
+    trainer, model = tiny_qwen(0), tiny_qwen(1)
+    with Publisher(ADDR, token=TOKEN, keyframe_every=0) as pub, \
+            Subscriber(pub.address, engine=engines.HF(model), token=TOKEN) as sub:
+        publish_steps(pub, trainer, gen, range(2), [sub])  # 0: a keyframe, 1: copied (publish_live said no)
+        pub.flush(timeout=30)
+        assert adopted == [(0, True, False), (1, False, True)]  # the keyframe is copied and hashed in one pass
+        publish_steps(pub, trainer, gen, [2], [sub])  # measured against the mirror, with version 1's sums as base
+        assert pub._mirror.version == 2 and sub.stats["failures"] == 0 and not sub.stats["last"]["keyframe"]
+        assert same_bytes(trainer, model)
+        k = pub._mirror.kernels
+        assert pub._mirror.sums == {n: k.checksum(tb.bits) for n, tb in pub._mirror.state.items()}
+
+
 @pytest.mark.parametrize("live", [False, True], ids=["copied", "measured-live"])
 def test_drifted_engine_refuses_delta_then_recovers_by_keyframe(gen, live):
     """live: version 1 is measured against the mirror, so its on-demand keyframe is a frozen copy of the mirror."""

@@ -39,21 +39,24 @@ class Mirror:
         self.lock = threading.Lock()
         self.kernels = kernels
 
-    def adopt(self, version: int, state: State, *, copy: bool) -> State | None:
+    def adopt(self, version: int, state: State, *, copy: bool, sums: dict[str, str] | None = None) -> State | None:
         """Become `version`: its state itself, or (copy, for a state the history keeps) a copy of it.
 
+        sums: each tensor's checksum where the caller has them (the encoder
+        does, for a state it just encoded); otherwise they are computed here.
         Returns the state the mirror let go of, for reuse; None when the copy went into its arrays.
         """
         with self.lock:
-            old, sums = self.state, {}
-            if copy:  # copy and checksum in one pass, into the old mirror's arrays where they fit
+            old = self.state
+            if copy:
+                sums = {}  # copy and checksum in one pass, into the old mirror's arrays where they fit
                 mine = {}
                 for name, tb in state.items():
                     dst = destination(tb.bits, (old or {}).get(name))
                     sums[name] = self.kernels.copy_checksummed(tb.bits, dst)
                     mine[name] = TensorBits(tb.dtype, tb.shape, dst)
                 state, old = mine, None
-            else:
+            elif sums is None or sums.keys() != state.keys():
                 sums = {name: self.kernels.checksum(tb.bits) for name, tb in state.items()}
             self.state, self.version, self.sums = state, version, sums
             return old

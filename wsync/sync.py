@@ -232,9 +232,10 @@ class Publisher:
                 self._history.add_delta(delta)
             self._state = state
             self._cv.notify_all()
+        sums = None  # each tensor's checksum, from the encoding (a mirror made of this state needs them)
         if delta is not None:
             try:
-                self._fill(delta, self._encoder(delta, prev, state))
+                sums = self._fill(delta, self._encoder(delta, prev, state))
             except BaseException:
                 with self._cv:
                     if self._state is state:  # the version failed: the next one is a delta against prev
@@ -243,11 +244,11 @@ class Publisher:
         with self._cv:
             self._recycle(prev)  # only now: _fill read prev as the delta's base
         if cfg.live and cfg.codec == "delta" and self._host_trainer and self._last == version:
-            self._adopt(version, state)
+            self._adopt(version, state, sums)
         self._record(version, t0, delta)
         self._prepare_spare(state)
 
-    def _adopt(self, version: int, state: State) -> None:
+    def _adopt(self, version: int, state: State, sums: dict[str, str] | None) -> None:
         """Make a copied version the mirror, so the next publish() measures against it (see mirror.py).
 
         A state the history keeps as a keyframe must not change, so the mirror
@@ -258,7 +259,7 @@ class Publisher:
         with self._cv:
             copy = id(state) in self._keyframe_states
             if not copy:
-                self._recycle(self._mirror.adopt(version, state, copy=False))
+                self._recycle(self._mirror.adopt(version, state, copy=False, sums=sums))
         if copy:
             self._mirror.adopt(version, state, copy=True)  # into the old mirror's arrays
 
@@ -311,8 +312,10 @@ class Publisher:
     def _buckets(self, state: State) -> list[list[str]]:
         return plan_buckets([(n, tb.nbytes) for n, tb in state.items()], self.config.bucket_bytes)
 
-    def _fill(self, enc: Encoded, payload) -> None:
-        """Encode a version bucket by bucket (payload(i) makes bucket i of enc.count), waking senders after each."""
+    def _fill(self, enc: Encoded, payload) -> dict[str, str]:
+        """Encode a version bucket by bucket (payload(i) makes bucket i of enc.count), waking senders after each.
+
+        Returns each tensor's checksum (as its manifest gives it)."""
         sums = []  # (name, dtype, shape, checksum) of every tensor: the state digest, without another pass
         try:
             for i in range(enc.count):
@@ -330,6 +333,7 @@ class Publisher:
                     enc.buckets.append(msg)
                     enc.nbytes += msg.nbytes
                     self._cv.notify_all()
+            return {name: csum for name, _, _, csum in sums}
         except BaseException as e:
             with self._cv:
                 enc.error = e

@@ -41,7 +41,7 @@ class Sizes:
     codec_repeats: int = 3  # timed rounds per scheme (best is kept)
     transport_bytes: int = 256 << 20  # one message through each transport
     transport_repeats: int = 5  # timed moves per transport and baseline
-    sync_versions: int = 12  # timed versions after the warm-up keyframe (the first few after it run slower)
+    sync_versions: int = 12  # timed versions after the warm-up keyframe (latency varies with each version's losses)
     sync_modes: tuple = ("full", "delta", "delta-sparse")
     wan: str = "200,40,0.005"  # emulated WAN: Mbit/s, RTT ms, loss
     peer_repeats: int = 3  # safetensors / shardcast rounds
