@@ -15,15 +15,17 @@ from .errors import (
     VersionError,
     WsyncError,
 )
+from .layout import Bound, Members, bind
 from .manifest import Manifest, TensorSpec
 from .payload import Payload
 from . import engines
 from .sync import Publisher, Subscriber
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Publisher", "Subscriber", "engines", "encode", "apply", "apply_state", "apply_to_checkpoint", "inspect", "backend", "Payload", "Manifest", "TensorSpec",
+    "bind", "Bound", "Members",
     "WsyncError", "FormatError", "ChecksumError", "EngineError", "VersionError", "MismatchError", "TransportError",
     "BackendUnavailable", "__version__",
 ]

@@ -1,5 +1,10 @@
 """encode / apply / inspect: the codec API on whole states.
 
+A payload codes segments (the tensors of one dtype, back to back, as one
+element stream; layout.py), so a state of 20,000 small tensors costs what one
+tensor of the same size costs: one kernel call, one chunk table and three
+checksums per segment.
+
 apply() is all-or-nothing: every checksum is verified before a result is
 returned, and an in-place apply that fails on any tensor puts back every
 element it changed, so the caller's state is the old version or the new one.
@@ -12,13 +17,14 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import backends, dtypes
-from .checksum import state_digest
 from .codecs import CODECS
 from .codecs.base import Applied, Decoded, Encoded, Overwritten
 from .errors import ChecksumError, FormatError, MismatchError, VersionError
-from .manifest import Manifest, TensorSpec
+from .layout import Bound, Members, plan, segment_digest, segments, split
+from .manifest import Manifest, TensorSpec, check_members
 from .payload import Payload, as_payload
-from .snapshot import State, TensorBits, aliases, as_state, digest, to_torch
+from .snapshot import State, TensorBits, aliases, as_state, to_torch
+from .tables import Table
 
 
 def _load(obj) -> tuple[State, dict | None, dict]:
@@ -30,25 +36,34 @@ def _load(obj) -> tuple[State, dict | None, dict]:
     return as_state(obj), None, {}
 
 
-def _check_same_tensors(base: State, specs: list[tuple[str, str, tuple]], what: str) -> None:
-    """base must hold exactly the named tensors with these dtypes and shapes."""
-    names = {n for n, _, _ in specs}
-    missing, extra = sorted(names - set(base)), sorted(set(base) - names)
-    if missing or extra:
+def _check_covers(base: State, members: Members, what: str) -> None:
+    """base must hold exactly the member tensors (segments() checks their dtypes and shapes)."""
+    if len(base) != len(members.names):
+        extra = [n for n in base if n not in set(members.names)]
+        missing = [n for n in members.names if n not in base]
         raise MismatchError(f"{what}: tensor names differ: missing from base {missing[:5]}, not in {what} {extra[:5]} "
                             f"({len(missing)} missing, {len(extra)} extra)")
-    for name, dt, shape in specs:
-        b = base[name]
-        if (b.dtype.name, b.shape) != (dt, shape):
-            raise MismatchError(f"{what}: tensor {name!r} is {dt}{list(shape)} but base has {b.dtype.name}{list(b.shape)}")
+
+
+def _members_of(state: State, members: Members | None) -> Members:
+    if members is not None:
+        return members
+    if isinstance(state, Bound):
+        return state.plan("all", lambda: plan(state))
+    return plan(state)
 
 
 def encode(base, new, *, codec: str = "delta", tier: str | None = "packed", version: int | None = None,
-           base_version: int | None = None, level: int = 1, backend: str | None = None) -> Payload:
+           base_version: int | None = None, level: int = 1, backend: str | None = None,
+           members: Members | None = None, inline: bool = True) -> Payload:
     """Encode `new` (against `base` for delta) into a Payload.
 
-    base/new: dicts of torch tensors or numpy arrays, safetensors files, or
-    checkpoint folders. level: zstd level of the packed tier's entropy stage.
+    base/new: dicts of torch tensors or numpy arrays, safetensors files,
+    checkpoint folders, or states bound once with wsync.bind (then nothing
+    runs per tensor in Python). level: zstd level of the packed tier's
+    entropy stage. members: the layout (which tensors, in which segments);
+    default: all of new, one segment per dtype. inline: put the member table
+    in the payload (False: the receiver knows it by hash, as sync deltas do).
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
@@ -56,53 +71,61 @@ def encode(base, new, *, codec: str = "delta", tier: str | None = "packed", vers
     if codec == "delta" and tier not in ("sparse", "packed"):
         raise ValueError(f"delta tier must be 'sparse' or 'packed', got {tier!r}")
     k = backends.kernels(backend)
-    new_state, layout, metadata = _load(new)
-    base_state = None
+    new_state, files, metadata = _load(new)
+    members = _members_of(new_state, members)
+    new_segs = segments(new_state, members)
+    base_segs = None
     if codec == "delta":
         if base is None:
             raise ValueError("the delta codec needs a base")
         base_state = _load(base)[0]
-        _check_same_tensors(base_state, [(n, t.dtype.name, t.shape) for n, t in new_state.items()], "new")
+        base_segs = segments(base_state, members)
+        if len(new_state) == len(members.names):
+            _check_covers(base_state, members, "new")
     mod = CODECS[codec]
-    encoded = [(name, tb, base_state[name] if base_state else None) for name, tb in new_state.items()]
-    encoded = [(name, tb, b, mod.encode_tensor(b, tb, tier=tier, kernels=k, level=level)) for name, tb, b in encoded]
-    return _payload(encoded, k, base_state, codec=codec, tier=tier, version=version, base_version=base_version,
-                    layout=layout, metadata=metadata)
+    encoded = [(nb, bb, mod.encode_tensor(bb, nb, tier=tier, kernels=k, level=level))
+               for nb, bb in zip(new_segs, base_segs or [None] * len(new_segs))]
+    return _payload(encoded, k, members, inline, codec=codec, tier=tier, version=version, base_version=base_version,
+                    layout=files, metadata=metadata)
 
 
-def encode_measured(measured: list[tuple[str, TensorBits, Encoded]], *, tier: str, version: int | None = None,
-                    base_version: int | None = None, level: int = 1, backend: str | None = None) -> Payload:
-    """A delta payload from tensors delta.measure()d ahead, in base order.
+def encode_measured(measured: list[tuple[TensorBits, Encoded]], members: Members, *, tier: str,
+                    version: int | None = None, base_version: int | None = None, level: int = 1,
+                    backend: str | None = None, inline: bool = False) -> Payload:
+    """A delta payload from segments delta.measure()d ahead, in members' order.
 
-    Only the names, dtypes and shapes of the TensorBits are read (their
-    memory may have changed since), and the measured parts and checksums.
+    Only the dtypes and sizes of the TensorBits are read (their memory may
+    have changed since), and the measured parts and checksums.
     """
     k = backends.kernels(backend)
-    encoded = [(name, tb, None, CODECS["delta"].pack(enc, level)) for name, tb, enc in measured]
-    layout_of_base = {name: tb for name, tb, _ in measured}
-    return _payload(encoded, k, layout_of_base, codec="delta", tier=tier, version=version,
+    encoded = [(tb, None, CODECS["delta"].pack(enc, level)) for tb, enc in measured]
+    return _payload(encoded, k, members, inline, codec="delta", tier=tier, version=version,
                     base_version=base_version, layout=None, metadata={})
 
 
-def _payload(encoded: list, k, base_state: State | None, **fields) -> Payload:
-    """Body and manifest; base_state is read for its names, dtypes and shapes only (checksums come measured)."""
-    body, specs = _assemble(encoded, k)
+def _payload(encoded: list, k, members: Members, inline: bool, **fields) -> Payload:
+    body, specs = _assemble(encoded, k, members)
+    delta = fields["codec"] == "delta"
     manifest = Manifest(
-        checksum=state_digest((s.name, s.dtype, s.shape, s.checksum) for s in specs),
-        base_checksum=digest(base_state, {s.name: s.base_checksum for s in specs}) if base_state else None,
-        tensors=specs, **fields,
+        checksum=segment_digest((s.name, s.dtype, s.numel, s.checksum) for s in specs),
+        base_checksum=segment_digest((s.name, s.dtype, s.numel, s.base_checksum) for s in specs) if delta else None,
+        tensors=specs, layout_hash=members.hash, members=members if inline else None, **fields,
     )
     return Payload(manifest, memoryview(body))
 
 
-def _assemble(encoded: list, k) -> tuple[np.ndarray, list[TensorSpec]]:
-    """Lay every tensor's frame into one body, checksumming each frame as it is copied in."""
-    lengths = [{p: memoryview(v).nbytes for p, v in enc.parts.items()} for *_, enc in encoded]
+def _nbytes(v) -> int:
+    return v.nbytes if isinstance(v, (np.ndarray, Table)) else memoryview(v).nbytes
+
+
+def _assemble(encoded: list, k, members: Members) -> tuple[np.ndarray, list[TensorSpec]]:
+    """Lay every segment's frame into one body, checksumming each frame as it is copied in."""
+    lengths = [{p: _nbytes(v) for p, v in enc.parts.items()} for *_, enc in encoded]
     body = np.empty(sum(sum(ls.values()) for ls in lengths), np.uint8)
     specs, offset = [], 0
-    for (name, tb, b, enc), ls in zip(encoded, lengths):
+    for key, (tb, b, enc), ls in zip(members.keys(), encoded, lengths):
         frame = body[offset : offset + sum(ls.values())]
-        if len(enc.parts) == 1:  # raw data: copy and checksum in one pass
+        if len(enc.parts) == 1:  # raw data: copy (a gather, for a table) and checksum in one pass
             frame_sum = k.copy_checksummed(next(iter(enc.parts.values())), frame)
         else:
             at = 0
@@ -112,74 +135,103 @@ def _assemble(encoded: list, k) -> tuple[np.ndarray, list[TensorSpec]]:
             frame_sum = k.checksum(frame)
         new_sum = enc.new_sum or (frame_sum if enc.verbatim else k.checksum(tb.bits))
         base_sum = enc.base_sum or (k.checksum(b.bits) if b else None)
-        specs.append(TensorSpec(name=name, dtype=tb.dtype.name, shape=tb.shape, kind=enc.kind, offset=offset, parts=ls,
+        specs.append(TensorSpec(name=key, dtype=tb.dtype.name, shape=tb.shape, kind=enc.kind, offset=offset, parts=ls,
                                 checksum=new_sum, payload_checksum=frame_sum, base_checksum=base_sum))
         offset += len(frame)
     body.flags.writeable = False
     return body, specs
 
 
-def decode(base: State | None, payload: Payload, *, backend: str | None = None) -> dict[str, Decoded]:
-    """Verify and decode every tensor without touching base. Raises on the first problem.
+def resolve(man: Manifest, layouts: dict | None = None) -> Members:
+    """The payload's member table: inline, or one the receiver already has under its hash."""
+    if man.members is not None:
+        return man.members
+    members = (layouts or {}).get(man.layout_hash)
+    if members is None:
+        raise MismatchError(f"the payload refers to layout {man.layout_hash}, which this receiver does not hold "
+                            "(a layout travels with keyframes: ask for one, or encode with inline=True)")
+    check_members(man.tensors, members)
+    return members
 
+
+def decode(base: State | None, payload: Payload, *, backend: str | None = None,
+           layouts: dict | None = None) -> dict[str, Decoded]:
+    """Verify and decode every segment without touching base. Raises on the first problem.
+
+    Returns {segment key: Decoded} (positions are within the segment).
     Errors rank as they would if every base checksum were checked first:
     VersionError (wrong base) before any problem with the payload's bytes.
     """
     k = backends.kernels(backend)
     man = payload.manifest
-    needs_base = _check_inputs(base, man)
+    members = resolve(man, layouts)
+    base_segs = _base_segments(base, man, members, whole=True)
     out = {}
     for i, spec in enumerate(man.tensors):
-        b = base[spec.name] if base is not None else None
-        with _base_errors_first(base, man, i, k, needs_base):
-            dec = _decode_one(payload, spec, b, k)
-        if needs_base:
-            _check_base_sum(spec, man, dec.base_sum or k.checksum(b.bits))
+        b = base_segs[i] if base_segs is not None else None
+        with _base_errors_first(base_segs, man, members, i, k):
+            dec = _decode_one(payload, spec, b, k, members.describe(i))
+        if base_segs is not None and man.codec == "delta":
+            _check_base_sum(spec, man, members.describe(i), dec.base_sum or k.checksum(b.bits))
         out[spec.name] = dec
     return out
 
 
-def _decode_one(payload: Payload, spec: TensorSpec, b: TensorBits | None, k) -> Decoded:
-    _check_frame(payload, spec, k)
+def _decode_one(payload: Payload, spec: TensorSpec, b: TensorBits | None, k, what: str) -> Decoded:
+    _check_frame(payload, spec, k, what)
     codec = CODECS[payload.manifest.codec]
-    return codec.decode_tensor(b, spec, payload.parts(spec), kernels=k, dtype=dtypes.by_name(spec.dtype))
+    with _named(what):
+        return codec.decode_tensor(b, spec, payload.parts(spec), kernels=k, dtype=dtypes.by_name(spec.dtype))
 
 
-def _check_inputs(base: State | None, man: Manifest) -> bool:
-    """Base present when needed and shaped like the payload; True if its checksums must be verified."""
-    needs_base = man.codec == "delta"
-    if base is not None or needs_base:
-        if base is None:
+@contextmanager
+def _named(what: str):
+    """Say which tensors a FormatError from a segment's codec is about."""
+    try:
+        yield
+    except FormatError as e:
+        raise FormatError(f"{what}: {e}") from None
+
+
+def _base_segments(base: State | None, man: Manifest, members: Members, whole: bool) -> list[TensorBits] | None:
+    """The base as the payload's segments, present when needed and shaped like the payload."""
+    if base is None:
+        if man.codec == "delta":
             raise VersionError(f"payload is a delta against version {man.base_version}; a base is required")
-        _check_same_tensors(base, [(s.name, s.dtype, s.shape) for s in man.tensors], "payload")
-    return needs_base
+        return None
+    segs = segments(base, members)
+    if whole:
+        _check_covers(base, members, "payload")
+    return segs
 
 
-def _check_frame(payload: Payload, spec: TensorSpec, k) -> None:
+def _check_frame(payload: Payload, spec: TensorSpec, k, what: str) -> None:
     if k.checksum(payload.frame(spec)) != spec.payload_checksum:
-        raise ChecksumError(f"{spec.name}: stored bytes do not match their checksum (corrupt in transit or on disk)")
+        raise ChecksumError(f"{what}: stored bytes do not match their checksum (corrupt in transit or on disk)")
 
 
-def _check_base_sum(spec: TensorSpec, man: Manifest, got: str) -> None:
+def _check_base_sum(spec: TensorSpec, man: Manifest, what: str, got: str) -> None:
     if got != spec.base_checksum:
-        raise VersionError(f"base tensor {spec.name!r} differs from the one this delta was made against "
+        raise VersionError(f"base {what} differs from the one this delta was made against "
                            f"(payload base version {man.base_version}; checksum {got} != {spec.base_checksum})")
 
 
 @contextmanager
-def _base_errors_first(base: State | None, man: Manifest, i: int, k, needs_base: bool, known: dict | None = None):
-    """A payload error at tensor i yields to a wrong base at tensor i or later (earlier ones passed)."""
+def _base_errors_first(base_segs, man: Manifest, members: Members, i: int, k, known: dict | None = None):
+    """A payload error at segment i yields to a wrong base at segment i or later (earlier ones passed)."""
     try:
         yield
     except (ChecksumError, FormatError):
-        if needs_base:
-            for spec in man.tensors[i:]:
-                _check_base_sum(spec, man, (known or {}).get(spec.name) or k.checksum(base[spec.name].bits))
+        if base_segs is not None and man.codec == "delta":
+            for j in range(i, len(man.tensors)):
+                spec = man.tensors[j]
+                got = (known or {}).get(spec.name) or k.checksum(base_segs[j].bits)
+                _check_base_sum(spec, man, members.describe(j), got)
         raise
 
 
 def prepare(payload: Payload, *, backend: str | None = None) -> Payload:
-    """Check each tensor's stored bytes and do the decoding that needs no base (zstd stages), ahead of apply.
+    """Check each segment's stored bytes and do the decoding that needs no base (zstd stages), ahead of apply.
 
     A subscriber calls this as each bucket of a version arrives, so the apply
     at the end touches little more than the engine's tensors. It stops
@@ -194,47 +246,56 @@ def prepare(payload: Payload, *, backend: str | None = None) -> Payload:
         if spec.name in payload.unpacked:
             continue
         try:
-            _check_frame(payload, spec, k)
+            _check_frame(payload, spec, k, spec.name)
             payload.unpacked[spec.name] = codec.unpack(spec, payload.parts(spec), dtypes.by_name(spec.dtype))
         except Exception:  # noqa: BLE001  (apply does this work again and raises it properly)
             break
     return payload
 
 
-def apply_state(base: State | None, payload, *, backend: str | None = None) -> State:
+def apply_state(base: State | None, payload, *, backend: str | None = None, layouts: dict | None = None) -> State:
     """Out-of-place apply on TensorBits states; every checksum verified before returning."""
-    return _apply(base, as_payload(payload), backends.kernels(backend), inplace=False)
+    payload = as_payload(payload)
+    members, bits = _apply(base, payload, backends.kernels(backend), inplace=False, whole=True, layouts=layouts)
+    return split(members, bits)
 
 
-def _apply(base: State | None, payload: Payload, k, *, inplace: bool, log: list | None = None) -> State:
-    """Verify and apply every tensor, each in as few passes as the backend fuses.
+def _apply(base: State | None, payload: Payload, k, *, inplace: bool, whole: bool, log: list | None = None,
+           layouts: dict | None = None) -> tuple[Members, list]:
+    """Verify and apply every segment, each in as few passes as the backend fuses.
 
     Errors rank as in decode, and a result that misses its checksum only
-    after every tensor passed the other checks. In place, any error puts
-    back every element written, last tensor first.
+    after every segment passed the other checks. In place, any error puts
+    back every element written, last segment first. Returns the layout and
+    each segment's new bits (base's own memory, in place).
     """
     man = payload.manifest
-    needs_base = _check_inputs(base, man)
+    members = resolve(man, layouts)
+    base_segs = _base_segments(base, man, members, whole)
+    needs_base = man.codec == "delta"
     codec = CODECS[man.codec]
-    shared, known = _decode_shared(base, payload, k) if inplace else ({}, {})
+    shared, known = _decode_shared(base_segs, payload, members, k) if inplace and base_segs else ({}, {})
     done: list[Applied] = []
     late = None
     try:
         for i, spec in enumerate(man.tensors):
-            b = base[spec.name] if base is not None else None
-            with _base_errors_first(base, man, i, k, needs_base, known):
+            b = base_segs[i] if base_segs is not None else None
+            what = members.describe(i)
+            with _base_errors_first(base_segs if needs_base else None, man, members, i, k, known):
                 if spec.name in shared:
                     a = _scatter(shared[spec.name], b, k)
                 else:
                     if spec.name not in payload.unpacked:
-                        _check_frame(payload, spec, k)
-                    a = codec.apply_tensor(b, spec, payload.parts(spec), kernels=k, dtype=dtypes.by_name(spec.dtype),
-                                           inplace=inplace, base_sum=needs_base, unpacked=payload.unpacked.get(spec.name))
+                        _check_frame(payload, spec, k, what)
+                    with _named(what):
+                        a = codec.apply_tensor(b, spec, payload.parts(spec), kernels=k,
+                                               dtype=dtypes.by_name(spec.dtype), inplace=inplace, base_sum=needs_base,
+                                               unpacked=payload.unpacked.get(spec.name))
             done.append(a)
             if needs_base:
-                _check_base_sum(spec, man, a.base_sum)
+                _check_base_sum(spec, man, what, a.base_sum)
             if a.new_sum != spec.checksum and late is None:
-                late = ChecksumError(f"{spec.name}: decoded tensor does not match its checksum")
+                late = ChecksumError(f"{what}: decoded result does not match its checksum")
         if late is not None:
             raise late
     except BaseException:
@@ -243,38 +304,56 @@ def _apply(base: State | None, payload: Payload, k, *, inplace: bool, log: list 
         raise
     if log is not None:
         log.extend(done)
-    return {s.name: TensorBits(dtypes.by_name(s.dtype), s.shape, a.bits) for s, a in zip(man.tensors, done)}
+    return members, [a.bits for a in done]
 
 
-def _decode_shared(base: State | None, payload: Payload, k) -> tuple[dict, dict]:
-    """Tensors whose memory overlaps another's (tied weights), decoded before anything is written.
+def _decode_shared(base_segs: list[TensorBits], payload: Payload, members: Members, k) -> tuple[dict, dict]:
+    """Segments whose memory overlaps (tied weights), decoded before anything is written.
 
-    Applied in place one by one, such a tensor would see the writes made for
+    Applied in place one by one, such a segment would see the writes made for
     its twin, in its base checksum and in the steps added to it. Decoded
     against the untouched base, it behaves as if applied alone. Returns
-    ({name: Decoded, or the exception to raise when the loop reaches it},
-    {name: checksum of its base as it was}).
+    ({key: Decoded, or the exception to raise when the loop reaches it},
+    {key: checksum of its base as it was}).
     """
     out, sums = {}, {}
-    for name in _overlapping(base or {}):
-        sums[name] = k.checksum(base[name].bits)
+    specs = payload.manifest.tensors
+    for i in _overlapping(base_segs):
+        key = specs[i].name
+        sums[key] = k.checksum(base_segs[i].bits)
         try:
-            out[name] = _decode_one(payload, payload.manifest.tensors_by_name[name], base[name], k)
-            out[name].base_sum = sums[name]
+            out[key] = _decode_one(payload, specs[i], base_segs[i], k, members.describe(i))
+            out[key].base_sum = sums[key]
         except (ChecksumError, FormatError) as e:
-            out[name] = e
+            out[key] = e
     return out, sums
 
 
-def _overlapping(state: State) -> set[str]:
-    spans = sorted((tb.bits.__array_interface__["data"][0], tb.bits.nbytes, n) for n, tb in state.items() if tb.bits.nbytes)
-    out, end, owner = set(), -1, None
-    for start, size, name in spans:
-        if start < end:  # overlaps the span reaching furthest so far
-            out.update((name, owner))
-        if start + size > end:
-            end, owner = start + size, name
-    return out
+def _overlapping(segs: list[TensorBits]) -> set[int]:
+    """Indices of segments with a piece whose memory overlaps another piece (of any segment, itself included)."""
+    starts, ends, owner = [], [], []
+    for i, tb in enumerate(segs):
+        if isinstance(tb.bits, Table):
+            addrs, at = tb.bits.arg()
+            starts.append(addrs)
+            ends.append(addrs + np.diff(at))
+            owner.append(np.full(len(addrs), i))
+        elif tb.bits.nbytes:
+            a = tb.bits.__array_interface__["data"][0]
+            starts.append(np.array([a], np.int64))
+            ends.append(np.array([a + tb.bits.nbytes], np.int64))
+            owner.append(np.array([i]))
+    if not starts:
+        return set()
+    s, e, o = np.concatenate(starts), np.concatenate(ends), np.concatenate(owner)
+    keep = e > s
+    s, e, o = s[keep], e[keep], o[keep]
+    order = np.argsort(s, kind="stable")
+    s, e, o = s[order], e[order], o[order]
+    run = np.maximum.accumulate(e)
+    idx = np.maximum.accumulate(np.where(e == run, np.arange(len(e)), 0))
+    hit = np.flatnonzero(s[1:] < run[:-1]) + 1
+    return set(o[hit].tolist()) | set(o[idx[hit - 1]].tolist())
 
 
 def _scatter(dec, b: TensorBits, k) -> Applied:
@@ -288,12 +367,16 @@ def apply(base, payload, *, inplace: bool = False, backend: str | None = None):
     """Apply a payload to base and return the new tensors.
 
     base: a dict of torch tensors or numpy arrays (the result has the same
-    flavour), a safetensors file or checkpoint folder (torch result), or None
-    for a raw payload. inplace=True writes into base's own memory (CPU,
-    contiguous) and returns base; on any error base is left exactly as it was.
+    flavour), a state bound with wsync.bind, a safetensors file or checkpoint
+    folder (torch result), or None for a raw payload. inplace=True writes
+    into base's own memory (CPU, contiguous) and returns base; on any error
+    base is left exactly as it was.
     """
     payload = as_payload(payload)
-    base_state = None if base is None else _load(base)[0]
+    if isinstance(base, Bound):
+        base_state = base
+    else:
+        base_state = None if base is None else _load(base)[0]
     if inplace:
         if not isinstance(base, dict):
             raise TypeError("inplace=True needs a dict of tensors or arrays as base")
@@ -306,17 +389,23 @@ def apply(base, payload, *, inplace: bool = False, backend: str | None = None):
 
 
 def _apply_inplace(base: dict, state: State, payload: Payload, backend) -> None:
-    for name, tb in state.items():
-        if not tb.bits.flags.writeable or not aliases(base[name], tb.bits):
-            raise TypeError(f"inplace apply needs writable, contiguous CPU tensors; {name!r} is not")
-    _apply(state, payload, backends.kernels(backend), inplace=True)
+    if isinstance(base, Bound):
+        if not base.writes_through:
+            raise TypeError("inplace apply needs writable, contiguous CPU tensors; this bound state copied some")
+    else:
+        for name, tb in state.items():
+            if not tb.bits.flags.writeable or not aliases(base[name], tb.bits):
+                raise TypeError(f"inplace apply needs writable, contiguous CPU tensors; {name!r} is not")
+    _apply(state, payload, backends.kernels(backend), inplace=True, whole=True)
 
 
-def apply_payloads_inplace(state: State, payloads: list[Payload], *, backend: str | None = None):
+def apply_payloads_inplace(state: State, payloads: list[Payload], *, backend: str | None = None,
+                           layouts: dict | None = None):
     """Apply several payloads (the buckets of one version) in place, as one: all or nothing.
 
-    Each payload covers some of state's tensors. Returns a function that puts
-    every written element back, for a caller whose own later check fails.
+    Each payload covers some of state's tensors. Returns (a function that puts
+    every written element back, for a caller whose own later check fails,
+    and the (key, dtype, numel, checksum) of every segment written).
     """
     k = backends.kernels(backend)
     log: list = []
@@ -325,13 +414,15 @@ def apply_payloads_inplace(state: State, payloads: list[Payload], *, backend: st
         for a in reversed(log):
             a.undo()
 
+    records = []
     try:
         for p in payloads:
-            _apply({s.name: state[s.name] for s in p.manifest.tensors}, p, k, inplace=True, log=log)
+            _apply(state, p, k, inplace=True, whole=False, log=log, layouts=layouts)
+            records += [(s.name, s.dtype, s.numel, s.checksum) for s in p.manifest.tensors]
     except BaseException:
         undo()
         raise
-    return undo
+    return undo, records
 
 
 def apply_to_checkpoint(base_path, payload, out_path) -> None:
@@ -365,13 +456,16 @@ def inspect(payload) -> dict:
         "tier": man.tier,
         "version": man.version,
         "base_version": man.base_version,
-        "tensors": len(man.tensors),
+        "tensors": None if man.members is None else len(man.members.names),  # None: the layout is not inline
+        "segments": len(man.tensors),
+        "layout_hash": man.layout_hash,
         "elements": elements,
         "changed": changed,
         "density": changed / elements if elements else 0.0,
         "model_bytes": model_bytes,
         "payload_bytes": size,
         "header_bytes": size - len(payload.body),
+        "manifest_bytes": len(man.to_json()),
         "ratio": model_bytes / size if size else 0.0,
         "bits_per_changed": 8 * size / changed if changed else None,
         "parts": parts,
@@ -380,7 +474,7 @@ def inspect(payload) -> dict:
 
 
 def _changed(spec: TensorSpec, payload: Payload) -> int:
-    """Changed elements of one tensor (raw tensors count as all changed)."""
+    """Changed elements of one segment (raw segments count as all changed)."""
     if spec.kind == "same":
         return 0
     if not spec.kind.startswith("delta"):

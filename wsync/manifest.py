@@ -1,4 +1,10 @@
-"""The wire header: a JSON manifest describing every tensor of a payload.
+"""The wire header: a JSON manifest describing every segment of a payload.
+
+Format 2 codes segments (the tensors of one dtype, back to back; layout.py),
+so the manifest holds one entry per segment, not per tensor, and names its
+member table by hash; the table itself rides inline only where the receiver
+cannot have it already (keyframes, files). Format 1 (one entry per tensor,
+wsync 0.1) is refused with a message saying so.
 
 The manifest is the only thing a receiver trusts before checksums are checked,
 so parsing it is strict: every field has a type, every length is checked
@@ -15,8 +21,10 @@ from functools import cached_property
 from . import dtypes
 from .checksum import ALGO
 from .errors import FormatError
+from .layout import Members
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READERS = {1: "wsync 0.1.x (pip install 'wsync<0.2')"}  # older formats, and which wsync reads them
 CHUNK_ELEMS = 1 << 16  # elements per independent delta chunk; positions fit in uint16
 
 # Which byte sections each (codec, kind) stores, in body order.
@@ -33,6 +41,8 @@ TIERS = {"raw": (None,), "delta": ("sparse", "packed")}
 
 @dataclass(kw_only=True)
 class TensorSpec:
+    """One segment of a payload (a single tensor is a segment of one). name: "<layout hash>:<index>"."""
+
     name: str
     dtype: str  # safetensors dtype code, e.g. "BF16"
     shape: tuple[int, ...]
@@ -69,7 +79,9 @@ class Manifest:
     checksum: str  # digest of the whole resulting state
     base_checksum: str | None = None  # digest of the whole base state (delta)
     tensors: list[TensorSpec]
-    layout: dict[str, str] | None = None  # tensor -> shard file name of the source checkpoint
+    layout_hash: str  # the member table's hash (layout.Members.hash)
+    members: Members | None = None  # the member table itself, when it travels inline
+    layout: dict[str, str] | None = None  # tensor -> shard file name of the source checkpoint ("files" in JSON)
     metadata: dict[str, str] = field(default_factory=dict)  # free-form strings, e.g. safetensors __metadata__
 
     @cached_property
@@ -92,9 +104,11 @@ class Manifest:
             "base_version": self.base_version,
             "checksum": self.checksum,
             "base_checksum": self.base_checksum,
-            "layout": self.layout,
+            "layout_hash": self.layout_hash,
+            "members": None if self.members is None else self.members.to_doc(),
+            "files": self.layout,
             "metadata": self.metadata,
-            "tensors": [_spec_doc(t) for t in self.tensors],
+            "segments": [_spec_doc(t) for t in self.tensors],
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -148,7 +162,7 @@ def _parse(doc) -> Manifest:
         raise FormatError("manifest is not a wsync manifest (no 'format': 'wsync')")
     fv = _get(doc, "format_version", int, "manifest")
     if fv != FORMAT_VERSION:
-        raise FormatError(f"unsupported format version {fv}; this wsync reads version {FORMAT_VERSION}")
+        raise FormatError(unsupported(fv))
     if _get(doc, "checksum_algo", str, "manifest") != ALGO:
         raise FormatError(f"unsupported checksum algorithm {doc['checksum_algo']!r}; expected {ALGO!r}")
     if _get(doc, "chunk_elems", int, "manifest") != CHUNK_ELEMS:
@@ -160,15 +174,21 @@ def _parse(doc) -> Manifest:
     if tier not in TIERS[codec]:
         raise FormatError(f"codec {codec!r} has no tier {tier!r}; known: {TIERS[codec]}")
     base_checksum = _get(doc, "base_checksum", str, "manifest", optional=True)
-    layout = _get(doc, "layout", dict, "manifest", optional=True)
+    layout = _get(doc, "files", dict, "manifest", optional=True)
     metadata = _get(doc, "metadata", dict, "manifest", optional=True) or {}
     for k, v in list((layout or {}).items()) + list(metadata.items()):
         if not isinstance(v, str):
             raise FormatError(f"manifest: layout/metadata value for {k!r} must be a string")
-    raw_tensors = _get(doc, "tensors", list, "manifest")
+    raw_tensors = _get(doc, "segments", list, "manifest")
     tensors = [_parse_spec(t, i, codec, tier) for i, t in enumerate(raw_tensors)]
     _check_tiling(tensors)
+    layout_hash = _hex16(_get(doc, "layout_hash", str, "manifest"), "manifest: layout_hash")
+    members_doc = _get(doc, "members", dict, "manifest", optional=True)
+    members = None if members_doc is None else Members.from_doc(members_doc)
+    _check_segments(tensors, layout_hash, members)
     return Manifest(
+        layout_hash=layout_hash,
+        members=members,
         codec=codec,
         tier=tier,
         version=_get(doc, "version", int, "manifest", optional=True),
@@ -225,6 +245,34 @@ def _check_lengths(spec: TensorSpec, where: str) -> None:
         raise FormatError(f"{where}: chunk table is {spec.parts['table']} bytes, expected {8 * spec.nchunks}")
     if spec.kind.startswith("delta") and spec.base_checksum is None:
         raise FormatError(f"{where}: a delta tensor needs a base_checksum")
+
+
+def unsupported(fv) -> str:
+    reader = READERS.get(fv)
+    if reader:
+        return (f"payload format version {fv} was written by an older wsync; this wsync reads format {FORMAT_VERSION}. "
+                f"Read it with {reader}, or re-encode it from its checkpoints")
+    return f"unsupported format version {fv}; this wsync reads version {FORMAT_VERSION}"
+
+
+def check_members(tensors: list[TensorSpec], members: Members) -> None:
+    """The segments are exactly those of the member table: keys, dtypes and element counts."""
+    if [t.name for t in tensors] != members.keys():
+        raise FormatError(f"payload segments {[t.name for t in tensors][:3]} do not match its layout {members.hash} "
+                          f"({len(members.counts)} segments)")
+    for t, dt, n in zip(tensors, members.dtypes, members.seg_numels):
+        if t.dtype != dt or t.shape != (n,):
+            raise FormatError(f"segment {t.name}: {t.dtype}[{t.numel}] but its layout says {dt}[{n}]")
+
+
+def _check_segments(tensors: list[TensorSpec], layout_hash: str, members: Members | None) -> None:
+    for t in tensors:
+        if len(t.shape) != 1 or not t.name.startswith(layout_hash + ":"):
+            raise FormatError(f"segment {t.name!r}: expected a 1-D segment named '{layout_hash}:<index>'")
+    if members is not None:
+        if members.hash != layout_hash:
+            raise FormatError(f"manifest: the member table hashes to {members.hash}, the manifest says {layout_hash}")
+        check_members(tensors, members)
 
 
 def _check_tiling(tensors: list[TensorSpec]) -> None:

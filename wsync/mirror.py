@@ -21,6 +21,7 @@ import threading
 from .codecs import delta
 from .codecs.base import Encoded
 from .errors import SnapshotError
+from .layout import Bound, Members, segments
 from .snapshot import State, TensorBits, destination, owned_copy
 
 
@@ -35,30 +36,30 @@ class Mirror:
     def __init__(self, kernels):
         self.state: State | None = None
         self.version: int | None = None
-        self.sums: dict[str, str] = {}  # each tensor's checksum: the next delta's base sums, without hashing it
+        self.sums: dict[str, str] = {}  # each segment's checksum (by key): the next delta's base sums, unhashed
         self.lock = threading.Lock()
         self.kernels = kernels
 
     def adopt(self, version: int, state: State, *, copy: bool, sums: dict[str, str] | None = None) -> State | None:
         """Become `version`: its state itself, or (copy, for a state the history keeps) a copy of it.
 
-        sums: each tensor's checksum where the caller has them (the encoder
-        does, for a state it just encoded); otherwise they are computed here.
-        Returns the state the mirror let go of, for reuse; None when the copy went into its arrays.
+        sums: each segment's checksum (by segment key) where the caller has
+        them (the encoder does, for a state it just encoded); otherwise the
+        mirror hashes segments as it first measures them. Returns the state
+        the mirror let go of, for reuse; None when the copy went into its arrays.
         """
         with self.lock:
             old = self.state
             if copy:
-                sums = {}  # copy and checksum in one pass, into the old mirror's arrays where they fit
                 mine = {}
-                for name, tb in state.items():
+                for name, tb in state.items():  # into the old mirror's arrays where they fit
                     dst = destination(tb.bits, (old or {}).get(name))
-                    sums[name] = self.kernels.copy_checksummed(tb.bits, dst)
+                    dst[...] = tb.bits
                     mine[name] = TensorBits(tb.dtype, tb.shape, dst)
-                state, old = mine, None
-            elif sums is None or sums.keys() != state.keys():
-                sums = {name: self.kernels.checksum(tb.bits) for name, tb in state.items()}
-            self.state, self.version, self.sums = state, version, sums
+                state, old, sums = mine, None, None
+            # a Bound builds each bucket's segment tables once, for every later version
+            self.state, self.version = state if isinstance(state, Bound) else Bound(state), version
+            self.sums = dict(sums or {})
             return old
 
     def freeze(self, version: int) -> State | None:
@@ -79,23 +80,23 @@ class LiveDelta:
     written, and the caller invalidates it.
     """
 
-    def __init__(self, mirror: Mirror, live: State, groups: list[list[str]], *, tier: str, kernels):
+    def __init__(self, mirror: Mirror, live: State, groups: list[Members], *, tier: str, kernels):
         self.base_version = mirror.version
-        self._mirror, self._sums, self._live, self._groups = mirror.state, mirror.sums, live, groups
+        self._mirror, self._sums, self._live, self.groups = mirror.state, mirror.sums, live, groups
         self._tier, self._kernels = tier, kernels
-        self._done: list[list[tuple[str, TensorBits, Encoded]]] = []
+        self._done: list[list[tuple[TensorBits, Encoded]]] = []
         self._error: BaseException | None = None
         self._cv = threading.Condition()
 
     @property
     def count(self) -> int:
-        return len(self._groups)
+        return len(self.groups)
 
     def run(self) -> None:
         try:
-            for names in self._groups:
-                measured = [(name, self._mirror[name], self._step(name, self._mirror[name], self._live[name]))
-                            for name in names]
+            for members in self.groups:
+                mine, theirs = segments(self._mirror, members), segments(self._live, members)
+                measured = [(m, self._step(key, m, t)) for key, m, t in zip(members.keys(), mine, theirs)]
                 with self._cv:
                     self._done.append(measured)
                     self._cv.notify_all()
@@ -105,19 +106,19 @@ class LiveDelta:
                 self._cv.notify_all()
             raise
 
-    def _step(self, name: str, mirror: TensorBits, new: TensorBits) -> Encoded:
-        """Measure one tensor's change, then write the changed elements into the mirror."""
+    def _step(self, key: str, mirror: TensorBits, new: TensorBits) -> Encoded:
+        """Measure one segment's change, then write the changed elements into the mirror."""
         enc = delta.measure(mirror, new, tier=self._tier, kernels=self._kernels, own=True,
-                            base_sum=self._sums[name])
+                            base_sum=self._sums.get(key))
         if enc.sections is not None:
             self._kernels.write_changes(mirror.bits, new.bits, enc.sections)
         elif enc.kind != "same":
-            mirror.bits[...] = new.bits
-        self._sums[name] = enc.new_sum
+            self._kernels.copy_checksummed(new.bits, mirror.bits)
+        self._sums[key] = enc.new_sum
         return enc
 
-    def wait(self, i: int) -> list[tuple[str, TensorBits, Encoded]]:
-        """Group i's measured tensors, once publish() has them; SnapshotError if it failed first."""
+    def wait(self, i: int) -> list[tuple[TensorBits, Encoded]]:
+        """Group i's measured segments, once publish() has them; SnapshotError if it failed first."""
         with self._cv:
             while len(self._done) <= i:
                 if self._error is not None:

@@ -3,7 +3,7 @@
 Layout (all integers little-endian)::
 
     0   8  magic  b"\\x89WSYNC\\r\\n"
-    8   4  u32    format version (1)
+    8   4  u32    format version (2)
     12  4  u32    manifest length M
     16  8  u64    body length B
     24  8  u64    xxh3-64 of the manifest bytes
@@ -24,7 +24,7 @@ import xxhash
 
 from .errors import ChecksumError, FormatError
 from .fsutil import atomic_write
-from .manifest import FORMAT_VERSION, Manifest, TensorSpec
+from .manifest import FORMAT_VERSION, Manifest, TensorSpec, unsupported
 
 MAGIC = b"\x89WSYNC\r\n"
 HEADER = struct.Struct("<8sIIQQ")
@@ -91,7 +91,7 @@ class Payload:
         if magic != MAGIC:
             raise FormatError(f"not a wsync payload (magic {bytes(magic)!r})")
         if version != FORMAT_VERSION:
-            raise FormatError(f"unsupported format version {version}; this wsync reads version {FORMAT_VERSION}")
+            raise FormatError(unsupported(version))
         if mlen > MAX_MANIFEST:
             raise FormatError(f"manifest length {mlen} exceeds the {MAX_MANIFEST}-byte limit")
         expect = HEADER.size + mlen + blen

@@ -25,6 +25,8 @@ from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .engines.shadow import Shadow
 from .errors import FormatError, WsyncError
 from .fsutil import atomic_write
+from .layout import Members
+from .subscriber import version_digest
 
 VERSION_FILE = "wsync-version.json"
 _NUMBER = re.compile(r"(\d+)(?:\.safetensors)?$")
@@ -90,25 +92,27 @@ def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1
         pub.close()
 
 
-def read_replica(out: Path) -> Shadow:
-    """The state a previous pull left in out (an empty Shadow if none or unreadable).
+def read_replica(out: Path) -> tuple[Shadow, list | None]:
+    """The state a previous pull left in out (an empty Shadow if none or unreadable), and its layouts.
 
-    The version and digest live in the safetensors metadata, written in the same
-    atomic step as the weights, so they cannot disagree after a crash.
+    The version, digest and bucket layouts live in the safetensors metadata,
+    written in the same atomic step as the weights, so they cannot disagree
+    after a crash; with the layouts, the next pull can take deltas.
     """
     engine = Shadow()
     if not Path(out).exists():
-        return engine
+        return engine, None
     try:
         ck = read_checkpoint(out)
+        served = [Members.from_doc(d) for d in json.loads(ck.metadata["wsync_layouts"])]
         engine.replace(ck.state)
-        if engine.digest() != ck.metadata["wsync_digest"]:
+        if version_digest(engine.state, served) != ck.metadata["wsync_digest"]:
             raise FormatError(f"{out}: weights do not match the digest stored with them")
         engine.version = int(ck.metadata["wsync_version"])
-    except (WsyncError, OSError, ValueError, KeyError) as e:
-        print(f"wsync: ignoring what {out} holds ({e}); fetching a keyframe", file=sys.stderr)
-        engine = Shadow()
-    return engine
+    except (WsyncError, OSError, ValueError, KeyError, TypeError) as e:
+        print(f"wsync: ignoring what {out} holds ({e!r:.200}); fetching a keyframe", file=sys.stderr)
+        return Shadow(), None
+    return engine, served
 
 
 def pull(address: str, out, *, token=None, timeout: float | None = None, version: int | None = None,
@@ -117,9 +121,9 @@ def pull(address: str, out, *, token=None, timeout: float | None = None, version
     from .sync import Subscriber
 
     out = Path(out)
-    engine = read_replica(out)
+    engine, served = read_replica(out)
     bar = _Progress() if progress else None
-    sub = Subscriber(address, engine=engine, token=token, apply="poll", progress=bar)
+    sub = Subscriber(address, engine=engine, token=token, apply="poll", progress=bar, served=served)
     try:
         target = version if version is not None else sub.wait_announced(timeout)
         if engine.version is not None and engine.version >= target:
@@ -129,8 +133,11 @@ def pull(address: str, out, *, token=None, timeout: float | None = None, version
         sub.close()
         if bar:
             bar.close()
-    held = engine.digest()
-    write_checkpoint(out, Checkpoint(engine.state, None, {"wsync_version": str(got), "wsync_digest": held}))
+    served = sub.served
+    held = version_digest(engine.state, served)
+    layouts = json.dumps([m.to_doc() for m in served], separators=(",", ":"))
+    write_checkpoint(out, Checkpoint(engine.state, None, {"wsync_version": str(got), "wsync_digest": held,
+                                                          "wsync_layouts": layouts}))
     with atomic_write(out / VERSION_FILE) as f:  # for people and scripts; read_replica trusts the metadata
         f.write(json.dumps({"version": got, "digest": held, "source": address}).encode())
     return got

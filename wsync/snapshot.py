@@ -155,6 +155,13 @@ class Copying(dict):
         self._cv = threading.Condition()
         self._pending = set(self._jobs)
         self._error: BaseException | None = None
+        self._plans: dict = {}
+
+    def plan(self, key, make):
+        """A value computed once per key for this snapshot (its bucket layouts)."""
+        if key not in self._plans:
+            self._plans[key] = make()
+        return self._plans[key]
 
     def run(self, groups: list[list[str]]) -> None:
         """Copy each group's tensors, in order, waking readers after each group."""

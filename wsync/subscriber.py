@@ -20,11 +20,12 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from . import api
+from . import api, backends
 from .errors import ChecksumError, MismatchError, TransportError, WsyncError
+from .layout import Bound, Members, segment_digest, segments
 from .payload import Payload
 from .sender import PROTOCOL
-from .snapshot import TensorBits, aliases, as_state, digest, to_torch
+from .snapshot import TensorBits, aliases, as_state, to_torch
 from .transports import Message, TransportTimeout, connect, parse_address
 from .transports.base import with_token
 
@@ -51,7 +52,7 @@ class Staged:
 class Subscriber:
     def __init__(self, address: str, *, engine, token=None, apply: str = "background", backend: str | None = None,
                  connect_opts: dict | None = None, retry_s: float = 0.5, progress=None, relay: str | None = None,
-                 relay_opts: dict | None = None):
+                 relay_opts: dict | None = None, served: list | None = None):
         if apply not in ("background", "poll"):
             raise ValueError(f"apply must be 'background' or 'poll', got {apply!r}")
         self.address, self.engine, self.mode, self.backend = address, engine, apply, backend
@@ -68,6 +69,12 @@ class Subscriber:
         self._link = None
         self._send_lock = threading.Lock()
         self.version: int | None = engine.version
+        self._layouts: dict[str, Members] = {}  # member tables by hash, learned from keyframes (deltas name them)
+        # the layouts of the version the engine serves (given: a replica's, saved with it by `wsync pull`)
+        self._served: list[Members] | None = served if engine.version is not None else None
+        for m in self._served or []:
+            self._layouts[m.hash] = m
+        self._bound: Bound | None = None  # the engine's tensors, bound once (segment tables reused every version)
         self.error: WsyncError | None = None  # the last apply failure, kept for callers to inspect
         self.stats: dict = {"versions": 0, "bytes": 0, "failures": 0, "last": None}
         # a relay re-publishes every committed version to its own subscribers (a tree for WAN fan-out)
@@ -119,6 +126,11 @@ class Subscriber:
                 self._cv.wait(min(left, 0.5) if left is not None else 0.5)
             return self.newest_seen
 
+    @property
+    def served(self) -> list[Members] | None:
+        """The bucket layouts of the version the engine serves (None before the first)."""
+        return self._served
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -142,8 +154,10 @@ class Subscriber:
         while not self._closed:
             try:
                 self._link = connect(self.address, **with_token(self._opts, self._token))
-                self._send(Message("hello", {"protocol": PROTOCOL, "version": self.version,
-                                             "checksum": self._served_checksum()}))
+                # without the layout of what it serves it cannot take deltas: it asks for a keyframe
+                known = self._served is not None
+                self._send(Message("hello", {"protocol": PROTOCOL, "version": self.version if known else None,
+                                             "checksum": self._served_checksum() if known else None}))
                 self._receive(self._link)
             except WsyncError as e:
                 if self._closed:
@@ -156,7 +170,11 @@ class Subscriber:
             time.sleep(self._retry_s)
 
     def _served_checksum(self) -> str | None:
-        return self.engine.digest() if self.version is not None else None
+        if self.version is None or self._served is None:
+            return None
+        with getattr(self.engine, "lock", None) or nullcontext():
+            return version_digest(self._bound if self._bound is not None else self.engine.tensors(), self._served,
+                                  self.backend)
 
     def _receive(self, link) -> None:
         cur: Staged | None = None
@@ -186,7 +204,9 @@ class Subscriber:
             elif cur is None or m["version"] != cur.version or m["index"] != len(cur.payloads):
                 raise TransportError(f"bucket {m['index']} of version {m['version']} arrived out of order")
             # checked and unzipped now, while later buckets are still on the wire
-            cur.payloads.append(api.prepare(Payload.from_parts(msg.blobs[0], msg.blobs[1]), backend=self.backend))
+            payload = Payload.from_parts(msg.blobs[0], msg.blobs[1])
+            cur.payloads.append(api.prepare(payload, backend=self.backend))
+            self._learn(payload.manifest.members)
             cur.nbytes += msg.nbytes
             if len(cur.payloads) == cur.count:
                 cur.checksum = m["checksum"]
@@ -208,6 +228,15 @@ class Subscriber:
         if self._lockstep or self.mode == "poll":
             # point-to-point background subscribers ack after applying (in _apply); the others ack on receipt
             self._ack(st.version)
+
+    def _learn(self, members: Members | None) -> None:
+        """Keep an inline member table, so later deltas can name it by hash."""
+        if members is None or members.hash in self._layouts:
+            return
+        with self._cv:
+            if len(self._layouts) >= 4096:  # a layout per bucket; old ones go first
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[members.hash] = members
 
     def _saw(self, version) -> None:
         if isinstance(version, int):
@@ -258,8 +287,12 @@ class Subscriber:
         t0 = time.perf_counter()
         try:
             with getattr(self.engine, "lock", None) or nullcontext():  # guarded engines: not mid-forward
-                apply_version(self.engine, st.payloads, st.checksum, backend=self.backend)
+                if self._bound is None or st.keyframe:
+                    self._bound = None if hasattr(self.engine, "replace") else bind_engine(self.engine)
+                served = apply_version(self.engine, st.payloads, st.checksum, backend=self.backend,
+                                       layouts=self._layouts, bound=self._bound)
         except WsyncError as e:
+            self._bound = None  # bound again on the next try, in case the engine's tensors moved
             self.error = e
             self._streak += 1
             self.stats["failures"] += 1
@@ -267,6 +300,7 @@ class Subscriber:
             self._lost()
             return False
         with self._cv:
+            self._served = served
             self.engine.version = self.version = st.version
             self._need_keyframe = False
             self._streak = 0
@@ -277,11 +311,12 @@ class Subscriber:
         if self.mode == "background" and not self._lockstep:
             self._ack(st.version)
         if self.relay is not None:
-            self.relay.publish(self.engine.tensors(), version=st.version)
+            self.relay.publish(self._bound if self._bound is not None else self.engine.tensors(), version=st.version)
         return True
 
 
-def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: str | None = None) -> None:
+def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: str | None = None,
+                  layouts: dict | None = None, bound: Bound | None = None) -> list[Members]:
     """Apply one version's payloads to an engine as a transaction (all or nothing).
 
     Every payload checksum and base checksum is verified before anything is
@@ -289,31 +324,32 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
     tensors are writable CPU memory, else into a host copy handed to
     engine.load); then the digest of what the engine holds must equal
     `checksum`. On any failure every written element is put back.
+    layouts: member tables by hash, for payloads that name theirs (deltas);
+    bound: the engine's tensors bound once (wsync.bind), reused every version.
+    Returns the version's bucket layouts.
     """
-    names = [s.name for p in payloads for s in p.manifest.tensors]
+    members = [api.resolve(p.manifest, layouts) for p in payloads]
     if hasattr(engine, "replace") and all(p.manifest.codec == "raw" for p in payloads):
-        return _replace(engine, payloads, checksum, backend)
-    live = engine.tensors()
-    if sorted(names) != sorted(live):
-        missing, extra = sorted(set(live) - set(names)), sorted(set(names) - set(live))
-        raise MismatchError(f"version does not cover the engine's tensors: engine-only {missing[:5]}, "
-                            f"payload-only {extra[:5]} ({len(missing)} and {len(extra)})")
-    state = as_state(live)
-    inplace = all(_writes_through(live[n], state[n].bits) for n in state)
+        _replace(engine, payloads, checksum, backend)
+        return members
+    state = bound if bound is not None else bind_engine(engine)
+    _check_covers(state, members)
+    inplace = state.writes_through
     if not inplace:  # work on a host copy and hand the changed tensors to engine.load
-        state = {n: tb if tb.bits.flags.writeable and not _writes_through(live[n], tb.bits) else
-                 TensorBits(tb.dtype, tb.shape, tb.bits.copy()) for n, tb in state.items()}
-    specs = {s.name: s for p in payloads for s in p.manifest.tensors}
+        state = Bound({n: tb if tb.bits.flags.writeable else TensorBits(tb.dtype, tb.shape, tb.bits.copy())
+                       for n, tb in state.items()})
     # verifies every base and payload checksum, writes, and checks every result against the manifest
-    undo = api.apply_payloads_inplace(state, payloads, backend=backend)
-    changed = [n for n, s in specs.items() if s.kind != "same"]
+    undo, records = api.apply_payloads_inplace(state, payloads, backend=backend, layouts=layouts)
     loaded = False
     try:
         if not inplace:
+            changed = [n for p, m in zip(payloads, members) for s, j in zip(p.manifest.tensors, range(len(m.counts)))
+                       if s.kind != "same" for n in m.segment_names(j)]
             loaded = True
             engine.load({name: to_torch(state[name]) for name in changed})
-        # in place, every tensor was just checked against the manifest: the digest follows from it
-        held = digest(state, {n: s.checksum for n, s in specs.items()}) if inplace else engine.digest()
+            held = version_digest(engine.tensors(), members, backend)
+        else:  # every segment was just checked against the manifest: the digest follows from it
+            held = segment_digest(records)
         if held != checksum:
             raise ChecksumError(f"after loading, the engine's weights digest to {held}, expected {checksum}")
     except BaseException:
@@ -321,14 +357,50 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
         if loaded:
             engine.load({name: to_torch(state[name]) for name in changed})
         raise
+    return members
+
+
+def bind_engine(engine) -> Bound:
+    """The engine's tensors as a Bound (its segment tables are then built once per layout)."""
+    live = engine.tensors()
+    if isinstance(live, Bound):
+        return live
+    state = as_state(live)
+    through = all(_writes_through(live[n], state[n].bits) for n in state)
+    return Bound(state, writes_through=through)
+
+
+def _check_covers(state: Bound, members: list[Members]) -> None:
+    """The version's layouts name exactly the engine's tensors (checked once per layout and state)."""
+    def check():
+        names = [n for m in members for n in m.names]
+        if len(names) != len(state) or not all(n in state for n in names):
+            have = set(names)
+            missing, extra = sorted(set(state) - have), sorted(have - set(state))
+            raise MismatchError(f"version does not cover the engine's tensors: engine-only {missing[:5]}, "
+                                f"payload-only {extra[:5]} ({len(missing)} and {len(extra)})")
+        return True
+    state.plan(("covers",) + tuple(m.hash for m in members), check)
+
+
+def version_digest(tensors, members: list[Members], backend: str | None = None) -> str:
+    """The digest a version's payloads promise, computed from a state: its segments' checksums."""
+    k = backends.kernels(backend)
+    state = tensors if isinstance(tensors, Bound) else as_state(tensors)
+    records = []
+    for m in members:
+        for key, seg in zip(m.keys(), segments(state, m)):
+            records.append((key, seg.dtype.name, seg.numel, k.checksum(seg.bits)))
+    return segment_digest(records)
 
 
 def _replace(engine, payloads: list[Payload], checksum: str, backend) -> None:
-    new = {}
+    new, records = {}, []
     for p in payloads:
         new.update(api.apply_state(None, p, backend=backend))
-    if digest(new) != checksum:
-        raise ChecksumError(f"keyframe digests to {digest(new)}, expected {checksum}")
+        records += [(s.name, s.dtype, s.numel, s.checksum) for s in p.manifest.tensors]
+    if segment_digest(records) != checksum:
+        raise ChecksumError(f"keyframe digests to {segment_digest(records)}, expected {checksum}")
     engine.replace(new)
 
 

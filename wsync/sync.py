@@ -37,9 +37,9 @@ from . import api, backends
 from .errors import SnapshotError, VersionError, WsyncError
 from .history import Encoded, History, Keyframe, keyframe_due
 from .sender import Sender
-from .checksum import state_digest
+from .layout import Bound, Members, bind, plan, segment_digest
 from .mirror import LiveDelta, Mirror
-from .snapshot import Copying, State, as_state, blank_like, off_host, plan_buckets, unique_tensors, wait_copied
+from .snapshot import Copying, State, blank_like, off_host, plan_buckets, wait_copied
 from .transports import Message, listen
 from .transports.base import with_token
 
@@ -79,7 +79,7 @@ class Publisher:
         self._published = 0  # versions accepted by publish()
         self._since_keyframe = 0
         self._last: int | None = None
-        self._last_layout: list | None = None
+        self._last_layout: tuple | None = None  # the last version's bucket layouts (hashes)
         self._host_trainer = False  # the last publish() was handed host-memory tensors
         self._peers: list[Sender] = []
         self._error: BaseException | None = None
@@ -104,15 +104,15 @@ class Publisher:
             raise VersionError(f"versions must increase: got {version} after {self._last}")
         live = _host_state(state)
         self._host_trainer = live is not None  # worth keeping a mirror for
-        layout = _layout(live) if live is not None else None
+        layout = self._layout(live) if live is not None else None
         make_kf = keyframe_due(self._published, self._since_keyframe, self.config.keyframe_every) \
             or layout is None or layout != self._last_layout
         if live is None or make_kf or not self._publish_live(version, live):
             snap = Copying(live if live is not None else state, into=self._take_spare())
             self._spare_wanted = snap.on_host  # else a spare would never be used
             self._queue.put((version, snap, make_kf))
-            snap.run(self._buckets(snap))  # bucket by bucket: the encoder starts on each as soon as it is in
-            self._last_layout = _layout(snap) if layout is None else layout
+            snap.run([m.names for m in self._buckets(snap)])  # bucket by bucket: the encoder starts on each
+            self._last_layout = self._layout(snap) if layout is None else layout
         self._last = version
         self._published += 1
         self._since_keyframe = 1 if make_kf else self._since_keyframe + 1
@@ -217,7 +217,7 @@ class Publisher:
         cfg, prev = self.config, self._state
         t0 = time.perf_counter()
         checksum = None  # the state's digest, known once its buckets are encoded (from their checksums)
-        same_layout = prev is not None and _layout(prev) == _layout(state)
+        same_layout = prev is not None and self._layout(prev) == self._layout(state)
         make_kf = make_kf or not same_layout
         if make_kf:
             wait_copied(state, state)  # a keyframe stays in the history: never register one half copied
@@ -259,7 +259,10 @@ class Publisher:
         with self._cv:
             copy = id(state) in self._keyframe_states
             if not copy:
-                self._recycle(self._mirror.adopt(version, state, copy=False, sums=sums))
+                bound = state if isinstance(state, Bound) else Bound(state)  # one object: the mirror is the state
+                if self._state is state:
+                    self._state = bound
+                self._recycle(self._mirror.adopt(version, bound, copy=False, sums=sums))
         if copy:
             self._mirror.adopt(version, state, copy=True)  # into the old mirror's arrays
 
@@ -274,8 +277,8 @@ class Publisher:
             self._cv.notify_all()
 
         def payload(i):
-            return api.encode_measured(job.wait(i), tier=cfg.tier, version=version, base_version=job.base_version,
-                                       level=cfg.level, backend=cfg.backend)
+            return api.encode_measured(job.wait(i), job.groups[i], tier=cfg.tier, version=version,
+                                       base_version=job.base_version, level=cfg.level, backend=cfg.backend)
         try:
             self._fill(enc, payload)
         except SnapshotError:
@@ -309,22 +312,31 @@ class Publisher:
             if self._spare is None:
                 self._spare = spare
 
-    def _buckets(self, state: State) -> list[list[str]]:
-        return plan_buckets([(n, tb.nbytes) for n, tb in state.items()], self.config.bucket_bytes)
+    def _buckets(self, state: State) -> list[Members]:
+        """The layout of each bucket of state (computed once per Bound, and for a plain state each time)."""
+        def make():
+            return [plan(state, names) for names in
+                    plan_buckets([(n, tb.nbytes) for n, tb in state.items()], self.config.bucket_bytes)]
+        if isinstance(state, (Bound, Copying)):
+            return state.plan(("buckets", self.config.bucket_bytes), make)
+        return make()
+
+    def _layout(self, state: State) -> tuple:
+        return tuple(m.hash for m in self._buckets(state))
 
     def _fill(self, enc: Encoded, payload) -> dict[str, str]:
         """Encode a version bucket by bucket (payload(i) makes bucket i of enc.count), waking senders after each.
 
-        Returns each tensor's checksum (as its manifest gives it)."""
-        sums = []  # (name, dtype, shape, checksum) of every tensor: the state digest, without another pass
+        Returns each segment's checksum (as its manifest gives it)."""
+        sums = []  # (key, dtype, numel, checksum) of every segment: the version digest, without another pass
         try:
             for i in range(enc.count):
                 p = payload(i)
-                sums += [(t.name, t.dtype, t.shape, t.checksum) for t in p.manifest.tensors]
+                sums += [(t.name, t.dtype, t.numel, t.checksum) for t in p.manifest.tensors]
                 last = i == enc.count - 1
                 # the digest of the whole version rides on its last bucket, the one the subscriber applies after
                 meta = {"version": enc.version, "base_version": enc.base_version, "index": i, "count": enc.count,
-                        "checksum": state_digest(sums) if last else None}
+                        "checksum": segment_digest(sums) if last else None}
                 msg = Message("bucket", meta, [p.header(), p.body])
                 with self._cv:
                     if last:
@@ -347,11 +359,11 @@ class Publisher:
         codec = "raw" if base is None else cfg.codec
 
         def payload(i):
-            names = groups[i]
-            wait_copied(state, names)  # publish() may still be copying this bucket
-            return api.encode({n: base[n] for n in names} if codec == "delta" else None,
-                              {n: state[n] for n in names}, codec=codec, tier=cfg.tier, version=enc.version,
-                              base_version=enc.base_version, level=cfg.level, backend=cfg.backend)
+            wait_copied(state, groups[i].names)  # publish() may still be copying this bucket
+            # a keyframe carries its layout; deltas name it by hash
+            return api.encode(base if codec == "delta" else None, state, codec=codec, tier=cfg.tier,
+                              version=enc.version, base_version=enc.base_version, level=cfg.level,
+                              backend=cfg.backend, members=groups[i], inline=codec == "raw")
         return payload
 
     def _keyframe_buckets(self, kf: Keyframe) -> Encoded:
@@ -454,14 +466,14 @@ class Publisher:
 
 
 def _host_state(state) -> State | None:
-    """The trainer's tensors as views of their own memory, if state is a dict of host-memory tensors."""
+    """The trainer's tensors as views of their own memory, if state is a dict of host-memory tensors.
+
+    A Bound (wsync.bind) is taken as it is: its layout and segment tables were built once."""
+    if isinstance(state, Bound):
+        return state
     if not isinstance(state, dict) or any(off_host(t) for t in state.values()):
         return None
-    return as_state(unique_tensors(state))
-
-
-def _layout(state: State) -> list:
-    return [(n, tb.dtype.name, tb.shape) for n, tb in state.items()]
+    return bind(state)
 
 
 from .subscriber import Subscriber, apply_version  # noqa: E402  (the engine side of the same protocol)

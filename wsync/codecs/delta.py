@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import FormatError
 from ..snapshot import TensorBits
+from ..tables import Table, as_array
 from . import delta_ref
 from .base import Applied, Decoded, Encoded, Overwritten, frombuffer, write_whole, zstd_compress, zstd_decompress
 from .delta_ref import DeltaSections
@@ -47,8 +48,9 @@ def measure(base: TensorBits, new: TensorBits, *, tier: str, kernels, own: bool 
         return Encoded("same", {}, **sums)
     if sec.sparse_size() >= new.nbytes:
         if tier == "sparse":
-            return Encoded("raw", {"data": new.bits.copy() if own else new.bits}, verbatim=True, **sums)
-        return Encoded("xor", {"data": base.bits ^ new.bits}, **sums)
+            data = (new.bits.gather() if isinstance(new.bits, Table) else new.bits.copy()) if own else new.bits
+            return Encoded("raw", {"data": data}, verbatim=True, **sums)
+        return Encoded("xor", {"data": as_array(base.bits) ^ as_array(new.bits)}, **sums)
     if tier == "sparse":
         return Encoded("delta-sparse", {"table": sec.table, "gaps": sec.gaps, "steps": sec.steps,
                                         "escapes": sec.escapes}, sections=sec, **sums)
@@ -75,7 +77,7 @@ def decode_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype) -> Dec
     if spec.kind == "raw":
         return Decoded(frombuffer(parts["data"], bits_dt, spec.name))
     if spec.kind == "xor":
-        return Decoded(base.bits ^ _xor_data(spec, parts, bits_dt))
+        return Decoded(as_array(base.bits) ^ _xor_data(spec, parts, bits_dt))
     sec = _sections(spec, parts, bits_dt)
     with _named(spec):
         pos, values, base_sum = kernels.delta_decode_checksummed(base.bits, sec, dtype.order)
@@ -98,7 +100,7 @@ def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace
         if inplace:
             s = kernels.checksum(base.bits)
             return Applied(base.bits, s, s)
-        out = np.empty_like(base.bits)
+        out = np.empty(len(base.bits), base.bits.dtype)
         s = kernels.copy_checksummed(base.bits, out)
         return Applied(out, s, s)
     if spec.kind == "raw":
@@ -118,11 +120,14 @@ def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace
 def _apply_xor(base: TensorBits, x: np.ndarray, kernels, inplace: bool) -> Applied:
     # Dense change in the packed tier: zstd dominates, so the plain numpy passes are fine here.
     if not inplace:
-        out = base.bits ^ x
+        out = as_array(base.bits) ^ x
         return Applied(out, kernels.checksum(out), kernels.checksum(base.bits))
-    saved = np.empty_like(base.bits)
+    saved = np.empty(len(base.bits), base.bits.dtype)
     before = kernels.copy_checksummed(base.bits, saved)
-    np.bitwise_xor(base.bits, x, out=base.bits)
+    if isinstance(base.bits, Table):
+        base.bits.scatter(saved ^ x)
+    else:
+        np.bitwise_xor(base.bits, x, out=base.bits)
     return Applied(base.bits, kernels.checksum(base.bits), before, Overwritten(saved))
 
 
@@ -136,11 +141,8 @@ def _sections(spec, parts: dict, bits_dt) -> DeltaSections:
 
 @contextmanager
 def _named(spec):
-    """Say which tensor a kernel's FormatError is about."""
-    try:
-        yield
-    except FormatError as e:
-        raise FormatError(f"{spec.name}: {e}") from None
+    """Kernel errors are named by wsync.api, which knows the segment's tensors."""
+    yield
 
 
 def _sparse_sections(spec, parts: dict, bits_dt) -> DeltaSections:

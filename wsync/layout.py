@@ -1,0 +1,217 @@
+"""Which tensors a payload carries, and how they are cut into segments: the layout.
+
+A payload codes *segments*, not tensors: the tensors of one dtype, back to back
+in the order of the member table (see tables.py). The member table (names,
+shapes, how many tensors each segment holds and its dtype) is the layout. It
+is hashed, and a payload names its layout by that hash; the table itself
+travels inline only where the receiver cannot already have it (a keyframe, a
+file). Deltas of the sync protocol refer to the keyframe's layout by hash, so
+the per-version manifest of a 70,000-tensor model stays a few hundred bytes.
+
+Building a layout, or checking one against a state, costs a Python step per
+tensor; it is done once per layout and cached (``Bound``), never per version.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import xxhash
+
+from . import dtypes
+from .checksum import state_digest
+from .errors import FormatError, MismatchError
+from .snapshot import State, TensorBits
+from .tables import Table
+
+MAX_MEMBERS = 1 << 22  # a table this long is a lie, not a model
+
+
+@dataclass(frozen=True, eq=False)
+class Members:
+    """A payload's tensors, in body order, grouped into segments of one dtype each."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    counts: tuple[int, ...]  # tensors in each segment, in order
+    dtypes: tuple[str, ...]  # each segment's dtype (safetensors code)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @cached_property
+    def hash(self) -> str:
+        """xxh3-64 of the canonical JSON of the table: what a payload calls its layout by."""
+        return xxhash.xxh3_64_hexdigest(json.dumps(self.to_doc(), separators=(",", ":")).encode())
+
+    @cached_property
+    def numels(self) -> np.ndarray:
+        return np.array([math.prod(s) for s in self.shapes], np.int64)
+
+    @cached_property
+    def bounds(self) -> np.ndarray:
+        """Index of each segment's first member, and the total, last."""
+        return np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
+
+    @cached_property
+    def seg_numels(self) -> list[int]:
+        b = self.bounds
+        return [int(self.numels[b[j] : b[j + 1]].sum()) for j in range(len(self.counts))]
+
+    def keys(self) -> list[str]:
+        """Each segment's name in a manifest: the layout hash and its index (unique across a version's buckets)."""
+        return [f"{self.hash}:{j}" for j in range(len(self.counts))]
+
+    def segment_names(self, j: int) -> tuple[str, ...]:
+        b = self.bounds
+        return self.names[b[j] : b[j + 1]]
+
+    def describe(self, j: int) -> str:
+        """A segment, for error messages: its one tensor's name, or its first and last and how many."""
+        names = self.segment_names(j)
+        if len(names) == 1:
+            return repr(names[0])
+        return f"the {len(names)} {self.dtypes[j]} tensors {names[0]!r} .. {names[-1]!r}"
+
+    def to_doc(self) -> dict:
+        return {"names": list(self.names), "shapes": [list(s) for s in self.shapes],
+                "counts": list(self.counts), "dtypes": list(self.dtypes)}
+
+    @classmethod
+    def from_doc(cls, doc) -> "Members":
+        """Parse and check a member table from a manifest (untrusted)."""
+        if not isinstance(doc, dict):
+            raise FormatError("manifest: members must be an object")
+        names, shapes, counts, dts = (doc.get(k) for k in ("names", "shapes", "counts", "dtypes"))
+        if not all(isinstance(v, list) for v in (names, shapes, counts, dts)):
+            raise FormatError("manifest: members needs lists 'names', 'shapes', 'counts' and 'dtypes'")
+        if len(names) > MAX_MEMBERS or len(names) != len(shapes) or len(counts) != len(dts):
+            raise FormatError(f"manifest: members has {len(names)} names, {len(shapes)} shapes, {len(counts)} counts, "
+                              f"{len(dts)} dtypes")
+        if not all(isinstance(n, str) and n for n in names):
+            raise FormatError("manifest: member names must be non-empty strings")
+        if len(set(names)) != len(names):
+            raise FormatError("manifest: a member name appears twice")
+        for s in shapes:
+            if not (isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)):
+                raise FormatError(f"manifest: member shapes must be lists of non-negative ints, got {s!r:.60}")
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts) or sum(counts) != len(names):
+            raise FormatError(f"manifest: segment counts {counts!r:.80} do not add up to {len(names)} members")
+        return cls(tuple(names), tuple(tuple(s) for s in shapes), tuple(counts),
+                   tuple(dtypes.by_name(d).name for d in dts))
+
+
+def plan(state: State, names=None) -> Members:
+    """The layout of `names` of state (all of it by default): one segment per dtype, in order of first use."""
+    names = list(state) if names is None else list(names)
+    by_dtype: dict[str, list[str]] = {}
+    for n in names:
+        by_dtype.setdefault(state[n].dtype.name, []).append(n)
+    ordered = [n for group in by_dtype.values() for n in group]
+    return Members(tuple(ordered), tuple(state[n].shape for n in ordered),
+                   tuple(len(g) for g in by_dtype.values()), tuple(by_dtype))
+
+
+def check_against(state: State, members: Members, what: str = "payload") -> None:
+    """state holds every member with its dtype and shape (it may hold more). MismatchError otherwise."""
+    missing = [n for n in members.names if n not in state]
+    if missing:
+        raise MismatchError(f"{what}: {len(missing)} tensors are not in the base, e.g. {missing[:5]}")
+    for j in range(len(members.counts)):
+        dt = members.dtypes[j]
+        b = members.bounds
+        for i in range(b[j], b[j + 1]):
+            tb = state[members.names[i]]
+            if tb.dtype.name != dt or tb.shape != members.shapes[i]:
+                raise MismatchError(f"{what}: tensor {members.names[i]!r} is {dt}{list(members.shapes[i])} but the "
+                                    f"base has {tb.dtype.name}{list(tb.shape)}")
+
+
+def segments(state: State, members: Members) -> list[TensorBits]:
+    """Each segment of `members` as one virtual tensor over state's memory (cached when state is Bound)."""
+    if isinstance(state, Bound):
+        return state.segments(members)
+    check_against(state, members)
+    return _segments(state, members)
+
+
+def _segments(state: State, members: Members) -> list[TensorBits]:
+    out = []
+    for j, dt_name in enumerate(members.dtypes):
+        dt = dtypes.by_name(dt_name)
+        names = members.segment_names(j)
+        pieces = [state[n].bits for n in names]
+        bits = pieces[0] if len(pieces) == 1 else Table(pieces, dt.bits_dtype)
+        out.append(TensorBits(dt, (members.seg_numels[j],), bits))
+    return out
+
+
+def split(members: Members, seg_bits: list[np.ndarray]) -> State:
+    """Per-tensor views of contiguous segment arrays (an out-of-place result)."""
+    out = {}
+    for j, bits in enumerate(seg_bits):
+        dt = dtypes.by_name(members.dtypes[j])
+        b = members.bounds
+        at = 0
+        for i in range(b[j], b[j + 1]):
+            n = int(members.numels[i])
+            out[members.names[i]] = TensorBits(dt, members.shapes[i], bits[at : at + n])
+            at += n
+    return out
+
+
+def segment_digest(records) -> str:
+    """Digest of a version or payload from its segments' (key, dtype, numel, checksum)."""
+    return state_digest((k, dt, (n,), s) for k, dt, n, s in records)
+
+
+class Bound(dict):
+    """A state (name -> TensorBits) whose segment tables are built once per layout and reused.
+
+    ``wsync.bind(model.state_dict())`` once, then publish or apply the Bound
+    every version: nothing per tensor happens in Python after the first.
+    The tensors must stay where they are (an optimizer step or an in-place
+    load does; ``model.to(...)`` or ``load_state_dict(assign=True)`` does not:
+    bind again after those).
+    """
+
+    def __init__(self, state: State, writes_through: bool = False):
+        super().__init__(state)
+        self.writes_through = writes_through  # every TensorBits is a writable view of the caller's own tensor
+        self._segs: dict[int, tuple[Members, list[TensorBits]]] = {}
+        self._plans: dict = {}
+
+    def segments(self, members: Members) -> list[TensorBits]:
+        hit = self._segs.get(id(members))
+        if hit is not None and hit[0] is members:
+            return hit[1]
+        check_against(self, members)
+        segs = _segments(self, members)
+        if len(self._segs) > 64:
+            self._segs.clear()
+        self._segs[id(members)] = (members, segs)
+        return segs
+
+    def plan(self, key, make):
+        """A value computed once per key (e.g. the bucket plan for a bucket size)."""
+        if key not in self._plans:
+            self._plans[key] = make()
+        return self._plans[key]
+
+
+def bind(obj) -> Bound:
+    """A state to publish or apply into every version: its segment tables are built once.
+
+    obj: a state_dict or dict of arrays (tied weights are kept once, under the
+    first name). The Bound views the tensors' own memory; see Bound for when
+    to bind again.
+    """
+    from .snapshot import aliases, as_state, unique_tensors
+
+    if isinstance(obj, Bound):
+        return obj
+    named = unique_tensors(obj)
+    state = as_state(named)
+    through = all(tb.bits.flags.writeable and aliases(named[n], tb.bits) for n, tb in state.items())
+    return Bound(state, writes_through=through)
