@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "streams.h"
 #include "xxh3_dispatch.h"
 
 namespace wsync {
@@ -24,24 +25,40 @@ inline uint64_t combine_digests(const std::vector<uint64_t>& digests) {
   return xxh3(digests.data(), digests.size() * sizeof(uint64_t));
 }
 
-inline uint64_t tree_checksum(const uint8_t* p, int64_t n) {
-  const int64_t nb = nblocks(n);
+// Feed stream bytes [lo, hi) to h, piece by piece.
+inline void hash_range(const Stream& s, int64_t lo, int64_t hi, BlockHash& h) {
+  for_pieces(s, lo, hi, [&](uintptr_t b, int64_t l, int64_t r) { h.add(at(b, l), r - l); });
+}
+
+// The xxh3 of stream bytes [lo, hi): one shot when they lie in one piece
+// (the usual case, and a little faster), else streamed over the pieces.
+inline uint64_t hash_block(const Stream& s, int64_t lo, int64_t hi) {
+  const int64_t i = s.find(lo);
+  if (i < s.n && s.starts[i + 1] >= hi) return xxh3(at(s.base(i), lo), size_t(hi - lo));
+  BlockHash h;
+  hash_range(s, lo, hi, h);
+  return h.digest();
+}
+
+inline uint64_t tree_checksum(const Stream& s) {
+  const int64_t n = s.bytes(), nb = nblocks(n);
   std::vector<uint64_t> digests(static_cast<size_t>(nb), 0);
-  parallel_for(nb, 1, [&](int64_t i) {
-    digests[i] = xxh3(p + i * kBlock, size_t(std::min(kBlock, n - i * kBlock)));
-  });
+  parallel_for(nb, 1, [&](int64_t i) { digests[i] = hash_block(s, i * kBlock, std::min(n, (i + 1) * kBlock)); });
   return combine_digests(digests);
 }
 
-// dst = src, and the checksum of the bytes, in one pass: each 1 MiB block is
-// hashed from dst right after it is copied, while it is in cache.
-inline uint64_t copy_tree_checksum(const uint8_t* src, uint8_t* dst, int64_t n) {
-  const int64_t nb = nblocks(n);
+// dst = src (streams of one size, cut anywhere), and the checksum of the bytes,
+// in one pass: each 1 MiB block is hashed from dst right after it is copied,
+// while it is in cache.
+inline uint64_t copy_tree_checksum(const Stream& src, const Stream& dst) {
+  const int64_t n = src.bytes(), nb = nblocks(n);
   std::vector<uint64_t> digests(static_cast<size_t>(nb), 0);
   parallel_for(nb, 1, [&](int64_t i) {
-    const size_t len = size_t(std::min(kBlock, n - i * kBlock));
-    std::memcpy(dst + i * kBlock, src + i * kBlock, len);
-    digests[i] = xxh3(dst + i * kBlock, len);
+    const int64_t lo = i * kBlock, hi = std::min(n, lo + kBlock);
+    zip_pieces(src, dst, lo, hi, [&](uintptr_t s, uintptr_t d, int64_t l, int64_t r) {
+      std::memcpy(at(d, l), at(s, l), size_t(r - l));
+    });
+    digests[i] = hash_block(dst, lo, hi);
   });
   return combine_digests(digests);
 }

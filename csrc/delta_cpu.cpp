@@ -69,14 +69,110 @@ int64_t elements(const Buffer& b, int64_t itemsize, const char* what) {
   return b.size() / itemsize;
 }
 
+// ---- streams -----------------------------------------------------------------
+
+// A bits argument: a buffer, or a table (addrs, starts) of int64 buffers
+// describing pieces back to back (wsync/tables.py). Either way the kernels
+// see a wsync::Stream; a buffer is a stream of one piece. Not copyable: the
+// stream of a buffer points into this object.
+struct StreamArg {
+  Buffer buf, addrs_b, starts_b;
+  int64_t one_addr = 0, one_starts[2] = {0, 0};
+  wsync::Stream s;
+  bool table = false;
+
+  StreamArg() = default;
+  StreamArg(const StreamArg&) = delete;
+  StreamArg& operator=(const StreamArg&) = delete;
+
+  // width > 0: every piece must hold whole elements of that many bytes. The
+  // pieces' addresses come from wsync's own code and are trusted; writable
+  // is checked for buffers only (the Python side checks a table's pieces).
+  bool get(PyObject* obj, const char* what, int width, bool writable = false) {
+    if (PyTuple_Check(obj)) {
+      table = true;
+      if (PyTuple_GET_SIZE(obj) != 2) {
+        PyErr_Format(PyExc_TypeError, "%s: a table is a 2-tuple (addrs, starts), got %zd items", what,
+                     PyTuple_GET_SIZE(obj));
+        return false;
+      }
+      if (!int64s(addrs_b, PyTuple_GET_ITEM(obj, 0), what, "addrs") ||
+          !int64s(starts_b, PyTuple_GET_ITEM(obj, 1), what, "starts"))
+        return false;
+      const int64_t n = addrs_b.size() / 8;
+      const int64_t* st = reinterpret_cast<const int64_t*>(starts_b.data());
+      if (starts_b.size() / 8 != n + 1) {
+        PyErr_Format(PyExc_ValueError, "%s: %lld piece addresses need %lld starts, got %lld", what, (long long)n,
+                     (long long)(n + 1), (long long)(starts_b.size() / 8));
+        return false;
+      }
+      if (st[0] != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: starts[0] must be 0, got %lld", what, (long long)st[0]);
+        return false;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t len = st[i + 1] - st[i];
+        if (len < 0) {
+          PyErr_Format(PyExc_ValueError, "%s: starts decrease at piece %lld (%lld -> %lld)", what, (long long)i,
+                       (long long)st[i], (long long)st[i + 1]);
+          return false;
+        }
+        if (width > 0 && len % width) {
+          PyErr_Format(PyExc_ValueError, "%s: piece %lld has %lld bytes, not a whole number of %d-byte elements",
+                       what, (long long)i, (long long)len, width);
+          return false;
+        }
+      }
+      s.addrs = reinterpret_cast<const int64_t*>(addrs_b.data());
+      s.starts = st;
+      s.n = n;
+      return true;
+    }
+    if (!buf.get(obj, writable)) return false;
+    if (width > 0 && buf.size() % width) {
+      PyErr_Format(PyExc_ValueError, "%s: %lld bytes is not a whole number of %lld-byte elements", what,
+                   (long long)buf.size(), (long long)width);
+      return false;
+    }
+    one_addr = int64_t(reinterpret_cast<uintptr_t>(buf.view.buf));
+    one_starts[1] = buf.size();
+    s.addrs = &one_addr;
+    s.starts = one_starts;
+    s.n = 1;
+    return true;
+  }
+
+  int64_t size() const { return s.bytes(); }
+
+  // True if both are plain buffers whose bytes overlap (tables are trusted).
+  bool overlaps(const StreamArg& o) const {
+    if (table || o.table || !size() || !o.size()) return false;
+    return buf.data() < o.buf.data() + o.size() && o.buf.data() < buf.data() + size();
+  }
+
+ private:
+  static bool int64s(Buffer& b, PyObject* obj, const char* what, const char* part) {
+    if (PyObject_GetBuffer(obj, &b.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) return false;
+    b.held = true;
+    const char* f = b.view.format ? b.view.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') ++f;
+    if (b.view.itemsize != 8 || (std::strcmp(f, "q") && std::strcmp(f, "l"))) {
+      PyErr_Format(PyExc_TypeError, "%s: table %s must be int64, got format '%s'", what, part,
+                   b.view.format ? b.view.format : "B");
+      return false;
+    }
+    return true;
+  }
+};
+
 // ---- checksum ---------------------------------------------------------------
 
 PyObject* py_checksum(PyObject*, PyObject* arg) {
-  Buffer b;
-  if (!b.get(arg)) return nullptr;
+  StreamArg b;
+  if (!b.get(arg, "buf", 0)) return nullptr;
   uint64_t h;
   Py_BEGIN_ALLOW_THREADS
-  h = wsync::tree_checksum(b.data(), b.size());
+  h = wsync::tree_checksum(b.s);
   Py_END_ALLOW_THREADS
   return PyLong_FromUnsignedLongLong(h);
 }
@@ -116,10 +212,10 @@ PyObject* py_delta_encode(PyObject*, PyObject* args) {
     return nullptr;
   }
   const int order = parse_order(order_name);
-  Buffer a, b;
-  if (!check_kind(width, order, order_name) || !a.get(old_obj) || !b.get(new_obj)) return nullptr;
-  const int64_t n = elements(a, width, "old");
-  if (n < 0 || elements(b, width, "new") < 0) return nullptr;
+  if (!check_kind(width, order, order_name)) return nullptr;
+  StreamArg a, b;
+  if (!a.get(old_obj, "old", width) || !b.get(new_obj, "new", width)) return nullptr;
+  const int64_t n = a.size() / width;
   if (a.size() != b.size()) {
     PyErr_Format(PyExc_ValueError, "old and new differ in size: %lld vs %lld bytes", (long long)a.size(),
                  (long long)b.size());
@@ -133,7 +229,7 @@ PyObject* py_delta_encode(PyObject*, PyObject* args) {
   std::vector<uint64_t> old_digests(static_cast<size_t>(nb)), new_digests(static_cast<size_t>(nb));
   Py_BEGIN_ALLOW_THREADS
   wsync::dispatch(width, order, [&](auto zero, auto o) {
-    wsync::encode_pass1<decltype(zero), decltype(o)::value>(a.data(), b.data(), n, t, stage.get(),
+    wsync::encode_pass1<decltype(zero), decltype(o)::value>(a.s, b.s, n, t, stage.get(),
                                                            nb && with_checksums == 1 ? old_digests.data() : nullptr,
                                                            nb ? new_digests.data() : nullptr);
   });
@@ -147,7 +243,7 @@ PyObject* py_delta_encode(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   wsync::dispatch(width, order, [&](auto zero, auto o) {
     ok = wsync::encode_pass2<decltype(zero), decltype(o)::value>(
-        a.data(), b.data(), n, t, offsets.data(), stage.get(), gaps.bytes(),
+        a.s, b.s, n, t, offsets.data(), stage.get(), gaps.bytes(),
         reinterpret_cast<int8_t*>(steps.bytes()), escapes.bytes());
   });
   Py_END_ALLOW_THREADS
@@ -200,7 +296,8 @@ bool check_table(const std::vector<uint32_t>& table, int64_t n, int64_t n_gaps, 
 // The base and sections of a decode or apply call, validated up to what the
 // table alone can tell; the per-change checks happen in the kernels.
 struct DecodeArgs {
-  Buffer old, tb, gb, sb, eb;
+  StreamArg old;
+  Buffer tb, gb, sb, eb;
   int width = 0, order = -1;
   int64_t n = 0, total = 0, total_esc = 0;
   std::vector<uint32_t> table;
@@ -209,10 +306,10 @@ struct DecodeArgs {
   bool parse(PyObject* const objs[5], int width_, const char* order_name, bool writable_old = false) {
     width = width_;
     order = parse_order(order_name);
-    if (!check_kind(width, order, order_name) || !old.get(objs[0], writable_old) || !tb.get(objs[1]) || !gb.get(objs[2]) ||
-        !sb.get(objs[3]) || !eb.get(objs[4]))
+    if (!check_kind(width, order, order_name) || !old.get(objs[0], writable_old ? "bits" : "old", width, writable_old) ||
+        !tb.get(objs[1]) || !gb.get(objs[2]) || !sb.get(objs[3]) || !eb.get(objs[4]))
       return false;
-    n = elements(old, width, "old");
+    n = old.size() / width;
     const int64_t n_table = elements(tb, 4, "table"), n_gaps = elements(gb, 2, "gaps");
     const int64_t n_esc = elements(eb, width, "escapes");
     if (n < 0 || n_table < 0 || n_gaps < 0 || n_esc < 0) return false;
@@ -244,14 +341,17 @@ PyObject* py_write_changes(PyObject*, PyObject* args) {
   int width;
   if (!PyArg_ParseTuple(args, "OOOOi:write_changes", &dst_obj, &src_obj, &table_obj, &gaps_obj, &width))
     return nullptr;
-  Buffer dst, src, tb, gb;
-  if (!dst.get(dst_obj, true) || !src.get(src_obj) || !tb.get(table_obj) || !gb.get(gaps_obj)) return nullptr;
   if (width != 1 && width != 2 && width != 4 && width != 8) {
     PyErr_Format(PyExc_ValueError, "width must be 1, 2, 4 or 8, got %d", width);
     return nullptr;
   }
-  const int64_t n = elements(dst, width, "dst"), n_table = elements(tb, 4, "table"), n_gaps = elements(gb, 2, "gaps");
-  if (n < 0 || n_table < 0 || n_gaps < 0 || elements(src, width, "src") < 0) return nullptr;
+  StreamArg dst, src;
+  Buffer tb, gb;
+  if (!dst.get(dst_obj, "dst", width, true) || !src.get(src_obj, "src", width) || !tb.get(table_obj) ||
+      !gb.get(gaps_obj))
+    return nullptr;
+  const int64_t n = dst.size() / width, n_table = elements(tb, 4, "table"), n_gaps = elements(gb, 2, "gaps");
+  if (n_table < 0 || n_gaps < 0) return nullptr;
   if (src.size() != dst.size()) {
     PyErr_Format(PyExc_ValueError, "dst and src differ in size: %lld vs %lld bytes", (long long)dst.size(),
                  (long long)src.size());
@@ -268,8 +368,7 @@ PyObject* py_write_changes(PyObject*, PyObject* args) {
   wsync::ChunkCheck r;
   Py_BEGIN_ALLOW_THREADS
   auto run = [&](auto zero) {
-    r = wsync::write_changes<decltype(zero)>(dst.writable_data(), src.data(), n, table.data(), offsets.data(),
-                                             gb.data());
+    r = wsync::write_changes<decltype(zero)>(dst.s, src.s, n, table.data(), offsets.data(), gb.data());
   };
   switch (width) {
     case 1: run(uint8_t{}); break;
@@ -297,7 +396,7 @@ PyObject* py_delta_decode(PyObject*, PyObject* args) {
   wsync::ChunkCheck r;
   Py_BEGIN_ALLOW_THREADS
   wsync::dispatch(width, d.order, [&](auto zero, auto o) {
-    r = wsync::decode_all<decltype(zero), decltype(o)::value>(d.old.data(), d.n, d.table.data(), d.offsets.data(),
+    r = wsync::decode_all<decltype(zero), decltype(o)::value>(d.old.s, d.n, d.table.data(), d.offsets.data(),
                                                               d.gb.data(), d.steps(), d.eb.data(), positions.bytes(),
                                                               values.bytes(),
                                                               with_checksum ? old_digests.data() : nullptr);
@@ -317,10 +416,10 @@ PyObject* py_delta_apply(PyObject*, PyObject* args) {
                         &order_name, &out_obj))
     return nullptr;
   DecodeArgs d;
-  Buffer out;
-  if (!d.parse(objs, width, order_name) || !out.get(out_obj, true)) return nullptr;
-  const bool overlap = out.data() < d.old.data() + d.old.size() && d.old.data() < out.data() + out.size();
-  if (out.size() != d.old.size() || (overlap && d.old.size())) {
+  StreamArg out;
+  if (!d.parse(objs, width, order_name) || !out.get(out_obj, "out", width, true)) return nullptr;
+  const bool overlap = out.overlaps(d.old);
+  if (out.size() != d.old.size() || overlap) {
     PyErr_Format(PyExc_ValueError, "out must be a separate buffer of %lld bytes, got %lld bytes%s",
                  (long long)d.old.size(), (long long)out.size(), overlap ? " overlapping old" : "");
     return nullptr;
@@ -331,8 +430,8 @@ PyObject* py_delta_apply(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   wsync::dispatch(width, d.order, [&](auto zero, auto o) {
     r = wsync::apply_all<decltype(zero), decltype(o)::value>(
-        d.old.data(), d.n, d.table.data(), d.offsets.data(), d.gb.data(), d.steps(), d.eb.data(),
-        out.writable_data(), old_digests.data(), new_digests.data());
+        d.old.s, d.n, d.table.data(), d.offsets.data(), d.gb.data(), d.steps(), d.eb.data(), out.s,
+        old_digests.data(), new_digests.data());
   });
   Py_END_ALLOW_THREADS
   if (!report(r, d.n)) return nullptr;
@@ -351,7 +450,7 @@ PyObject* py_delta_apply_inplace(PyObject*, PyObject* args) {
   Owned positions, saved;
   if (!d.parse(objs, width, order_name, true) || !positions.alloc(8 * d.total) || !saved.alloc(width * d.total))
     return nullptr;
-  uint8_t* bits = d.old.writable_data();
+  const wsync::Stream& bits = d.old.s;
   const int64_t nb = wsync::nblocks(d.old.size()), nc = wsync::nchunks(d.n);
   std::vector<uint64_t> old_digests(static_cast<size_t>(nb)), new_digests(static_cast<size_t>(nb));
   std::vector<int64_t> written(static_cast<size_t>(nc), 0);
@@ -376,19 +475,61 @@ PyObject* py_delta_apply_inplace(PyObject*, PyObject* args) {
 PyObject* py_copy_checksum(PyObject*, PyObject* args) {
   PyObject *src_obj, *dst_obj;
   if (!PyArg_ParseTuple(args, "OO:copy_checksum", &src_obj, &dst_obj)) return nullptr;
-  Buffer src, dst;
-  if (!src.get(src_obj) || !dst.get(dst_obj, true)) return nullptr;
-  const bool overlap = dst.data() < src.data() + src.size() && src.data() < dst.data() + dst.size();
-  if (dst.size() != src.size() || (overlap && src.size())) {
+  StreamArg src, dst;
+  if (!src.get(src_obj, "src", 0) || !dst.get(dst_obj, "dst", 0, true)) return nullptr;
+  const bool overlap = dst.overlaps(src);
+  if (dst.size() != src.size() || overlap) {
     PyErr_Format(PyExc_ValueError, "dst must be a separate buffer of %lld bytes, got %lld bytes%s",
                  (long long)src.size(), (long long)dst.size(), overlap ? " overlapping src" : "");
     return nullptr;
   }
   uint64_t h;
   Py_BEGIN_ALLOW_THREADS
-  h = wsync::copy_tree_checksum(src.data(), dst.writable_data(), src.size());
+  h = wsync::copy_tree_checksum(src.s, dst.s);
   Py_END_ALLOW_THREADS
   return PyLong_FromUnsignedLongLong(h);
+}
+
+PyObject* py_put(PyObject*, PyObject* args) {
+  PyObject *bits_obj, *pos_obj, *val_obj;
+  int width;
+  if (!PyArg_ParseTuple(args, "OOOi:put", &bits_obj, &pos_obj, &val_obj, &width)) return nullptr;
+  if (width != 1 && width != 2 && width != 4 && width != 8) {
+    PyErr_Format(PyExc_ValueError, "width must be 1, 2, 4 or 8, got %d", width);
+    return nullptr;
+  }
+  StreamArg bits;
+  Buffer pb, vb;
+  if (!bits.get(bits_obj, "bits", width, true) || !pb.get(pos_obj) || !vb.get(val_obj)) return nullptr;
+  const int64_t count = elements(pb, 8, "positions");
+  if (count < 0) return nullptr;
+  if (vb.size() != count * width) {
+    PyErr_Format(PyExc_ValueError, "values: %lld bytes for %lld positions of %d-byte elements", (long long)vb.size(),
+                 (long long)count, width);
+    return nullptr;
+  }
+  const int64_t n = bits.size() / width;
+  // A private copy of the positions, checked whole before anything is written.
+  std::vector<int64_t> pos(static_cast<size_t>(count));
+  if (count) std::memcpy(pos.data(), pb.data(), size_t(8 * count));
+  for (int64_t k = 0; k < count; ++k)
+    if (pos[k] < 0 || pos[k] >= n) {
+      PyErr_Format(PyExc_ValueError, "positions[%lld] = %lld is outside [0, %lld)", (long long)k, (long long)pos[k],
+                   (long long)n);
+      return nullptr;
+    }
+  Py_BEGIN_ALLOW_THREADS
+  auto run = [&](auto zero) {
+    wsync::put_values<decltype(zero)>(bits.s, reinterpret_cast<const uint8_t*>(pos.data()), vb.data(), count);
+  };
+  switch (width) {
+    case 1: run(uint8_t{}); break;
+    case 2: run(uint16_t{}); break;
+    case 4: run(uint32_t{}); break;
+    default: run(uint64_t{}); break;
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
 }
 
 // ---- module -----------------------------------------------------------------
@@ -415,6 +556,9 @@ PyMethodDef methods[] = {
      "(int64) and saved (old bits) say what was overwritten. On InvalidSections bits is left as it was."},
     {"copy_checksum", py_copy_checksum, METH_VARARGS,
      "copy_checksum(src, dst) -> int: dst = src (separate buffers of one size) and the checksum, in one pass."},
+    {"put", py_put, METH_VARARGS,
+     "put(bits, positions, values, width) -> None: bits[positions[k]] = values[k] (int64 positions in any order,\n"
+     "each checked to lie in bits before anything is written; ValueError otherwise)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -165,21 +165,28 @@ template <class T>
 constexpr int64_t slot_bytes() { return kStage * (3 + int64_t(sizeof(T))); }  // gaps u16, steps i8, escapes T
 
 // Count one chunk's changes and escapes, staging them if `slot` is not null.
+// The chunk is elements [begin, end) of the streams a and b, which may be cut
+// into pieces in different places: it is scanned run by run, each run inside
+// one piece of each, with positions global to the stream throughout.
 template <class T, int O>
-void stage_chunk(const uint8_t* a, const uint8_t* b, int64_t begin, int64_t end, uint8_t* slot, uint32_t* cnt,
+void stage_chunk(const Stream& A, const Stream& B, int64_t begin, int64_t end, uint8_t* slot, uint32_t* cnt,
                  uint32_t* esc) {
+  constexpr int W = sizeof(T);
   int64_t k = 0, e = 0, prev = -1;  // prev = -1 makes the first gap its offset
-  for_each_change<T>(a, b, begin, end, [&](int64_t i) {
-    const T nv = load<T>(b, i);
-    const int8_t s = step_of<T, O>(load<T>(a, i), nv);
-    if (slot && k < kStage) {
-      store<uint16_t>(slot, k, uint16_t(i - begin - prev - 1));
-      slot[2 * kStage + k] = uint8_t(s);
-      if (s == kEscape) store<T>(slot + 3 * kStage, e, nv);  // e <= k < kStage
-      prev = i - begin;
-    }
-    ++k;
-    e += s == kEscape;
+  zip_pieces(A, B, begin * W, end * W, [&](uintptr_t pa, uintptr_t pb, int64_t lo, int64_t hi) {
+    const uint8_t *a = at(pa, 0), *b = at(pb, 0);
+    for_each_change<T>(a, b, lo / W, hi / W, [&](int64_t i) {
+      const T nv = load<T>(b, i);
+      const int8_t s = step_of<T, O>(load<T>(a, i), nv);
+      if (slot && k < kStage) {
+        store<uint16_t>(slot, k, uint16_t(i - begin - prev - 1));
+        slot[2 * kStage + k] = uint8_t(s);
+        if (s == kEscape) store<T>(slot + 3 * kStage, e, nv);  // e <= k < kStage
+        prev = i - begin;
+      }
+      ++k;
+      e += s == kEscape;
+    });
   });
   *cnt = uint32_t(k);
   *esc = uint32_t(e);
@@ -188,7 +195,7 @@ void stage_chunk(const uint8_t* a, const uint8_t* b, int64_t begin, int64_t end,
 // Pass 1: the table (counts, then escape counts), staged output, and the
 // xxh3 of every 1 MiB block of old and of new where those digests are given.
 template <class T, int O>
-void encode_pass1(const uint8_t* a, const uint8_t* b, int64_t n, uint32_t* table, uint8_t* stage,
+void encode_pass1(const Stream& a, const Stream& b, int64_t n, uint32_t* table, uint8_t* stage,
                   uint64_t* old_digests, uint64_t* new_digests) {
   constexpr int W = sizeof(T);
   const Units units(n, W, old_digests != nullptr || new_digests != nullptr);
@@ -198,8 +205,8 @@ void encode_pass1(const uint8_t* a, const uint8_t* b, int64_t n, uint32_t* table
       const int64_t begin = c * kChunk, len = chunk_len(n, c);
       stage_chunk<T, O>(a, b, begin, begin + len, stage ? stage + c * slot_bytes<T>() : nullptr, &table[c],
                         &table[units.nc + c]);
-      if (old_digests) ho.add(a + begin * W, len * W);
-      if (new_digests) hn.add(b + begin * W, len * W);
+      if (old_digests) hash_range(a, begin * W, (begin + len) * W, ho);
+      if (new_digests) hash_range(b, begin * W, (begin + len) * W, hn);
     }
     if (old_digests) old_digests[u] = ho.digest();
     if (new_digests) new_digests[u] = hn.digest();
@@ -210,21 +217,25 @@ void encode_pass1(const uint8_t* a, const uint8_t* b, int64_t n, uint32_t* table
 // pass 1, so a `new` that changed in between (another thread) can only make
 // this return false, never write out of bounds.
 template <class T, int O>
-bool rescan_chunk(const uint8_t* a, const uint8_t* b, int64_t begin, int64_t end, int64_t cnt, int64_t esc,
+bool rescan_chunk(const Stream& A, const Stream& B, int64_t begin, int64_t end, int64_t cnt, int64_t esc,
                   uint8_t* gaps, int8_t* steps, uint8_t* escapes) {
+  constexpr int W = sizeof(T);
   int64_t k = 0, e = 0, prev = -1;
   bool ok = true;
-  for_each_change<T>(a, b, begin, end, [&](int64_t i) {
-    const T nv = load<T>(b, i);
-    const int8_t s = step_of<T, O>(load<T>(a, i), nv);
-    if (k == cnt || (s == kEscape && e == esc)) {
-      ok = false;
-      return;
-    }
-    store<uint16_t>(gaps, k, uint16_t(i - begin - prev - 1));
-    steps[k++] = s;
-    if (s == kEscape) store<T>(escapes, e++, nv);
-    prev = i - begin;
+  zip_pieces(A, B, begin * W, end * W, [&](uintptr_t pa, uintptr_t pb, int64_t lo, int64_t hi) {
+    const uint8_t *a = at(pa, 0), *b = at(pb, 0);
+    for_each_change<T>(a, b, lo / W, hi / W, [&](int64_t i) {
+      const T nv = load<T>(b, i);
+      const int8_t s = step_of<T, O>(load<T>(a, i), nv);
+      if (k == cnt || (s == kEscape && e == esc)) {
+        ok = false;
+        return;
+      }
+      store<uint16_t>(gaps, k, uint16_t(i - begin - prev - 1));
+      steps[k++] = s;
+      if (s == kEscape) store<T>(escapes, e++, nv);
+      prev = i - begin;
+    });
   });
   return ok && k == cnt && e == esc;
 }
@@ -232,7 +243,7 @@ bool rescan_chunk(const uint8_t* a, const uint8_t* b, int64_t begin, int64_t end
 // Pass 2: every chunk's output at its offsets, copied from its slot or re-scanned.
 // Returns false if a re-scanned chunk disagreed with pass 1.
 template <class T, int O>
-bool encode_pass2(const uint8_t* a, const uint8_t* b, int64_t n, const uint32_t* table, const int64_t* offsets,
+bool encode_pass2(const Stream& a, const Stream& b, int64_t n, const uint32_t* table, const int64_t* offsets,
                   const uint8_t* stage, uint8_t* gaps, int8_t* steps, uint8_t* escapes) {
   constexpr int W = sizeof(T);
   const int64_t nc = nchunks(n);
@@ -266,10 +277,11 @@ struct ChunkCheck {
 
 // Decode one chunk whose counts were validated against the section sizes,
 // handing each (change index, position, new bits) to sink. Each offset is
-// checked against the chunk length before `old` is read there, and each
+// checked against the chunk length before old is read there (old_at(pos)
+// gives the old bits at a stream position; positions increase), and each
 // escape marker against the chunk's escape count before `escapes` is.
-template <class T, int O, class Sink>
-ChunkCheck decode_chunk(const uint8_t* old, int64_t begin, int64_t len, int64_t k0, int64_t cnt, int64_t e0,
+template <class T, int O, class Old, class Sink>
+ChunkCheck decode_chunk(Old&& old_at, int64_t begin, int64_t len, int64_t k0, int64_t cnt, int64_t e0,
                         int64_t esc, const uint8_t* gaps, const int8_t* steps, const uint8_t* escapes, Sink&& sink) {
   ChunkCheck r;
   int64_t off = -1, e = 0;
@@ -282,7 +294,7 @@ ChunkCheck decode_chunk(const uint8_t* old, int64_t begin, int64_t len, int64_t 
     }
     const int8_t s = steps[k];
     T v = 0;
-    if (s != kEscape) v = apply_step<T, O>(load<T>(old, begin + off), s);
+    if (s != kEscape) v = apply_step<T, O>(old_at(begin + off), s);
     else if (e < esc) v = load<T>(escapes, e0 + e);
     e += s == kEscape;
     sink(k, begin + off, v);
@@ -309,7 +321,7 @@ inline ChunkCheck first_failure(std::vector<ChunkCheck>& checks) {
 // old_digests is given, every 1 MiB block of old is hashed too, chunk by chunk
 // while it is in cache, so a caller that must verify the base reads it once.
 template <class T, int O>
-ChunkCheck decode_all(const uint8_t* old, int64_t n, const uint32_t* table, const int64_t* offsets,
+ChunkCheck decode_all(const Stream& old, int64_t n, const uint32_t* table, const int64_t* offsets,
                       const uint8_t* gaps, const int8_t* steps, const uint8_t* escapes, uint8_t* positions,
                       uint8_t* values, uint64_t* old_digests = nullptr) {
   constexpr int W = sizeof(T);
@@ -319,9 +331,11 @@ ChunkCheck decode_all(const uint8_t* old, int64_t n, const uint32_t* table, cons
     BlockHash ho;
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c);
-      if (old_digests) ho.add(old + begin * W, len * W);
-      checks[c] = decode_chunk<T, O>(old, begin, len, offsets[c], table[c], offsets[units.nc + c],
-                                     table[units.nc + c], gaps, steps, escapes, [&](int64_t k, int64_t pos, T v) {
+      if (old_digests) hash_range(old, begin * W, (begin + len) * W, ho);
+      Cursor oc(old, begin * W);
+      checks[c] = decode_chunk<T, O>([&](int64_t pos) { return load<T>(oc(pos * W), 0); }, begin, len, offsets[c],
+                                     table[c], offsets[units.nc + c], table[units.nc + c], gaps, steps, escapes,
+                                     [&](int64_t k, int64_t pos, T v) {
                                        store<int64_t>(positions, k, pos);
                                        store<T>(values, k, v);
                                      });
@@ -335,12 +349,14 @@ ChunkCheck decode_all(const uint8_t* old, int64_t n, const uint32_t* table, cons
 // mirror taking the new version's changed elements). Each position is checked
 // against its chunk's length before anything is written there.
 template <class T>
-ChunkCheck write_changes(uint8_t* dst, const uint8_t* src, int64_t n, const uint32_t* table,
+ChunkCheck write_changes(const Stream& dst, const Stream& src, int64_t n, const uint32_t* table,
                          const int64_t* offsets, const uint8_t* gaps) {
+  constexpr int W = sizeof(T);
   const int64_t nc = nchunks(n);
   std::vector<ChunkCheck> checks(static_cast<size_t>(nc));
   parallel_for(nc, 8, [&](int64_t c) {
     const int64_t begin = c * kChunk, len = chunk_len(n, c), k0 = offsets[c];
+    Cursor dc(dst, begin * W), sc(src, begin * W);
     int64_t off = -1;
     for (int64_t k = k0; k < k0 + int64_t(table[c]); ++k) {
       off += int64_t(load<uint16_t>(gaps, k)) + 1;
@@ -349,7 +365,8 @@ ChunkCheck write_changes(uint8_t* dst, const uint8_t* src, int64_t n, const uint
         checks[c].bad_offset = off;
         return;
       }
-      store<T>(dst, begin + off, load<T>(src, begin + off));
+      const int64_t b = (begin + off) * W;
+      std::memcpy(dc(b), sc(b), W);
     }
   });
   return first_failure(checks);
@@ -359,8 +376,8 @@ ChunkCheck write_changes(uint8_t* dst, const uint8_t* src, int64_t n, const uint
 // xxh3 of every 1 MiB block of old and of out, in one pass over old. On a
 // failure out holds garbage and must be discarded.
 template <class T, int O>
-ChunkCheck apply_all(const uint8_t* old, int64_t n, const uint32_t* table, const int64_t* offsets,
-                     const uint8_t* gaps, const int8_t* steps, const uint8_t* escapes, uint8_t* out,
+ChunkCheck apply_all(const Stream& old, int64_t n, const uint32_t* table, const int64_t* offsets,
+                     const uint8_t* gaps, const int8_t* steps, const uint8_t* escapes, const Stream& out,
                      uint64_t* old_digests, uint64_t* new_digests) {
   constexpr int W = sizeof(T);
   const Units units(n, W, true);
@@ -368,13 +385,16 @@ ChunkCheck apply_all(const uint8_t* old, int64_t n, const uint32_t* table, const
   parallel_for(units.count, 1, [&](int64_t u) {
     BlockHash ho, hn;
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
-      const int64_t begin = c * kChunk, len = chunk_len(n, c);
-      ho.add(old + begin * W, len * W);
-      std::memcpy(out + begin * W, old + begin * W, size_t(len * W));
-      checks[c] = decode_chunk<T, O>(old, begin, len, offsets[c], table[c], offsets[units.nc + c],
-                                     table[units.nc + c], gaps, steps, escapes,
-                                     [&](int64_t, int64_t pos, T v) { store<T>(out, pos, v); });
-      hn.add(out + begin * W, len * W);
+      const int64_t begin = c * kChunk, len = chunk_len(n, c), lo = begin * W, hi = (begin + len) * W;
+      hash_range(old, lo, hi, ho);
+      zip_pieces(old, out, lo, hi, [&](uintptr_t po, uintptr_t pd, int64_t l, int64_t r) {
+        std::memcpy(at(pd, l), at(po, l), size_t(r - l));
+      });
+      Cursor oc(old, lo), dc(out, lo);
+      checks[c] = decode_chunk<T, O>([&](int64_t pos) { return load<T>(oc(pos * W), 0); }, begin, len, offsets[c],
+                                     table[c], offsets[units.nc + c], table[units.nc + c], gaps, steps, escapes,
+                                     [&](int64_t, int64_t pos, T v) { store<T>(dc(pos * W), 0, v); });
+      hash_range(out, lo, hi, hn);
     }
     old_digests[u] = ho.digest();
     new_digests[u] = hn.digest();
@@ -392,7 +412,7 @@ ChunkCheck apply_all(const uint8_t* old, int64_t n, const uint32_t* table, const
 // (gap + 1 >= 1), so no element is written twice and each is read before
 // its own write.
 template <class T, int O>
-ChunkCheck apply_inplace_all(uint8_t* bits, int64_t n, const uint32_t* table, const int64_t* offsets,
+ChunkCheck apply_inplace_all(const Stream& bits, int64_t n, const uint32_t* table, const int64_t* offsets,
                              const uint8_t* gaps, const int8_t* steps, const uint8_t* escapes, uint8_t* positions,
                              uint8_t* saved, int64_t* written, uint64_t* old_digests, uint64_t* new_digests) {
   constexpr int W = sizeof(T);
@@ -401,18 +421,21 @@ ChunkCheck apply_inplace_all(uint8_t* bits, int64_t n, const uint32_t* table, co
   parallel_for(units.count, 1, [&](int64_t u) {
     BlockHash ho, hn;
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
-      const int64_t begin = c * kChunk, len = chunk_len(n, c);
-      ho.add(bits + begin * W, len * W);
+      const int64_t begin = c * kChunk, len = chunk_len(n, c), lo = begin * W, hi = (begin + len) * W;
+      hash_range(bits, lo, hi, ho);
+      Cursor bc(bits, lo);
       int64_t w = 0;
-      checks[c] = decode_chunk<T, O>(bits, begin, len, offsets[c], table[c], offsets[units.nc + c],
-                                     table[units.nc + c], gaps, steps, escapes, [&](int64_t k, int64_t pos, T v) {
+      checks[c] = decode_chunk<T, O>([&](int64_t pos) { return load<T>(bc(pos * W), 0); }, begin, len, offsets[c],
+                                     table[c], offsets[units.nc + c], table[units.nc + c], gaps, steps, escapes,
+                                     [&](int64_t k, int64_t pos, T v) {
+                                       uint8_t* p = bc(pos * W);
                                        store<int64_t>(positions, k, pos);
-                                       store<T>(saved, k, load<T>(bits, pos));
-                                       store<T>(bits, pos, v);
+                                       store<T>(saved, k, load<T>(p, 0));
+                                       store<T>(p, 0, v);
                                        ++w;
                                      });
       written[c] = w;
-      hn.add(bits + begin * W, len * W);
+      hash_range(bits, lo, hi, hn);
     }
     old_digests[u] = ho.digest();
     new_digests[u] = hn.digest();
@@ -422,12 +445,24 @@ ChunkCheck apply_inplace_all(uint8_t* bits, int64_t n, const uint32_t* table, co
 
 // Undo apply_inplace_all: the first written[c] changes of every chunk get their saved bits back.
 template <class T>
-void restore_written(uint8_t* bits, int64_t nc, const int64_t* offsets, const int64_t* written,
+void restore_written(const Stream& bits, int64_t nc, const int64_t* offsets, const int64_t* written,
                      const uint8_t* positions, const uint8_t* saved) {
+  constexpr int W = sizeof(T);
   parallel_for(nc, 8, [&](int64_t c) {
+    Cursor bc(bits, c * kChunk * W);
     for (int64_t k = offsets[c]; k < offsets[c] + written[c]; ++k)
-      store<T>(bits, load<int64_t>(positions, k), load<T>(saved, k));
+      store<T>(bc(load<int64_t>(positions, k) * W), 0, load<T>(saved, k));
   });
+}
+
+// bits[positions[k]] = values[k] for k in [0, count), positions in any order
+// (checked by the caller to lie in the stream), in order: a repeated position
+// keeps its last value.
+template <class T>
+void put_values(const Stream& bits, const uint8_t* positions, const uint8_t* values, int64_t count) {
+  constexpr int W = sizeof(T);
+  Finder f(bits);
+  for (int64_t k = 0; k < count; ++k) store<T>(f(load<int64_t>(positions, k) * W), 0, load<T>(values, k));
 }
 
 // Exclusive prefix sums of the table's two halves: where each chunk's changes
