@@ -9,6 +9,12 @@ decode, write the result, checksum it) in as few passes over the tensor as a
 backend can manage; `Composed` builds each of them from the three, so every
 backend offers the same calls and a fast one overrides only what it fuses.
 All checksums here are the hex strings of ``wsync.checksum``.
+
+Wherever a call takes a tensor's bit patterns (old, new, bits, dst, src, out)
+it also takes a ``wsync.tables.Table``, many tensors back to back, and means
+their concatenation: positions and checksums are those of the gathered
+array. `Composed` does exactly that (gathers, and writes back with
+Table.put/scatter), so the reference backend stays the spec.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import numpy as np
 from ..codecs.base import Overwritten
 from ..codecs import delta_ref
 from ..codecs.delta_ref import DeltaSections
+from ..tables import Table, as_array
 
 
 class Kernels(Protocol):
@@ -66,10 +73,19 @@ class Kernels(Protocol):
     def copy_checksummed(self, src, dst: np.ndarray) -> str:
         """dst[:] = src (same bytes, no overlap) and return the checksum of those bytes."""
 
+    def put(self, bits, positions: np.ndarray, values: np.ndarray) -> None:
+        """bits[positions] = values: int64 positions in any order (undo of an in-place apply).
 
-def check_out(old: np.ndarray, out: np.ndarray, overlap: bool = False) -> None:
+        ValueError, with nothing written, if any position is outside [0, len(bits)).
+        """
+
+
+def check_out(old, out, overlap: bool = False) -> None:
+    """out fits old (dtype and length); arrays must not overlap unless allowed (Table pieces are trusted)."""
     if out.dtype != old.dtype or out.shape != old.shape:
         raise ValueError(f"out must be {old.dtype}{list(old.shape)}, got {out.dtype}{list(out.shape)}")
+    if isinstance(old, Table) or isinstance(out, Table):
+        return
     if not overlap and np.may_share_memory(out, old) and old.size:
         raise ValueError("out must not overlap old")
 
@@ -83,18 +99,30 @@ class Composed:
     """
 
     def delta_encode_checksummed(self, old, new, order, old_sum=True):
+        old, new = as_array(old), as_array(new)
         return self.delta_encode(old, new, order), self.checksum(old) if old_sum else None, self.checksum(new)
 
     def write_changes(self, dst, src, sec):
+        src = as_array(src)
         check_out(src, dst, overlap=True)
         pos = delta_ref.positions(sec, len(dst))
-        dst[pos] = src[pos]
+        if isinstance(dst, Table):
+            dst.put(pos, src[pos])
+        else:
+            dst[pos] = src[pos]
 
     def delta_decode_checksummed(self, old, sec, order):
+        old = as_array(old)
         pos, values = self.delta_decode(old, sec, order)
         return pos, values, self.checksum(old)
 
     def delta_apply(self, old, sec, order, out=None):
+        old = as_array(old)
+        if isinstance(out, Table):
+            check_out(old, out)
+            new, before, after = self.delta_apply(old, sec, order)
+            out.scatter(new)
+            return out, before, after
         pos, values = self.delta_decode(old, sec, order)  # validates before anything is written
         if out is None:
             out = np.empty_like(old)
@@ -104,6 +132,13 @@ class Composed:
         return out, self.checksum(old), self.checksum(out)
 
     def delta_apply_inplace(self, bits, sec, order):
+        if isinstance(bits, Table):
+            if not bits.writable:
+                raise TypeError("this table's pieces are read-only")
+            work = bits.gather()
+            saved, before, after = self.delta_apply_inplace(work, sec, order)  # raises before bits is touched
+            bits.put(saved.positions, work[saved.positions])
+            return saved, before, after
         pos, values = self.delta_decode(bits, sec, order)
         before = self.checksum(bits)
         saved = Overwritten(bits[pos], pos)
@@ -111,11 +146,31 @@ class Composed:
         return saved, before, self.checksum(bits)
 
     def copy_checksummed(self, src, dst):
-        s, d = _bytes_of(src), _bytes_of(dst)
+        s = _bytes_of(as_array(src))
+        if isinstance(dst, Table):
+            if len(s) != dst.nbytes:
+                raise ValueError(f"src has {len(s)} bytes, dst {dst.nbytes}")
+            dst.scatter(s.view(dst.dtype))
+            return self.checksum(s)
+        d = _bytes_of(dst)
         if len(s) != len(d):
             raise ValueError(f"src has {len(s)} bytes, dst {len(d)}")
         np.copyto(d, s)
         return self.checksum(dst)
+
+    def put(self, bits, positions, values):
+        positions = np.asarray(positions, dtype=np.int64)
+        values = np.asarray(values)
+        if values.shape != positions.shape:
+            raise ValueError(f"values must be {len(positions)} x {bits.dtype}, got {values.dtype}{list(values.shape)}")
+        bad = np.flatnonzero((positions < 0) | (positions >= len(bits)))
+        if len(bad):
+            k = int(bad[0])
+            raise ValueError(f"positions[{k}] = {positions[k]} is outside [0, {len(bits)})")
+        if isinstance(bits, Table):
+            bits.put(positions, values)
+        else:
+            bits[positions] = values
 
 
 def _bytes_of(buf) -> np.ndarray:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..codecs.delta_ref import DeltaSections
 from ..errors import BackendUnavailable, FormatError
+from ..tables import Table
 from .base import Composed, Overwritten, check_out
 
 # setup.py leaves the compiler's complaint here when the optional build fails.
@@ -33,11 +34,40 @@ def _import_extension():
     return _cpu
 
 
-def _bits(a: np.ndarray, what: str) -> np.ndarray:
-    """A 1-D C-contiguous unsigned little-endian view, as the kernels expect."""
+def _bits(a, what: str):
+    """A 1-D C-contiguous unsigned little-endian view, as the kernels expect, or a Table of such pieces."""
+    if isinstance(a, Table):
+        if a.dtype.kind != "u" or a.dtype.byteorder == ">":
+            raise TypeError(f"{what} must be a table of little-endian unsigned bit patterns, got {a.dtype}")
+        return a
     if not isinstance(a, np.ndarray) or a.dtype.kind != "u" or a.dtype.byteorder == ">":
         raise TypeError(f"{what} must be a numpy array of little-endian unsigned bit patterns, got {getattr(a, 'dtype', type(a))}")
     return np.ascontiguousarray(a).reshape(-1)
+
+
+def _writable(a, what: str):
+    """_bits of an array or Table the kernels will write into (never a copy)."""
+    if isinstance(a, Table):
+        if not a.writable:
+            raise TypeError(f"{what}: this table's pieces are read-only")
+        return _bits(a, what)
+    if not isinstance(a, np.ndarray) or a.ndim != 1 or not a.flags.c_contiguous or not a.flags.writeable:
+        raise TypeError(f"{what} must be a writable 1-D C-contiguous array of bit patterns")
+    return _bits(a, what)
+
+
+def _arg(a):
+    """What the extension takes: a buffer, or a Table's (addrs, starts)."""
+    return a.arg() if isinstance(a, Table) else a
+
+
+def _check_same(a, b, what: str) -> None:
+    """The checks of base.check_out for arrays or Tables (a Table's pieces are trusted not to overlap)."""
+    if isinstance(a, Table) or isinstance(b, Table):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            raise ValueError(f"{what} must be {a.dtype}{list(a.shape)}, got {b.dtype}{list(b.shape)}")
+        return
+    check_out(a, b, overlap=what == "dst")
 
 
 def _section(a: np.ndarray, dtype, what: str) -> np.ndarray:
@@ -64,13 +94,13 @@ class CpuKernels(Composed):
     def delta_encode(self, old: np.ndarray, new: np.ndarray, order: str) -> DeltaSections:
         return self._encode(old, new, order, False)[0]
 
-    def delta_decode(self, old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray, np.ndarray]:
+    def delta_decode(self, old, sec: DeltaSections, order: str) -> tuple[np.ndarray, np.ndarray]:
         old = _bits(old, "old")
         pos, values = self._call(self._cpu.delta_decode, old, sec, order)
         return np.frombuffer(pos, np.int64), np.frombuffer(values, old.dtype)
 
     def checksum(self, buf) -> str:
-        return f"{self._cpu.checksum(buf):016x}"
+        return f"{self._cpu.checksum(_arg(buf)):016x}"
 
     # The fused operations of the Kernels protocol, each one pass over the
     # tensor where Composed's take two or three (wsync/bench/kernels.py
@@ -81,47 +111,61 @@ class CpuKernels(Composed):
         sec, sums = self._encode(old, new, order, 1 if old_sum else 2)
         return sec, *sums
 
-    def write_changes(self, dst: np.ndarray, src: np.ndarray, sec: DeltaSections) -> None:
-        if not isinstance(dst, np.ndarray) or dst.ndim != 1 or not dst.flags.c_contiguous or not dst.flags.writeable:
+    def write_changes(self, dst, src, sec: DeltaSections) -> None:
+        if isinstance(dst, Table):
+            _writable(dst, "dst")
+        elif not isinstance(dst, np.ndarray) or dst.ndim != 1 or not dst.flags.c_contiguous or not dst.flags.writeable:
             raise TypeError("write_changes needs a writable 1-D C-contiguous dst")
         src = _bits(src, "src")
-        check_out(src, dst, overlap=True)
+        _check_same(src, dst, "dst")
         try:
-            self._cpu.write_changes(dst, src, _section(sec.table, "<u4", "table"), _section(sec.gaps, "<u2", "gaps"),
-                                    dst.dtype.itemsize)
+            self._cpu.write_changes(_arg(dst), _arg(src), _section(sec.table, "<u4", "table"),
+                                    _section(sec.gaps, "<u2", "gaps"), dst.dtype.itemsize)
         except self._cpu.InvalidSections as e:
             raise FormatError(str(e)) from None
 
-    def delta_decode_checksummed(self, old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray, np.ndarray, str]:
+    def delta_decode_checksummed(self, old, sec: DeltaSections, order: str) -> tuple[np.ndarray, np.ndarray, str]:
         old = _bits(old, "old")
         pos, values, old_sum = self._call(self._cpu.delta_decode, old, sec, order, True)
         return np.frombuffer(pos, np.int64), np.frombuffer(values, old.dtype), f"{old_sum:016x}"
 
-    def delta_apply(self, old: np.ndarray, sec: DeltaSections, order: str,
-                    out: np.ndarray | None = None) -> tuple[np.ndarray, str, str]:
+    def delta_apply(self, old, sec: DeltaSections, order: str, out=None) -> tuple[np.ndarray, str, str]:
+        """out: an array or a writable Table (old's dtype and size); a fresh array if None."""
         old = _bits(old, "old")
         if out is None:
-            out = np.empty_like(old)
-        check_out(old, out)
-        sums = self._call(self._cpu.delta_apply, old, sec, order, out)
+            out = np.empty(old.size, old.dtype)
+        if isinstance(out, Table):
+            _writable(out, "out")
+        _check_same(old, out, "out")
+        sums = self._call(self._cpu.delta_apply, old, sec, order, _arg(out))
         return out, *(f"{s:016x}" for s in sums)
 
-    def delta_apply_inplace(self, bits: np.ndarray, sec: DeltaSections, order: str) -> tuple[Overwritten, str, str]:
-        if not isinstance(bits, np.ndarray) or bits.ndim != 1 or not bits.flags.c_contiguous or not bits.flags.writeable:
-            raise TypeError("delta_apply_inplace needs a writable 1-D C-contiguous array of bit patterns")
-        _bits(bits, "bits")  # dtype check
+    def delta_apply_inplace(self, bits, sec: DeltaSections, order: str) -> tuple[Overwritten, str, str]:
+        bits = _writable(bits, "delta_apply_inplace: bits")
         pos, saved, before, after = self._call(self._cpu.delta_apply_inplace, bits, sec, order)
         return Overwritten(np.frombuffer(saved, bits.dtype), np.frombuffer(pos, np.int64)), f"{before:016x}", f"{after:016x}"
 
-    def copy_checksummed(self, src, dst: np.ndarray) -> str:
-        return f"{self._cpu.copy_checksum(src, dst):016x}"
+    def copy_checksummed(self, src, dst) -> str:
+        if isinstance(dst, Table):
+            _writable(dst, "dst")
+        return f"{self._cpu.copy_checksum(_arg(src), _arg(dst)):016x}"
+
+    def put(self, bits, positions: np.ndarray, values: np.ndarray) -> None:
+        """bits[positions] = values (int64 positions, any order; ValueError, nothing written, if one is outside)."""
+        bits = _writable(bits, "put: bits")
+        positions = _section(np.asarray(positions), np.int64, "positions")
+        values = np.ascontiguousarray(values)
+        if values.dtype.itemsize != bits.dtype.itemsize or values.shape != positions.shape:
+            raise ValueError(f"values must be {len(positions)} x {bits.dtype}, got {values.dtype}{list(values.shape)}")
+        self._cpu.put(_arg(bits), positions, values, bits.dtype.itemsize)
 
     def _encode(self, old, new, order, checksums: int) -> tuple[DeltaSections, tuple]:
         """checksums: 0 none, 1 old's and new's, 2 new's only (old's is None)."""
         old, new = _bits(old, "old"), _bits(new, "new")
         if old.dtype != new.dtype or old.shape != new.shape:
             raise ValueError(f"old and new differ: {old.dtype}{list(old.shape)} vs {new.dtype}{list(new.shape)}")
-        table, gaps, steps, esc, *sums = self._cpu.delta_encode(old, new, new.dtype.itemsize, _order(order), checksums)
+        table, gaps, steps, esc, *sums = self._cpu.delta_encode(_arg(old), _arg(new), new.dtype.itemsize, _order(order),
+                                                                checksums)
         sec = DeltaSections(
             table=np.frombuffer(table, "<u4"),
             gaps=np.frombuffer(gaps, "<u2"),
@@ -130,7 +174,7 @@ class CpuKernels(Composed):
         )
         return sec, tuple(None if s is None else f"{s:016x}" for s in sums)
 
-    def _call(self, fn, old: np.ndarray, sec: DeltaSections, order: str, *out):
+    def _call(self, fn, old, sec: DeltaSections, order: str, *out):
         """Run a decoding kernel on checked sections; bad payload bytes become FormatError."""
         args = (
             _section(sec.table, "<u4", "table"),
@@ -139,6 +183,6 @@ class CpuKernels(Composed):
             _section(sec.escapes, old.dtype, "escapes"),
         )
         try:
-            return fn(old, *args, old.dtype.itemsize, _order(order), *out)
+            return fn(_arg(old), *args, old.dtype.itemsize, _order(order), *out)
         except self._cpu.InvalidSections as e:
             raise FormatError(str(e)) from None

@@ -14,6 +14,7 @@ import numpy as np
 import zstandard
 
 from ..errors import FormatError
+from ..tables import Table
 
 
 @dataclass
@@ -48,8 +49,14 @@ class Overwritten:
     values: np.ndarray  # the old bit patterns: at `positions`, or the whole tensor
     positions: np.ndarray | None = None  # int64 element indices; None means every element
 
-    def restore(self, bits: np.ndarray) -> None:
-        if self.positions is None:
+    def restore(self, bits) -> None:
+        """Put the values back into bits: a 1-D array or a wsync.tables.Table (positions are the stream's)."""
+        if isinstance(bits, Table):
+            if self.positions is None:
+                bits.scatter(self.values)
+            else:
+                bits.put(self.positions, self.values)
+        elif self.positions is None:
             bits[:] = self.values
         else:
             bits[self.positions] = self.values
