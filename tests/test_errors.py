@@ -117,7 +117,12 @@ def test_unknown_codec(pair, blob):
 
 
 def test_unknown_format_version(pair, blob):
-    _refused(pair[0], rewrite_manifest(blob, lambda d: d.update(format_version=2)), FormatError, "format version 2")
+    _refused(pair[0], rewrite_manifest(blob, lambda d: d.update(format_version=3)), FormatError, "format version 3")
+    # a format 1 payload (wsync 0.1) is refused with a message naming the wsync that reads it
+    _refused(pair[0], rewrite_manifest(blob, lambda d: d.update(format_version=1)), FormatError, "wsync 0.1")
+    old = bytearray(blob)
+    old[8] = 1
+    _refused(pair[0], bytes(old), FormatError, "older wsync.*wsync 0.1")
     bad = bytearray(blob)
     bad[8] = 9
     _refused(pair[0], bytes(bad), FormatError, "format version 9")
@@ -125,14 +130,14 @@ def test_unknown_format_version(pair, blob):
 
 def test_manifest_lies_about_shape(pair, blob):
     def grow(d):
-        d["tensors"][0]["shape"] = [301, 257]
+        d["segments"][0]["shape"][0] += 257  # one row more than its layout holds
 
     _refused(pair[0], rewrite_manifest(blob, grow), (FormatError, MismatchError), "layers.0.weight")
 
 
 def test_manifest_lies_about_part_length(pair, blob):
     def lie(d):
-        t = d["tensors"][0]
+        t = d["segments"][0]
         t["parts"][1][1] += 4
 
     _refused(pair[0], rewrite_manifest(blob, lie), FormatError)
@@ -140,19 +145,19 @@ def test_manifest_lies_about_part_length(pair, blob):
 
 def test_manifest_lies_about_tiling(pair, blob):
     def lie(d):
-        d["tensors"][1]["offset"] += 1
+        d["segments"][1]["offset"] += 1
 
     _refused(pair[0], rewrite_manifest(blob, lie), FormatError, "tile")
 
 
 def test_manifest_bad_types(pair, blob):
     for mutate, match in [
-        (lambda d: d["tensors"][0].update(shape=[-1, 3]), "shape"),
-        (lambda d: d["tensors"][0].update(dtype="F128"), "unknown dtype"),
-        (lambda d: d["tensors"][0].update(checksum="xyz"), "hex"),
-        (lambda d: d.update(tensors={}), "tensors"),
-        (lambda d: d["tensors"][0].update(offset=True), "offset"),
-        (lambda d: d["tensors"].append(d["tensors"][0]), "twice"),
+        (lambda d: d["segments"][0].update(shape=[-1, 3]), "shape"),
+        (lambda d: d["segments"][0].update(dtype="F128"), "unknown dtype"),
+        (lambda d: d["segments"][0].update(checksum="xyz"), "hex"),
+        (lambda d: d.update(segments={}), "segments"),
+        (lambda d: d["segments"][0].update(offset=True), "offset"),
+        (lambda d: d["segments"].append(d["segments"][0]), "twice"),
     ]:
         _refused(pair[0], rewrite_manifest(blob, mutate), FormatError, match)
 
@@ -179,7 +184,7 @@ def _forge_delta_body(blob: bytes, table_fn) -> bytes:
     """Rewrite the first tensor's sparse table with a lie, re-sealing its payload checksum."""
     _, _, mlen, _, _ = HEADER.unpack_from(blob)
     doc = json.loads(blob[HEADER.size : HEADER.size + mlen])
-    t = doc["tensors"][0]
+    t = doc["segments"][0]
     assert t["kind"] == "delta-sparse"
     body = bytearray(blob[HEADER.size + mlen :])
     tlen = t["parts"][0][1]
@@ -188,7 +193,7 @@ def _forge_delta_body(blob: bytes, table_fn) -> bytes:
     body[:tlen] = table.tobytes()
     t["payload_checksum"] = checksum(bytes(body[: sum(p[1] for p in t["parts"])]))
     m = json.dumps(doc).encode()
-    return HEADER.pack(b"\x89WSYNC\r\n", 1, len(m), len(body), xxhash.xxh3_64_intdigest(m)) + m + bytes(body)
+    return HEADER.pack(b"\x89WSYNC\r\n", 2, len(m), len(body), xxhash.xxh3_64_intdigest(m)) + m + bytes(body)
 
 
 def test_sealed_lies_in_the_chunk_table(pair):
@@ -228,7 +233,7 @@ def test_wrong_result_checksum_rolls_back_every_tensor(pair):
     blob = wsync.encode(base, new, tier="packed").to_bytes()
 
     def lie(d):
-        d["tensors"][-1]["checksum"] = "0123456789abcdef"
+        d["segments"][-1]["checksum"] = "0123456789abcdef"
 
     _refused(base, rewrite_manifest(blob, lie), ChecksumError, "norm")
 

@@ -16,6 +16,7 @@ import wsync
 from wsync import api
 from wsync.checksum import checksum
 from wsync.errors import ChecksumError, FormatError, VersionError
+from wsync.layout import per_tensor
 
 from conftest import rewrite_manifest, states_equal
 
@@ -33,13 +34,23 @@ def _pair(n=3, size=70_000, seed=0):
     return base, new
 
 
+def _enc(base, new, **kw):
+    """One segment per tensor, so errors and checksums here are per tensor as these tests need."""
+    members = per_tensor(api.as_state(new))
+    return wsync.encode(base, new, members=members, **kw)
+
+
+def _key(payload, name):
+    return payload.manifest.members.keys()[payload.manifest.members.names.index(name)]
+
+
 def _clone(state):
     return {k: v.copy() for k, v in state.items()}
 
 
 def _corrupt_frame(blob: bytes, payload, name: str) -> bytes:
     """Flip one body byte inside tensor `name`'s frame."""
-    spec = payload.manifest.tensors_by_name[name]
+    spec = payload.manifest.tensors_by_name[_key(payload, name)]
     b = bytearray(blob)
     b[len(blob) - len(payload.body) + spec.offset] ^= 0xFF
     return bytes(b)
@@ -47,20 +58,27 @@ def _corrupt_frame(blob: bytes, payload, name: str) -> bytes:
 
 def test_encode_checksums_are_the_references():
     base, new = _pair()
-    p = wsync.encode(base, new, tier="sparse")
-    for spec in p.manifest.tensors:
-        assert spec.checksum == checksum(new[spec.name])
-        assert spec.base_checksum == checksum(base[spec.name])
+    p = _enc(base, new, tier="sparse")
+    for name, spec in zip(p.manifest.members.names, p.manifest.tensors):
+        assert spec.checksum == checksum(new[name])
+        assert spec.base_checksum == checksum(base[name])
         assert spec.payload_checksum == checksum(bytes(p.frame(spec)))
+    ref = _enc(base, new, tier="sparse", backend="ref")
+    assert p.to_bytes() == ref.to_bytes()
+    # one segment for all three: its checksums are those of the tensors back to back
+    p = wsync.encode(base, new, tier="sparse")
+    (spec,) = p.manifest.tensors
+    assert spec.checksum == checksum(np.concatenate([new[n] for n in p.manifest.members.names]))
+    assert spec.base_checksum == checksum(np.concatenate([base[n] for n in p.manifest.members.names]))
     ref = wsync.encode(base, new, tier="sparse", backend="ref")
     assert p.to_bytes() == ref.to_bytes()
 
 
 def test_raw_keyframe_checksums():
     _, new = _pair(n=2)
-    p = wsync.encode(None, new, codec="raw")
-    for spec in p.manifest.tensors:
-        assert spec.checksum == spec.payload_checksum == checksum(new[spec.name])
+    p = _enc(None, new, codec="raw")
+    for name, spec in zip(p.manifest.members.names, p.manifest.tensors):
+        assert spec.checksum == spec.payload_checksum == checksum(new[name])
     out = wsync.apply(None, p)  # torch tensors, since there is no base to take the flavour from
     assert all(out[n].numpy().tobytes() == new[n].tobytes() for n in new)
 
@@ -69,7 +87,7 @@ def test_raw_keyframe_checksums():
 def test_wrong_base_outranks_a_corrupt_earlier_frame(inplace):
     """t0's frame is corrupt and t2's base is wrong: VersionError, as if every base were checked first."""
     base, new = _pair()
-    p = wsync.encode(base, new, tier="sparse")
+    p = _enc(base, new, tier="sparse")
     blob = _corrupt_frame(p.to_bytes(), p, "t0")
     target = _clone(base)
     target["t2"][5] ^= 1
@@ -85,10 +103,10 @@ def test_wrong_base_outranks_a_corrupt_earlier_frame(inplace):
 def test_corrupt_frame_outranks_a_wrong_result(inplace):
     """t0's result checksum lies and t2's frame is corrupt: the frame's ChecksumError is the one raised."""
     base, new = _pair()
-    blob = wsync.encode(base, new, tier="sparse").to_bytes()
+    blob = _enc(base, new, tier="sparse").to_bytes()
 
     def lie(doc):
-        doc["tensors"][0]["checksum"] = "0123456789abcdef"
+        doc["segments"][0]["checksum"] = "0123456789abcdef"
 
     blob = rewrite_manifest(blob, lie)
     blob = _corrupt_frame(blob, wsync.payload.Payload.from_bytes(blob), "t2")
@@ -101,7 +119,7 @@ def test_corrupt_frame_outranks_a_wrong_result(inplace):
 def test_inplace_format_error_in_last_tensor_restores_the_first(monkeypatch):
     """t0 and t1 are written before t2's sections turn out bad: all three come back."""
     base, new = _pair()
-    p = wsync.encode(base, new, tier="sparse")
+    p = _enc(base, new, tier="sparse")
     target = _clone(base)
     from wsync.codecs import delta
 
@@ -109,7 +127,7 @@ def test_inplace_format_error_in_last_tensor_restores_the_first(monkeypatch):
 
     def lying(spec, parts, bits_dt):
         sec = real(spec, parts, bits_dt)
-        if spec.name == "t2":
+        if spec.name.endswith(":2"):
             sec.gaps = sec.gaps.copy()
             sec.gaps[-1] = 65535
         return sec
@@ -141,7 +159,7 @@ def test_tied_tensors_roll_back():
     blob = wsync.encode({k: v.clone() for k, v in base.items()}, new, tier="sparse").to_bytes()
 
     def lie(doc):
-        doc["tensors"][-1]["checksum"] = "0123456789abcdef"
+        doc["segments"][-1]["checksum"] = "0123456789abcdef"
 
     before = emb.clone()
     with pytest.raises(ChecksumError, match="c"):
@@ -151,10 +169,10 @@ def test_tied_tensors_roll_back():
 
 def test_apply_state_matches_decode_and_scatter():
     base, new = _pair(seed=3)
-    p = wsync.encode(base, new, tier="packed")
+    p = _enc(base, new, tier="packed")
     state = api.as_state(base)
     out = api.apply_state(state, p)
-    for name, dec in api.decode(state, p).items():
+    for name, dec in zip(p.manifest.members.names, api.decode(state, p).values()):
         bits = base[name].copy()
         bits[dec.positions] = dec.values
         assert out[name].bits.tobytes() == bits.tobytes() == new[name].tobytes()
@@ -165,9 +183,9 @@ def test_apply_state_matches_decode_and_scatter():
 def test_prepared_payload_applies_bit_exact_and_keeps_error_ranks(tier):
     """api.prepare (what a subscriber runs as a bucket arrives) changes what apply does, never what it yields."""
     base, new = _pair()
-    blob = wsync.encode(base, new, tier=tier).to_bytes()
+    blob = _enc(base, new, tier=tier).to_bytes()
     prepared = api.prepare(wsync.payload.Payload.from_bytes(blob))
-    assert sorted(prepared.unpacked) == ["t0", "t1", "t2"]
+    assert sorted(prepared.unpacked) == [_key(prepared, n) for n in ("t0", "t1", "t2")]
     target = _clone(base)
     wsync.apply(target, prepared, inplace=True)
     assert all(target[n].tobytes() == new[n].tobytes() for n in new)
@@ -175,7 +193,7 @@ def test_prepared_payload_applies_bit_exact_and_keeps_error_ranks(tier):
     # t2's frame is corrupt: prepare stops there quietly, apply raises it, and a wrong base still outranks it
     bad = _corrupt_frame(blob, prepared, "t2")
     prepared = api.prepare(wsync.payload.Payload.from_bytes(bad))
-    assert sorted(prepared.unpacked) == ["t0", "t1"]
+    assert sorted(prepared.unpacked) == [_key(prepared, n) for n in ("t0", "t1")]
     target = _clone(base)
     with pytest.raises(ChecksumError, match="t2: stored bytes"):
         wsync.apply(target, prepared, inplace=True)

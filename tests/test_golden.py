@@ -1,4 +1,4 @@
-"""Golden vectors pin the bytes of format v1. Changing them is a format version bump.
+"""Golden vectors pin the bytes of format 2 (segments: tensors of one dtype back to back). Changing them is a format version bump.
 
 The packed tier's bytes also depend on the zstd encoder, so for it we pin what
 the frames decompress to and that the stored file still applies.
@@ -98,4 +98,4 @@ def _bf16(bits):
 def test_header_layout():
     blob = (GOLDEN / "raw.wsd").read_bytes()
     assert blob[:8] == b"\x89WSYNC\r\n"
-    assert int.from_bytes(blob[8:12], "little") == 1
+    assert int.from_bytes(blob[8:12], "little") == 2

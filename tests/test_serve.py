@@ -75,7 +75,8 @@ def test_pull_newest_then_resume_with_deltas_only(tmp_path, rng):
         more = _series(tmp_path / "more", 5, np.random.default_rng(1234))  # same rng seed as the fixture
         for i in (3, 4):
             os.replace(tmp_path / "more" / f"step_{i:04d}", src / f"step_{i:04d}")
-        replica = read_replica(out)
+        replica, layouts = read_replica(out)
+        assert layouts  # saved with the weights, so the next pull can take deltas
         assert replica.version == 2
         assert pull(addr, out, token=TOKEN, timeout=30, version=4, progress=False) == 4
         assert digest(read_checkpoint(out).state) == digest(as_state(more[4]))
@@ -114,7 +115,8 @@ def test_killed_pull_leaves_last_good_version(tmp_path, rng):
         assert "bucket" in line, line
         p.send_signal(signal.SIGKILL)
         p.wait(10)
-        replica = read_replica(out)
+        replica, layouts = read_replica(out)
+        assert layouts  # saved with the weights, so the next pull can take deltas
         assert replica.version in (0, 1)  # killed before or after the atomic write, never between
         assert digest(replica.state) == digest(as_state(states[replica.version]))
         assert pull(addr, out, token=TOKEN, timeout=30, progress=False) == 1

@@ -475,12 +475,17 @@ def inspect(payload) -> dict:
 
 def _changed(spec: TensorSpec, payload: Payload) -> int:
     """Changed elements of one segment (raw segments count as all changed)."""
-    if spec.kind == "same":
-        return 0
-    if not spec.kind.startswith("delta"):
-        return spec.numel
     from .codecs.base import zstd_decompress
     from .codecs.delta_ref import nchunks
+
+    if spec.kind == "same":
+        return 0
+    if spec.kind == "xor":  # a dense change: the elements whose XOR with the base is not zero
+        bits_dt = dtypes.by_name(spec.dtype).bits_dtype
+        x = np.frombuffer(zstd_decompress(payload.parts(spec)["data"], spec.nbytes, f"{spec.name}: xor data"), bits_dt)
+        return int(np.count_nonzero(x))
+    if not spec.kind.startswith("delta"):
+        return spec.numel
 
     nc = nchunks(spec.numel)
     table = payload.parts(spec)["table"]

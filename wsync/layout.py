@@ -71,7 +71,7 @@ class Members:
         """A segment, for error messages: its one tensor's name, or its first and last and how many."""
         names = self.segment_names(j)
         if len(names) == 1:
-            return repr(names[0])
+            return names[0]
         return f"the {len(names)} {self.dtypes[j]} tensors {names[0]!r} .. {names[-1]!r}"
 
     def to_doc(self) -> dict:
@@ -111,6 +111,14 @@ def plan(state: State, names=None) -> Members:
     ordered = [n for group in by_dtype.values() for n in group]
     return Members(tuple(ordered), tuple(state[n].shape for n in ordered),
                    tuple(len(g) for g in by_dtype.values()), tuple(by_dtype))
+
+
+def per_tensor(state: State, names=None) -> Members:
+    """A layout with one segment per tensor: format 1's granularity (a payload entry per tensor), for
+    callers that want errors and checksums per tensor and few tensors."""
+    names = list(state) if names is None else list(names)
+    return Members(tuple(names), tuple(state[n].shape for n in names), (1,) * len(names),
+                   tuple(state[n].dtype.name for n in names))
 
 
 def check_against(state: State, members: Members, what: str = "payload") -> None:

@@ -22,8 +22,15 @@ def golden_states():
     f32_base = np.linspace(-2, 2, 1001, dtype=np.float32)
     f32_new = f32_base.copy()
     f32_new[::50] = np.nextafter(f32_new[::50], np.float32(np.inf))
+    # format 2: tensors of one dtype form one segment, so a second bf16 tensor makes a segment of two pieces
+    # whose chunks cross the boundary between them (70,000 + 3,000 elements)
+    j = np.arange(3000, dtype=np.uint32)
+    bf16_b = ((j * 40503) >> 3).astype(np.uint16)
+    bf16_b_new = bf16_b.copy()
+    bf16_b_new[j % 61 == 7] += 1
     base = {
         "model.layers.0.mlp.weight": bf16_base,
+        "model.layers.1.mlp.weight": bf16_b,
         "model.norm.weight": f32_base,
         "model.counter": np.array([7, -3, 0], dtype=np.int64),
         "model.fp8": (np.arange(256, dtype=np.uint16) & 0xFF).astype(np.uint8),
@@ -32,6 +39,7 @@ def golden_states():
     }
     new = dict(base)
     new["model.layers.0.mlp.weight"] = bf16_new
+    new["model.layers.1.mlp.weight"] = bf16_b_new
     new["model.norm.weight"] = f32_new
     new["model.counter"] = np.array([8, -3, 1 << 40], dtype=np.int64)
     new["model.fp8"] = base["model.fp8"][::-1].copy()
@@ -47,6 +55,8 @@ def _typed(state):
     for name, a in state.items():
         if name == "model.layers.0.mlp.weight":
             out[name] = TensorBits(DTYPES["BF16"], (70, 1000), a)
+        elif name == "model.layers.1.mlp.weight":
+            out[name] = TensorBits(DTYPES["BF16"], (30, 100), a)
         elif name == "model.fp8":
             out[name] = TensorBits(DTYPES["F8_E4M3"], (16, 16), a)
         else:
