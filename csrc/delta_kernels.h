@@ -167,10 +167,11 @@ constexpr int64_t slot_bytes() { return kStage * (3 + int64_t(sizeof(T))); }  //
 // Count one chunk's changes and escapes, staging them if `slot` is not null.
 // The chunk is elements [begin, end) of the streams a and b, which may be cut
 // into pieces in different places: it is scanned run by run, each run inside
-// one piece of each, with positions global to the stream throughout.
+// one piece of each, with positions global to the stream throughout. Each
+// run is fed to the hashes given right after it is scanned, while in cache.
 template <class T, int O>
 void stage_chunk(const Stream& A, const Stream& B, int64_t begin, int64_t end, uint8_t* slot, uint32_t* cnt,
-                 uint32_t* esc) {
+                 uint32_t* esc, BlockHash* ha, BlockHash* hb) {
   constexpr int W = sizeof(T);
   int64_t k = 0, e = 0, prev = -1;  // prev = -1 makes the first gap its offset
   zip_pieces(A, B, begin * W, end * W, [&](uintptr_t pa, uintptr_t pb, int64_t lo, int64_t hi) {
@@ -187,6 +188,8 @@ void stage_chunk(const Stream& A, const Stream& B, int64_t begin, int64_t end, u
       ++k;
       e += s == kEscape;
     });
+    if (ha) ha->add(a + lo, hi - lo);
+    if (hb) hb->add(b + lo, hi - lo);
   });
   *cnt = uint32_t(k);
   *esc = uint32_t(e);
@@ -204,9 +207,7 @@ void encode_pass1(const Stream& a, const Stream& b, int64_t n, uint32_t* table, 
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c);
       stage_chunk<T, O>(a, b, begin, begin + len, stage ? stage + c * slot_bytes<T>() : nullptr, &table[c],
-                        &table[units.nc + c]);
-      if (old_digests) hash_range(a, begin * W, (begin + len) * W, ho);
-      if (new_digests) hash_range(b, begin * W, (begin + len) * W, hn);
+                        &table[units.nc + c], old_digests ? &ho : nullptr, new_digests ? &hn : nullptr);
     }
     if (old_digests) old_digests[u] = ho.digest();
     if (new_digests) new_digests[u] = hn.digest();
@@ -331,14 +332,16 @@ ChunkCheck decode_all(const Stream& old, int64_t n, const uint32_t* table, const
     BlockHash ho;
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c);
-      if (old_digests) hash_range(old, begin * W, (begin + len) * W, ho);
-      Cursor oc(old, begin * W);
-      checks[c] = decode_chunk<T, O>([&](int64_t pos) { return load<T>(oc(pos * W), 0); }, begin, len, offsets[c],
-                                     table[c], offsets[units.nc + c], table[units.nc + c], gaps, steps, escapes,
-                                     [&](int64_t k, int64_t pos, T v) {
-                                       store<int64_t>(positions, k, pos);
-                                       store<T>(values, k, v);
-                                     });
+      const int64_t lo = begin * W, hi = (begin + len) * W;
+      if (old_digests) hash_range(old, lo, hi, ho);
+      with_addresses(old, lo, hi, [&](auto&& oa) {
+        checks[c] = decode_chunk<T, O>([&](int64_t pos) { return load<T>(oa(pos * W), 0); }, begin, len, offsets[c],
+                                       table[c], offsets[units.nc + c], table[units.nc + c], gaps, steps, escapes,
+                                       [&](int64_t k, int64_t pos, T v) {
+                                         store<int64_t>(positions, k, pos);
+                                         store<T>(values, k, v);
+                                       });
+      });
     }
     if (old_digests) old_digests[u] = ho.digest();
   });
@@ -390,10 +393,13 @@ ChunkCheck apply_all(const Stream& old, int64_t n, const uint32_t* table, const 
       zip_pieces(old, out, lo, hi, [&](uintptr_t po, uintptr_t pd, int64_t l, int64_t r) {
         std::memcpy(at(pd, l), at(po, l), size_t(r - l));
       });
-      Cursor oc(old, lo), dc(out, lo);
-      checks[c] = decode_chunk<T, O>([&](int64_t pos) { return load<T>(oc(pos * W), 0); }, begin, len, offsets[c],
-                                     table[c], offsets[units.nc + c], table[units.nc + c], gaps, steps, escapes,
-                                     [&](int64_t, int64_t pos, T v) { store<T>(dc(pos * W), 0, v); });
+      with_addresses(old, lo, hi, [&](auto&& oa) {
+        with_addresses(out, lo, hi, [&](auto&& da) {
+          checks[c] = decode_chunk<T, O>([&](int64_t pos) { return load<T>(oa(pos * W), 0); }, begin, len,
+                                         offsets[c], table[c], offsets[units.nc + c], table[units.nc + c], gaps,
+                                         steps, escapes, [&](int64_t, int64_t pos, T v) { store<T>(da(pos * W), 0, v); });
+        });
+      });
       hash_range(out, lo, hi, hn);
     }
     old_digests[u] = ho.digest();
@@ -423,17 +429,18 @@ ChunkCheck apply_inplace_all(const Stream& bits, int64_t n, const uint32_t* tabl
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c), lo = begin * W, hi = (begin + len) * W;
       hash_range(bits, lo, hi, ho);
-      Cursor bc(bits, lo);
       int64_t w = 0;
-      checks[c] = decode_chunk<T, O>([&](int64_t pos) { return load<T>(bc(pos * W), 0); }, begin, len, offsets[c],
-                                     table[c], offsets[units.nc + c], table[units.nc + c], gaps, steps, escapes,
-                                     [&](int64_t k, int64_t pos, T v) {
-                                       uint8_t* p = bc(pos * W);
-                                       store<int64_t>(positions, k, pos);
-                                       store<T>(saved, k, load<T>(p, 0));
-                                       store<T>(p, 0, v);
-                                       ++w;
-                                     });
+      with_addresses(bits, lo, hi, [&](auto&& ba) {
+        checks[c] = decode_chunk<T, O>([&](int64_t pos) { return load<T>(ba(pos * W), 0); }, begin, len, offsets[c],
+                                       table[c], offsets[units.nc + c], table[units.nc + c], gaps, steps, escapes,
+                                       [&](int64_t k, int64_t pos, T v) {
+                                         uint8_t* p = ba(pos * W);
+                                         store<int64_t>(positions, k, pos);
+                                         store<T>(saved, k, load<T>(p, 0));
+                                         store<T>(p, 0, v);
+                                         ++w;
+                                       });
+      });
       written[c] = w;
       hash_range(bits, lo, hi, hn);
     }

@@ -96,6 +96,27 @@ struct Cursor {
   }
 };
 
+// Addresses in a range that lies in one piece: no bounds to track.
+struct Flat {
+  uintptr_t b;
+  uint8_t* operator()(int64_t byte) const { return at(b, byte); }
+};
+
+// f(addr) with addr(byte) -> address, for increasing bytes in [lo, hi): a
+// Flat when the range lies in one piece (always, for a plain buffer), else a
+// Cursor. The kernels are instantiated for both, so the one-piece case runs
+// the same code as before streams existed.
+template <class F>
+inline void with_addresses(const Stream& s, int64_t lo, int64_t hi, F&& f) {
+  const int64_t i = s.find(lo);
+  if (i < s.n && s.starts[i + 1] >= hi) {
+    f(Flat{s.base(i)});
+  } else {
+    Cursor c(s, lo);
+    f(c);
+  }
+}
+
 // Address of stream byte `byte` in any order: a cached piece, else a binary search.
 struct Finder {
   const Stream* s;
