@@ -363,14 +363,15 @@ def _scatter(dec, b: TensorBits, k) -> Applied:
     return Applied(b.bits, k.checksum(b.bits), dec.base_sum, Overwritten(old, dec.positions))
 
 
-def apply(base, payload, *, inplace: bool = False, backend: str | None = None):
+def apply(base, payload, *, inplace: bool = False, backend: str | None = None, layouts: dict | None = None):
     """Apply a payload to base and return the new tensors.
 
     base: a dict of torch tensors or numpy arrays (the result has the same
     flavour), a state bound with wsync.bind, a safetensors file or checkpoint
     folder (torch result), or None for a raw payload. inplace=True writes
     into base's own memory (CPU, contiguous) and returns base; on any error
-    base is left exactly as it was.
+    base is left exactly as it was. layouts: {hash: Members} for payloads
+    encoded with inline=False (they name their member table by hash).
     """
     payload = as_payload(payload)
     if isinstance(base, Bound):
@@ -380,15 +381,15 @@ def apply(base, payload, *, inplace: bool = False, backend: str | None = None):
     if inplace:
         if not isinstance(base, dict):
             raise TypeError("inplace=True needs a dict of tensors or arrays as base")
-        _apply_inplace(base, base_state, payload, backend)
+        _apply_inplace(base, base_state, payload, backend, layouts)
         return base
-    result = apply_state(base_state, payload, backend=backend)
+    result = apply_state(base_state, payload, backend=backend, layouts=layouts)
     if isinstance(base, dict) and base and all(isinstance(v, np.ndarray) for v in base.values()):
         return {n: tb.bits.view(base[n].dtype).reshape(tb.shape) for n, tb in result.items()}
     return {n: to_torch(tb) for n, tb in result.items()}
 
 
-def _apply_inplace(base: dict, state: State, payload: Payload, backend) -> None:
+def _apply_inplace(base: dict, state: State, payload: Payload, backend, layouts: dict | None) -> None:
     if isinstance(base, Bound):
         if not base.writes_through:
             raise TypeError("inplace apply needs writable, contiguous CPU tensors; this bound state copied some")
@@ -396,7 +397,7 @@ def _apply_inplace(base: dict, state: State, payload: Payload, backend) -> None:
         for name, tb in state.items():
             if not tb.bits.flags.writeable or not aliases(base[name], tb.bits):
                 raise TypeError(f"inplace apply needs writable, contiguous CPU tensors; {name!r} is not")
-    _apply(state, payload, backends.kernels(backend), inplace=True, whole=True)
+    _apply(state, payload, backends.kernels(backend), inplace=True, whole=True, layouts=layouts)
 
 
 def apply_payloads_inplace(state: State, payloads: list[Payload], *, backend: str | None = None,

@@ -59,7 +59,10 @@ def _inspect(a) -> None:
 
 
 def _bench_codec(a) -> None:
-    from .bench.codec import main as bench_main
+    if a.shape == "moe":
+        from .bench.many import main as bench_main
+    else:
+        from .bench.codec import main as bench_main
 
     bench_main(a)
 
@@ -105,6 +108,11 @@ def parser() -> argparse.ArgumentParser:
     bc.add_argument("--gaps", type=int, nargs="+", default=[1, 4, 16])
     bc.add_argument("--repeats", type=int, default=3)
     bc.add_argument("--json", type=Path, help="also write results as JSON here")
+    bc.add_argument("--shape", default="dense", choices=["dense", "moe"],
+                    help="moe: many small tensors vs one tensor of the same size, side by side (no snapshots)")
+    bc.add_argument("--tensors", type=int, default=20_000, help="--shape moe: how many tensors")
+    bc.add_argument("--elems", type=int, default=1024, help="--shape moe: elements per tensor")
+    bc.add_argument("--density", type=float, default=0.01, help="--shape moe: fraction of elements changed")
     bc.set_defaults(fn=_bench_codec)
 
     b = sub.add_parser("backend", help="which codec backend runs, and why")

@@ -149,7 +149,10 @@ def _segments(state: State, members: Members) -> list[TensorBits]:
     for j, dt_name in enumerate(members.dtypes):
         dt = dtypes.by_name(dt_name)
         names = members.segment_names(j)
-        pieces = [state[n].bits for n in names]
+        pieces = []
+        for n in names:
+            bits = state[n].bits
+            pieces += bits.pieces if isinstance(bits, Table) else [bits]  # a virtual tensor: its pieces
         bits = pieces[0] if len(pieces) == 1 else Table(pieces, dt.bits_dtype)
         out.append(TensorBits(dt, (members.seg_numels[j],), bits))
     return out
@@ -183,6 +186,8 @@ class Bound(dict):
     load does; ``model.to(...)`` or ``load_state_dict(assign=True)`` does not:
     bind again after those).
     """
+
+    bound = True  # snapshot.as_state passes a Bound through as it is
 
     def __init__(self, state: State, writes_through: bool = False):
         super().__init__(state)

@@ -18,6 +18,7 @@ from . import dtypes
 from .checksum import checksum, state_digest
 from .dtypes import DType
 from .errors import SnapshotError
+from .tables import Table, as_array
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class TensorBits:
         return self.numel * self.dtype.itemsize
 
     def checksum(self) -> str:
-        return checksum(self.bits)
+        return checksum(as_array(self.bits))
 
 
 State = dict[str, TensorBits]
@@ -76,6 +77,8 @@ def as_state(obj) -> State:
         return read_checkpoint(obj).state
     if not isinstance(obj, dict):
         raise TypeError(f"expected a dict of tensors or a path, got {type(obj).__name__}")
+    if getattr(obj, "bound", False):  # layout.Bound: already TensorBits, with its tables built once
+        return obj
     state = {}
     for name, t in obj.items():
         if not isinstance(name, str) or not name:
@@ -112,6 +115,10 @@ def aliases(t, bits: np.ndarray) -> bool:
     """Is bits a view of t's own memory (a torch tensor, numpy array or TensorBits), so writing one writes the other?"""
     if isinstance(t, TensorBits):
         t = t.bits
+    if t is bits:  # the same array, or the same Table of pieces (engines.moe)
+        return True
+    if isinstance(t, Table) or isinstance(bits, Table):
+        return False
     if isinstance(t, np.ndarray):
         return t.size == 0 or np.shares_memory(t, bits)
     return t.device.type == "cpu" and (bits.size == 0 or bits.__array_interface__["data"][0] == t.data_ptr())

@@ -26,6 +26,7 @@ from .layout import Bound, Members, segment_digest, segments
 from .payload import Payload
 from .sender import PROTOCOL
 from .snapshot import TensorBits, aliases, as_state, to_torch
+from .tables import Table, as_array
 from .transports import Message, TransportTimeout, connect, parse_address
 from .transports.base import with_token
 
@@ -336,8 +337,8 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
     _check_covers(state, members)
     inplace = state.writes_through
     if not inplace:  # work on a host copy and hand the changed tensors to engine.load
-        state = Bound({n: tb if tb.bits.flags.writeable else TensorBits(tb.dtype, tb.shape, tb.bits.copy())
-                       for n, tb in state.items()})
+        state = Bound({n: tb if _writable(tb.bits) and not isinstance(tb.bits, Table)
+                       else TensorBits(tb.dtype, tb.shape, as_array(tb.bits).copy()) for n, tb in state.items()})
     # verifies every base and payload checksum, writes, and checks every result against the manifest
     undo, records = api.apply_payloads_inplace(state, payloads, backend=backend, layouts=layouts)
     loaded = False
@@ -404,6 +405,10 @@ def _replace(engine, payloads: list[Payload], checksum: str, backend) -> None:
     engine.replace(new)
 
 
+def _writable(bits) -> bool:
+    return bits.writable if isinstance(bits, Table) else bits.flags.writeable
+
+
 def _writes_through(t, bits: np.ndarray) -> bool:
     """Writing bits writes the engine's own memory."""
-    return bits.flags.writeable and aliases(t, bits)
+    return _writable(bits) and aliases(t, bits)

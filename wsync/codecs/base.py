@@ -25,8 +25,16 @@ class Decoded:
     positions: np.ndarray | None = None  # int64 element indices, increasing
     base_sum: str | None = None  # checksum of the base, when decoding read all of it anyway
 
-    def scatter_into(self, bits: np.ndarray) -> np.ndarray:
-        """Write into bits (1-D, writable); return what was overwritten, for undo."""
+    def scatter_into(self, bits) -> np.ndarray:
+        """Write into bits (1-D, writable, or a Table); return what was overwritten, for undo."""
+        if isinstance(bits, Table):
+            if self.positions is None:
+                old = bits.gather()
+                bits.scatter(self.values)
+            else:
+                old = bits.take(self.positions)
+                bits.put(self.positions, self.values)
+            return old
         if self.positions is None:
             old = bits.copy()
             bits[:] = self.values
@@ -97,7 +105,7 @@ def write_whole(values: np.ndarray, base, *, kernels, inplace: bool, base_sum: b
     if not inplace:
         out = np.empty(len(values), values.dtype)
         return Applied(out, kernels.copy_checksummed(values, out), kernels.checksum(base.bits) if base_sum else None)
-    saved = np.empty_like(base.bits)
+    saved = np.empty(len(base.bits), base.bits.dtype)
     before = kernels.copy_checksummed(base.bits, saved)
     return Applied(base.bits, kernels.copy_checksummed(values, base.bits), before, Overwritten(saved))
 

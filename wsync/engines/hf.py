@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 from ..errors import MismatchError
 from ..snapshot import TensorBits, as_state, digest, to_bits, unique_tensors
+from ..tables import Table
+from . import moe
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -77,7 +79,7 @@ def qkv_gate_up(q: int, kv: int) -> list[Fused]:
 class HF:
     def __init__(self, model, *, rename: Callable[[str], str] | None = None, names: dict[str, str] | None = None,
                  fused: list[Fused] | tuple = (), select: Callable[[str], bool] | None = None,
-                 guarded: bool = False):
+                 guarded: bool = False, experts: str | None = None):
         self.model = model
         self.version: int | None = None  # the version served; the Subscriber sets it on commit
         self.rename = rename  # engine name -> publisher name
@@ -85,6 +87,11 @@ class HF:
         self.fused = list(fused)
         self.select = select  # keep only the engine tensors it accepts (e.g. moe_lora.is_adapter); None: all
         self.guarded = guarded  # True: tensors() are read-only, so every update goes through load() under lock
+        # MoE experts under the trainer's naming (engines/moe.py): "per_expert" (the model fuses them in 3-D
+        # tensors, the trainer names each expert), "fused" (the reverse), or None (same naming on both sides)
+        if experts not in (None,) + moe.MODES:
+            raise ValueError(f"experts must be one of {moe.MODES} or None, got {experts!r}")
+        self.experts = experts
         self.lock = threading.RLock()  # held by load(); a generating thread holds it around forward passes
 
     # -- what the Subscriber sees ---------------------------------------------------------------
@@ -98,8 +105,9 @@ class HF:
     def live(self) -> dict:
         """Publisher name -> a view of the live memory holding it (writing it writes the model)."""
         out = {}
-        for name, t in self._named().items():
-            for part, view in (self._split(name, t.detach()) or {name: t.detach()}).items():
+        named = moe.apply_mode({n: t.detach() for n, t in self._named().items()}, self.experts)
+        for name, t in named.items():
+            for part, view in ((not moe.is_virtual(t) and self._split(name, t)) or {name: t}).items():
                 pub = self._name(part)
                 if pub in out:
                     raise MismatchError(f"two engine tensors map to the publisher name {pub!r}; fix rename/names")
@@ -131,6 +139,13 @@ class HF:
             for name, src in named.items():
                 src = src if isinstance(src, torch.Tensor) else torch.as_tensor(src)
                 dst = live[name]
+                if moe.is_virtual(dst):  # fused experts gathered from per-expert parameters: write each piece
+                    got = to_bits(src)
+                    if (got.dtype, got.shape) != (dst.dtype, dst.shape):
+                        raise MismatchError(f"{name}: got {got.dtype.name}{list(got.shape)}, the model holds "
+                                            f"{dst.dtype.name}{list(dst.shape)}")
+                    dst.bits.scatter(got.bits)
+                    continue
                 if src.shape != dst.shape or src.dtype != dst.dtype:
                     raise MismatchError(f"{name}: got {src.dtype}{list(src.shape)}, the model holds "
                                         f"{dst.dtype}{list(dst.shape)}")
@@ -144,9 +159,15 @@ class HF:
 
 def _read_only(t) -> TensorBits:
     tb = to_bits(t)
-    bits = tb.bits.view()
-    bits.flags.writeable = False
-    return TensorBits(tb.dtype, tb.shape, bits)
+    if isinstance(tb.bits, Table):
+        return TensorBits(tb.dtype, tb.shape, Table([_frozen(p) for p in tb.bits.pieces], tb.bits.dtype))
+    return TensorBits(tb.dtype, tb.shape, _frozen(tb.bits))
+
+
+def _frozen(a):
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def _invert(names: dict[str, str]) -> dict[str, str]:

@@ -1,0 +1,181 @@
+"""Many small tensors vs one big one: what a version of a mixture-of-experts state costs per tensor.
+
+    wsync bench codec --shape moe [--tensors 20000 --elems 1024 --density 0.01] [--json OUT]
+
+Both states hold the same number of bf16 elements (20,000 x 1,024 = 20.48M by
+default) with the same fraction changed by one or two representable steps;
+only the number of tensors differs. Each is bound once (wsync.bind: the one
+step that costs a Python call per tensor, reported apart as `bind`), then
+every operation runs on both in the same process, interleaved, best of
+`repeats`: encode (packed), apply in place, payload bytes, and publish ->
+live over a tcp loopback link (a Publisher and a Subscriber whose engine is
+an nn.Module holding the tensors as parameters). The ratios many/one are
+the result; the planner's per-tensor cost term comes from them.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import hardware
+
+
+def make_states(tensors: int, elems: int, density: float, seed: int = 0) -> dict:
+    """{"one": (base, new), "many": (base, new)} as dicts of bf16 torch tensors, equal element for element."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    n = tensors * elems
+    base = (rng.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32)
+    base = ((base + 0x8000) >> 16).astype(np.uint16)  # round to bf16 bit patterns
+    new = step(base, density, rng)
+    one = ({"w": _bf16(base)}, {"w": _bf16(new)})
+    width = len(str(tensors))
+    names = [f"model.layers.{i // 384}.mlp.experts.{(i // 3) % 128}.{('gate', 'up', 'down')[i % 3]}_proj.{i:0{width}d}"
+             for i in range(tensors)]
+    many = tuple({nm: _bf16(src[i * elems:(i + 1) * elems].copy()) for i, nm in enumerate(names)} for src in (base, new))
+    return {"one": one, "many": many}
+
+
+def step(bits: np.ndarray, density: float, rng) -> np.ndarray:
+    """A copy of bf16 bit patterns with `density` of them moved by +-1 or +-2 representable values."""
+    out = bits.copy()
+    idx = np.flatnonzero(rng.random(len(bits)) < density)
+    out[idx] = (out[idx].astype(np.int64) + rng.choice([-2, -1, 1, 2], size=len(idx))).astype(np.uint16)
+    return out
+
+
+def _bf16(bits: np.ndarray):
+    import torch
+
+    return torch.from_numpy(bits).view(torch.bfloat16)
+
+
+def _best(fn, repeats: int, reset=None) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        if reset is not None:
+            reset()
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def codec_times(base: dict, new: dict, repeats: int, backend: str | None = None) -> dict:
+    """encode / apply-in-place seconds and payload bytes for one state pair (bound once, reused)."""
+    import wsync
+
+    t0 = time.perf_counter()
+    b, n = wsync.bind(base), wsync.bind(new)
+    target_src = {k: v.clone() for k, v in base.items()}
+    target = wsync.bind(target_src)
+    bind_s = time.perf_counter() - t0
+    # as the sync protocol's deltas do, the payload names its member table by hash (it went with a keyframe)
+    payload = wsync.encode(b, n, tier="packed", backend=backend, inline=False)
+    members = n.plan("all", None)  # the layout encode() planned for new, once
+    layouts = {members.hash: members}
+    encode_s = _best(lambda: wsync.encode(b, n, tier="packed", backend=backend, inline=False), repeats)
+    pristine = {k: v.clone() for k, v in base.items()}
+
+    def reset():
+        for k, v in target_src.items():
+            v.copy_(pristine[k])
+    apply_s = _best(lambda: wsync.apply(target, payload, inplace=True, backend=backend, layouts=layouts), repeats,
+                    reset)
+    exact = _bytes(target_src) == _bytes(new)
+    info = wsync.inspect(payload)
+    return {"bind_s": bind_s, "encode_s": encode_s, "apply_s": apply_s, "payload_bytes": info["payload_bytes"],
+            "manifest_bytes": info["manifest_bytes"], "segments": info["segments"], "exact": exact}
+
+
+def _bytes(state: dict) -> bytes:
+    import torch
+
+    return b"".join(t.view(torch.uint16).numpy().tobytes() for t in state.values())
+
+
+def sync_times(base: dict, versions: list[dict]) -> dict:
+    """publish() -> committed on a Subscriber over tcp loopback, per delta version (after a keyframe)."""
+    import torch
+
+    import wsync
+
+    model = torch.nn.Module()
+    for i, (name, t) in enumerate(base.items()):
+        model.register_parameter(f"p{i}", torch.nn.Parameter(t.clone(), requires_grad=False))
+    rename = dict(zip((f"p{i}" for i in range(len(base))), base))
+    trainer_src = {k: v.clone() for k, v in base.items()}
+    trainer = wsync.bind(trainer_src)
+    engine = wsync.engines.HF(model, rename=lambda n: rename[n])
+    times = []
+    with wsync.Publisher("tcp://127.0.0.1:0", codec="delta", keyframe_every=0) as pub:
+        with wsync.Subscriber(pub.address, engine=engine) as sub:
+            pub.publish(trainer, version=0)
+            sub.wait_for(0, timeout=300)
+            for v, state in enumerate(versions, start=1):
+                for k, t in trainer_src.items():
+                    t.copy_(state[k])
+                t0 = time.perf_counter()
+                pub.publish(trainer, version=v)
+                sub.wait_for(v, timeout=300)
+                times.append(time.perf_counter() - t0)
+            held = {rename[n]: p.detach() for n, p in model.named_parameters()}
+            exact = _bytes({k: held[k] for k in base}) == _bytes(versions[-1])
+            nbytes = pub.stats["bytes"].get(len(versions))
+    return {"publish_live_s": min(times), "publish_live_all_s": times, "version_bytes": nbytes, "exact": exact}
+
+
+def run(tensors: int = 20_000, elems: int = 1024, density: float = 0.01, repeats: int = 3, versions: int = 4,
+        backend: str | None = None) -> dict:
+    states = make_states(tensors, elems, density)
+    rng = np.random.default_rng(1)
+    out = {"tensors": tensors, "elems": elems, "density": density, "results": {}}
+    for shape, (base, new) in states.items():
+        out["results"][shape] = codec_times(base, new, repeats, backend)
+    # deltas of the same chain for both shapes: version k moves base k times
+    import torch
+
+    chain, cur = [], states["one"][0]["w"].view(torch.uint16).numpy()
+    for _ in range(versions):
+        cur = step(cur, density, rng)
+        chain.append(cur)
+    for shape, (base, _) in states.items():
+        vs = [{"w": _bf16(c)} for c in chain] if shape == "one" else \
+            [{k: _bf16(c[i * elems:(i + 1) * elems].copy()) for i, k in enumerate(base)} for c in chain]
+        out["results"][shape].update(sync_times(base, vs))
+    one, many = out["results"]["one"], out["results"]["many"]
+    out["ratios"] = {k: many[k] / one[k] for k in ("encode_s", "apply_s", "payload_bytes", "publish_live_s")}
+    out["per_tensor_s"] = {k: (many[k] - one[k]) / (tensors - 1) for k in ("encode_s", "apply_s", "publish_live_s")}
+    return out
+
+
+def render(res: dict) -> str:
+    one, many = res["results"]["one"], res["results"]["many"]
+    n = res["tensors"]
+    rows = [("encode (packed)", "encode_s", "{:.4f} s"), ("apply in place", "apply_s", "{:.4f} s"),
+            ("payload", "payload_bytes", "{:,.0f} B"), ("publish -> live, tcp loopback", "publish_live_s", "{:.4f} s")]
+    lines = [f"| state ({n * res['elems'] / 1e6:.2f}M bf16 elements, {res['density']:.0%} changed) | 1 tensor | "
+             f"{n:,} tensors x {res['elems']:,} | many / one |", "|---|---:|---:|---:|"]
+    for label, key, fmt in rows:
+        lines.append(f"| {label} | {fmt.format(one[key])} | {fmt.format(many[key])} | {many[key] / one[key]:.2f}x |")
+    lines.append(f"| bind (once per layout) | {one['bind_s']:.4f} s | {many['bind_s']:.4f} s | |")
+    lines.append(f"| manifest of the delta | {one['manifest_bytes']:,} B | {many['manifest_bytes']:,} B | |")
+    lines.append(f"\nexact: one {one['exact']}, many {many['exact']}; per extra tensor: "
+                 + ", ".join(f"{k[:-2]} {v * 1e9:,.0f} ns" for k, v in res["per_tensor_s"].items()))
+    return "\n".join(lines)
+
+
+def main(a) -> None:
+    hw = hardware.describe()
+    print(f"# wsync bench codec --shape moe on {hardware.one_line(hw)}\n", flush=True)
+    res = run(a.tensors, a.elems, a.density, a.repeats)
+    print(render(res))
+    if a.json:
+        doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "hardware": hw, **res}
+        Path(a.json).write_text(json.dumps(doc, indent=2, default=str))
+        print(f"wrote {a.json}")
