@@ -12,10 +12,7 @@ import numpy as np
 import pytest
 
 from wsync.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
-import json
-
-from wsync.layout import plan
-from wsync.subscriber import version_digest
+from wsync.serve import replica_metadata
 from wsync.serve import find_versions, pull, read_replica, serve
 from wsync.snapshot import as_state, digest
 
@@ -108,10 +105,8 @@ def test_killed_pull_leaves_last_good_version(tmp_path, rng):
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()
     states = _series(src, 2, rng, size=4_000_000)
-    first = as_state(states[0])
-    served = [plan(first)]  # a replica as pull leaves it: weights, version, digest and the layouts it was sent in
-    write_checkpoint(out, Checkpoint(first, None, {"wsync_version": "0", "wsync_digest": version_digest(first, served),
-                                                   "wsync_layouts": json.dumps([m.to_doc() for m in served])}))
+    first = as_state(states[0])  # a replica as pull leaves it: weights, version, digest and layouts
+    write_checkpoint(out, Checkpoint(first, None, replica_metadata(first, 0)))
     addr, stop, t = _serving(src, codec="raw")  # raw: big enough to kill mid-flight
     try:
         env = dict(os.environ, PYTHONPATH=os.getcwd())

@@ -254,7 +254,11 @@ def test_copied_delta_becomes_the_mirror_with_the_checksums_its_encoding_gave(ge
         assert pub._mirror.version == 2 and sub.stats["failures"] == 0 and not sub.stats["last"]["keyframe"]
         assert same_bytes(trainer, model)
         k = pub._mirror.kernels
-        assert pub._mirror.sums == {n: k.checksum(tb.bits) for n, tb in pub._mirror.state.items()}
+        from wsync.layout import segments
+
+        want = {key: k.checksum(seg.bits) for m in pub._buckets(pub._mirror.state)
+                for key, seg in zip(m.keys(), segments(pub._mirror.state, m))}
+        assert pub._mirror.sums == want  # each segment's checksum, as the encoding gave it
 
 
 @pytest.mark.parametrize("live", [False, True], ids=["copied", "measured-live"])

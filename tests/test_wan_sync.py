@@ -17,6 +17,7 @@ import pytest
 from wsync.bench import wan as wanmod
 from wsync.bench.sync import run_mode
 from wsync.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from wsync.serve import replica_metadata
 from wsync.snapshot import as_state, digest
 
 WHY = wanmod.unavailable()
@@ -64,7 +65,7 @@ def test_pull_killed_mid_transfer_comes_back_at_last_good_version(tmp_path):
     src.mkdir()
     paths = _series(src, 2, 8 << 20)  # 16 MB per version: seconds at 50 Mbit/s
     base = read_checkpoint(paths[0]).state
-    write_checkpoint(out, Checkpoint(base, None, {"wsync_version": "0", "wsync_digest": digest(base)}))
+    write_checkpoint(out, Checkpoint(base, None, replica_metadata(base, 0)))
     old = time.time() - 10
     for f in src.rglob("*"):
         os.utime(f, (old, old))  # settled: serve takes a checkpoint once it stops changing

@@ -25,7 +25,7 @@ from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .engines.shadow import Shadow
 from .errors import FormatError, WsyncError
 from .fsutil import atomic_write
-from .layout import Members
+from .layout import Members, plan
 from .subscriber import version_digest
 
 VERSION_FILE = "wsync-version.json"
@@ -115,6 +115,16 @@ def read_replica(out: Path) -> tuple[Shadow, list | None]:
     return engine, served
 
 
+def replica_metadata(state, version: int, served: list | None = None) -> dict[str, str]:
+    """What a replica's safetensors metadata holds: version, digest, and the bucket layouts it came in.
+
+    served: the layouts of that version as it was sent (default: the whole state as one bucket, which is
+    what a Publisher's default bucket size makes of any state under 64 MB)."""
+    served = served if served is not None else [plan(state)]
+    return {"wsync_version": str(version), "wsync_digest": version_digest(state, served),
+            "wsync_layouts": json.dumps([m.to_doc() for m in served], separators=(",", ":"))}
+
+
 def pull(address: str, out, *, token=None, timeout: float | None = None, version: int | None = None,
          progress: bool = True) -> int:
     """Fetch the newest version (or at least `version`) into out; returns the version written."""
@@ -133,11 +143,9 @@ def pull(address: str, out, *, token=None, timeout: float | None = None, version
         sub.close()
         if bar:
             bar.close()
-    served = sub.served
-    held = version_digest(engine.state, served)
-    layouts = json.dumps([m.to_doc() for m in served], separators=(",", ":"))
-    write_checkpoint(out, Checkpoint(engine.state, None, {"wsync_version": str(got), "wsync_digest": held,
-                                                          "wsync_layouts": layouts}))
+    meta = replica_metadata(engine.state, got, sub.served)
+    held = meta["wsync_digest"]
+    write_checkpoint(out, Checkpoint(engine.state, None, meta))
     with atomic_write(out / VERSION_FILE) as f:  # for people and scripts; read_replica trusts the metadata
         f.write(json.dumps({"version": got, "digest": held, "source": address}).encode())
     return got
