@@ -6,8 +6,10 @@ import json
 import pytest
 
 from wsync.plan import published as pub
-from wsync.plan.codec_speeds import CodecSpeed, measured_speed
+from wsync.plan.codec_speeds import CodecSpeed, TensorCost, measured_speed
 from wsync.plan.models import PlanError, get_model
+
+NO_TENSOR_COST = TensorCost(encode_s=0.0, apply_s=0.0)  # the byte terms alone
 from wsync.plan.transfer import LINKS, Codec, parse_codec, parse_link, payload_bytes, sync_cost, wire_seconds
 
 TCP, RDMA, WAN = LINKS["tcp-50g"], LINKS["rdma-3.2t"], LINKS["wan-10g"]
@@ -55,7 +57,7 @@ def test_idle_cost_at_published_price():
 def test_whole_sync_terms():
     m = get_model("qwen3-8b")
     speed = CodecSpeed(encode_gbps=2.0, apply_gbps=4.0)
-    s = sync_cost(m, WAN, parse_codec("delta"), speed=speed, buckets=8)
+    s = sync_cost(m, WAN, parse_codec("delta"), speed=speed, buckets=8, per_tensor=NO_TENSOR_COST)
     full = 16.381470720e9
     assert s.encode_s == pytest.approx(full / 2e9)
     assert s.apply_s == pytest.approx(full / 4e9)
@@ -63,7 +65,8 @@ def test_whole_sync_terms():
     assert s.dominant == "encode"
     assert max(s.encode_s, s.wire_s, s.apply_s) <= s.pipelined_s <= s.serial_s
     assert s.serial_s == pytest.approx(s.encode_s + s.wire_s + s.apply_s)
-    more = sync_cost(m, WAN, parse_codec("delta"), speed=speed, buckets=8, encode_workers=64, apply_workers=64)
+    more = sync_cost(m, WAN, parse_codec("delta"), speed=speed, buckets=8, encode_workers=64, apply_workers=64,
+                     per_tensor=NO_TENSOR_COST)
     assert more.dominant == "wire" and more.pipelined_s < s.pipelined_s
 
 
@@ -104,3 +107,35 @@ def test_parse_link_and_bad_input():
         parse_codec("delta", saving=1.0)
     with pytest.raises(PlanError):
         CodecSpeed(encode_gbps=0, apply_gbps=1)
+
+
+def test_tensor_count_matches_published_indexes():
+    """State-dict tensors with experts named one by one, against the models' published safetensors indexes."""
+    from wsync.plan.params import tensor_count
+
+    assert tensor_count(get_model("qwen3-30b-a3b")) == 18_867  # 48 x 128 x 3 expert tensors + the rest
+    assert tensor_count(get_model("qwen3-8b")) == 399
+
+
+def test_per_tensor_cost_adds_to_both_ends(tmp_path):
+    import json
+
+    from wsync.plan.codec_speeds import CodecSpeed, TensorCost, tensor_cost
+    from wsync.plan.params import tensor_count
+    from wsync.plan.transfer import Codec, LINKS, sync_cost
+
+    m = get_model("qwen3-30b-a3b")
+    speed = CodecSpeed(encode_gbps=1.0, apply_gbps=2.0)
+    free = sync_cost(m, LINKS["tcp-50g"], Codec(kind="delta"), speed=speed, per_tensor=TensorCost(encode_s=0, apply_s=0))
+    paid = sync_cost(m, LINKS["tcp-50g"], Codec(kind="delta"), speed=speed,
+                     per_tensor=TensorCost(encode_s=1e-4, apply_s=2e-4))
+    n = tensor_count(m)
+    assert paid.tensors == n and abs(paid.tensor_s - n * 3e-4) < 1e-9
+    assert abs((paid.encode_s - free.encode_s) - n * 1e-4) < 1e-9 and abs((paid.apply_s - free.apply_s) - n * 2e-4) < 1e-9
+    lora = sync_cost(m, LINKS["tcp-50g"], Codec(kind="lora"), speed=speed, per_tensor=TensorCost(encode_s=1, apply_s=1))
+    assert lora.tensor_s == 0
+    f = tmp_path / "x-moe.json"  # what `wsync bench codec --shape moe --json` writes; noise below zero is no cost
+    f.write_text(json.dumps({"tensors": 20000, "elems": 1024, "hardware": {"cpu": "c", "cores": 2},
+                             "per_tensor_s": {"encode_s": -4e-8, "apply_s": 3e-8, "publish_live_s": 1e-7}}))
+    got = tensor_cost(f)
+    assert (got.encode_s, got.apply_s) == (0.0, 3e-8) and "x-moe.json" in got.source

@@ -54,6 +54,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--gpus", type=int, default=1, help="GPUs idle during a sync (prices the whole fleet)")
     t.add_argument("--published", action="store_true", help="reproduce the published tables and say what does not add up")
     t.add_argument("--json", action="store_true")
+    t.add_argument("--per-tensor-us", type=float, default=None,
+                   help="seconds per tensor at each end, in microseconds (default: the newest `wsync bench codec "
+                        "--shape moe` run; wsync 0.1's per-tensor format measured ~100)")
     t.set_defaults(fn=cmd_transfer)
 
     lo = ps.add_parser("lora", help="LoRA adapter bytes for a model, rank and layout")

@@ -138,3 +138,42 @@ def _codec_speed(kind: str, *, saving: float, tier: str, results: Path | None,
     else:  # raw speed barely depends on the snapshots: take the median run
         s, enc, app, label = sorted(found, key=lambda f: f[1])[len(found) // 2]
     return CodecSpeed(encode_gbps=enc, apply_gbps=app, saving=s, source=f"{where}; {scheme}, {label}"), label
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorCost:
+    """Seconds each tensor adds to a sync beyond its bytes, at each end (from `wsync bench codec --shape moe`)."""
+
+    encode_s: float
+    apply_s: float
+    source: str = ""
+
+
+# 2026-11-23, AMD EPYC 2 cores, cpu backend: 20,000 x 1,024 bf16 vs one tensor, 1% changed. Format 2 codes
+# segments, so the extra cost per tensor measured at or below the noise (taken as zero here); format 1 (wsync 0.1)
+# paid ~100 us per tensor at each end, on the same machine and states.
+_TENSOR_FALLBACK = TensorCost(encode_s=0.0, apply_s=0.0,
+                              source="built-in copy of the 2026-11-23 EPYC 2-core moe run (format 2: no measurable "
+                                     "per-tensor cost)")
+
+
+def newest_moe(directory: Path = RESULTS_DIR) -> Path | None:
+    files = sorted(directory.glob("*-moe.json")) if directory.is_dir() else []
+    return files[-1] if files else None
+
+
+def tensor_cost(path: Path | None = None) -> TensorCost:
+    """The per-tensor cost the newest many-vs-one benchmark measured (negative noise counts as zero)."""
+    path = path or newest_moe()
+    if path is None:
+        return _TENSOR_FALLBACK
+    try:
+        data = json.loads(path.read_text())
+        per = data["per_tensor_s"]
+        hw = data.get("hardware", {})
+        enc, app = max(float(per["encode_s"]), 0.0), max(float(per["apply_s"]), 0.0)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"cannot read the per-tensor cost in {path}: {e!r}") from e
+    return TensorCost(encode_s=enc, apply_s=app,
+                      source=f"{path.name}: {data.get('tensors')} x {data.get('elems')} vs one tensor, "
+                             f"{hw.get('cpu', '?')}, {hw.get('cores', '?')} cores")

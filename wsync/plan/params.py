@@ -193,3 +193,20 @@ def flops_per_token(m: ModelConfig, context: int) -> float:
     else:
         per_head = 2 * m.head_dim
     return 2.0 * matmul + 2.0 * m.num_layers * m.num_heads * per_head * context
+
+
+def tensor_count(m: ModelConfig, *, include_mtp: bool = True) -> int:
+    """Tensors in a state_dict that names every routed expert on its own (the trainer's usual naming).
+
+    One weight (and one bias, where the site has it) per linear site, layer and expert; per layer two
+    norms (four with q/k norms; MLA adds its two latent norms) and, in MoE layers, the router (and its
+    correction bias); the embedding, the LM head unless tied, and the final norm. Vision towers are left out.
+    """
+    n = sum(s.layers * s.experts * (2 if s.bias else 1) for s in sites(m, include_mtp=include_mtp))
+    per_layer = 2 + (2 if m.qk_norm else 0) + (2 if m.mla else 0)
+    moe_layers = m.num_layers - m.moe.first_dense_layers if m.moe else 0
+    router = (2 if m.moe.router_bias else 1) if m.moe else 0
+    n += m.num_layers * per_layer + moe_layers * router + 1 + (0 if m.tie_embeddings else 1) + 1
+    if include_mtp and m.mtp_layers:
+        n += m.mtp_layers * (per_layer + 3 + (router if m.moe else 0))
+    return n

@@ -67,6 +67,12 @@ def cmd_transfer(a) -> None:
     links = [parse_link(s) for s in (a.link or ["tcp-50g", "rdma-3.2t", "wan-10g"])]
     lora = LoraConfig(rank=a.lora_rank, layout=a.lora_layout)
     codecs = [parse_codec(k, saving=a.delta_saving, lora=lora) for k in (a.codec or ["full", "delta", "lora"])]
+    per_tensor = None
+    if a.per_tensor_us is not None:
+        from .codec_speeds import TensorCost
+
+        per_tensor = TensorCost(encode_s=a.per_tensor_us * 1e-6, apply_s=a.per_tensor_us * 1e-6,
+                                source=f"{a.per_tensor_us} us per tensor at each end, given on the command line")
     rows = []
     for m in models:
         for c in codecs:
@@ -77,19 +83,23 @@ def cmd_transfer(a) -> None:
                                    speed.apply_gbps, saving=speed.saving, source="given on the command line")
             for link in links:
                 s = sync_cost(m, link, c, speed=speed, dtype=a.dtype, buckets=a.buckets, encode_workers=a.encode_workers,
-                              apply_workers=a.apply_workers, usd_per_gpu_s=a.usd_per_gpu_s)
+                              apply_workers=a.apply_workers, usd_per_gpu_s=a.usd_per_gpu_s, per_tensor=per_tensor)
                 rows.append(dict(dataclasses.asdict(s), gb=s.wire_bytes / 1e9, idle_usd=s.idle_usd_per_gpu * a.gpus,
                                  wire_usd=s.wire_s * a.usd_per_gpu_s * a.gpus))
     if a.json:
         return _json(rows)
     print(_table(rows, [("model", ""), ("codec", ""), ("link", ""), ("gb", ".3f"), ("wire_s", ".3f"), ("encode_s", ".2f"),
-                        ("apply_s", ".2f"), ("pipelined_s", ".2f"), ("dominant", ""), ("wire_usd", ".4f"),
-                        ("idle_usd", ".4f")]))
+                        ("apply_s", ".2f"), ("tensors", ","), ("tensor_s", ".3f"), ("pipelined_s", ".2f"),
+                        ("dominant", ""), ("wire_usd", ".4f"), ("idle_usd", ".4f")]))
     print(f"wire_s = bytes / line rate (what published tables print); encode/apply at measured codec speeds, "
           f"{a.encode_workers} encode and {a.apply_workers} apply worker(s), pipelined over {a.buckets} buckets.")
     print(f"wire_usd / idle_usd = wire / pipelined time x {a.gpus} GPU(s) x ${a.usd_per_gpu_s}/GPU-s, per step.")
+    print("tensors = state_dict tensors with experts named one by one; tensor_s = the part of encode + apply "
+          "that is a cost per tensor, not per byte (included in encode_s / apply_s).")
     for src in dict.fromkeys(r["speed_source"] for r in rows):
         print(" speeds:", src)
+    for src in dict.fromkeys(r["tensor_source"] for r in rows):
+        print(" per-tensor cost:", src)
 
 
 def cmd_lora(a) -> None:

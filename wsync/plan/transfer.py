@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .codec_speeds import CodecSpeed, measured_speed
+from .codec_speeds import CodecSpeed, TensorCost, measured_speed, tensor_cost
 from .lora import LoraConfig, lora_size
 from .models import ModelConfig, PlanError
-from .params import weight_bytes
+from .params import tensor_count, weight_bytes
 from .published import IDLE_USD_PER_GPU_S
 
 
@@ -106,20 +106,30 @@ class SyncCost:
     dominant: str  # which term bounds the pipelined time
     idle_usd_per_gpu: float  # price of one GPU idling for the pipelined sync
     speed_source: str  # where the encode/apply speeds come from
+    tensors: int = 0  # tensors in the state (experts named one by one)
+    tensor_s: float = 0.0  # seconds of encode + apply that are per-tensor overhead, not bytes
+    tensor_source: str = ""  # where the per-tensor cost comes from
 
 
 def sync_cost(m: ModelConfig, link: Link, codec: Codec, *, speed: CodecSpeed | None = None,
               dtype: str | None = None, buckets: int = 16, encode_workers: int = 1, apply_workers: int = 1,
-              usd_per_gpu_s: float = IDLE_USD_PER_GPU_S) -> SyncCost:
-    """The whole sync of one model version, with its wire-only floor."""
+              usd_per_gpu_s: float = IDLE_USD_PER_GPU_S, per_tensor: TensorCost | None = None) -> SyncCost:
+    """The whole sync of one model version, with its wire-only floor.
+
+    per_tensor: seconds each tensor adds at each end beyond its bytes (default: the newest
+    `wsync bench codec --shape moe` run); a LoRA sync moves only adapter tensors and pays none here.
+    """
     if buckets < 1 or encode_workers < 1 or apply_workers < 1:
         raise PlanError("buckets, encode_workers and apply_workers must be >= 1")
     wire, coded = payload_bytes(m, codec, dtype)
     speed = speed or measured_speed(codec.kind, saving=codec.saving, tier=codec.tier)
+    per_tensor = per_tensor or tensor_cost()
+    tensors = tensor_count(m) if codec.kind != "lora" else 0
+    t_enc, t_app = tensors * per_tensor.encode_s / encode_workers, tensors * per_tensor.apply_s / apply_workers
     terms = {
-        "encode": coded / (speed.encode_gbps * 1e9 * encode_workers),
+        "encode": coded / (speed.encode_gbps * 1e9 * encode_workers) + t_enc,
         "wire": link.seconds(wire),
-        "apply": coded / (speed.apply_gbps * 1e9 * apply_workers),
+        "apply": coded / (speed.apply_gbps * 1e9 * apply_workers) + t_app,
     }
     serial = sum(terms.values())
     top = max(terms, key=terms.get)
@@ -127,7 +137,8 @@ def sync_cost(m: ModelConfig, link: Link, codec: Codec, *, speed: CodecSpeed | N
     pipelined = terms[top] + (serial - terms[top]) / buckets
     return SyncCost(model=m.name, codec=codec.label, link=link.name, wire_bytes=wire, wire_s=terms["wire"],
                     encode_s=terms["encode"], apply_s=terms["apply"], pipelined_s=pipelined, serial_s=serial,
-                    dominant=top, idle_usd_per_gpu=pipelined * usd_per_gpu_s, speed_source=speed.source)
+                    dominant=top, idle_usd_per_gpu=pipelined * usd_per_gpu_s, speed_source=speed.source,
+                    tensors=tensors, tensor_s=t_enc + t_app, tensor_source=per_tensor.source)
 
 
 def wire_seconds(m: ModelConfig, link: Link, codec: Codec | None = None, dtype: str | None = None) -> float:
