@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..checksum import BLOCK, checksum as host_checksum, combine
+from ..tables import as_array
 from ..codecs.delta_ref import DeltaSections, nchunks
 from ..errors import BackendUnavailable, FormatError
 from ..manifest import CHUNK_ELEMS
@@ -310,12 +311,17 @@ class _KernelsOver(Composed):
         self.engine = _Engine(rt)
         self.xp = rt.xp
 
+    # Host tables (many tensors as one segment) are gathered into one host array first: its one copy to the
+    # device is then a single transfer and a single launch, where the pieces would each need their own.
+
     def delta_encode(self, old: np.ndarray, new: np.ndarray, order: str) -> DeltaSections:
         xp = self.xp
+        old, new = as_array(old), as_array(new)
         sec = self.engine.encode(xp.ascontiguousarray(xp.asarray(old)), xp.ascontiguousarray(xp.asarray(new)), order)
         return sections_to_host(sec, new.dtype)
 
     def delta_decode(self, old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray, np.ndarray]:
+        old = as_array(old)
         pos, values = self.engine.decode(self.xp.ascontiguousarray(self.xp.asarray(old)), sec, order)
         return _host(pos), _host(values).astype(old.dtype, copy=False)
 
@@ -324,7 +330,7 @@ class _KernelsOver(Composed):
         # round trip over PCIe would only add time. Device buffers stay on the device.
         if _is_device_array(buf):
             return self.engine.digests([_bits(buf, bytes_only=True)])[0]
-        return host_checksum(buf)
+        return host_checksum(as_array(buf))
 
 
 class CudaKernels(_KernelsOver):

@@ -46,13 +46,15 @@ class Sizes:
     wan: str = "200,40,0.005"  # emulated WAN: Mbit/s, RTT ms, loss
     peer_repeats: int = 3  # safetensors / shardcast rounds
     lora_args: tuple = ()  # extra arguments of benchmarks/bench_lora_sync.py (its defaults when empty)
-    suites: tuple = ("codec", "transport", "sync", "peers", "lora")
+    moe_tensors: int = 20_000  # many small tensors vs one tensor of the same size (x 1,024 bf16 elements each)
+    moe_repeats: int = 3
+    suites: tuple = ("codec", "transport", "sync", "peers", "lora", "moe")
 
     @classmethod
     def quick(cls) -> "Sizes":
         return cls(snapshots="tiny", codec_lrs=(1e-6,), codec_gaps=(1,), codec_repeats=1, transport_bytes=4 << 20,
                    transport_repeats=2, sync_versions=2, sync_modes=("full", "delta"), wan="200,10,0.0",
-                   peer_repeats=2, lora_args=("--steps", "2", "--hidden", "64", "--layers", "2", "--vocab", "512",
+                   peer_repeats=2, moe_tensors=2_000, moe_repeats=1, lora_args=("--steps", "2", "--hidden", "64", "--layers", "2", "--vocab", "512",
                                               "--seq", "16"))
 
 
@@ -182,6 +184,13 @@ def lora_suite(s: Sizes) -> dict:
     return res
 
 
+def moe_suite(s: Sizes) -> dict:
+    """Encode, apply, payload and publish -> live of many small tensors vs one tensor, side by side."""
+    from . import many
+
+    return many.run(tensors=s.moe_tensors, repeats=s.moe_repeats)
+
+
 def run_all(o: Options) -> dict:
     """Every suite in `o.sizes.suites`; returns the results document (also what `report` renders)."""
     from .hardware import describe, one_line
@@ -202,6 +211,8 @@ def run_all(o: Options) -> dict:
         suites["peers"] = _guard("peers (safetensors, shardcast)", peers_suite, s)
     if "lora" in s.suites:
         suites["lora"] = _guard("lora", lora_suite, s)
+    if "moe" in s.suites:
+        suites["moe"] = _guard("moe", moe_suite, s)
     doc["load_average_after"] = os.getloadavg()
     return doc
 

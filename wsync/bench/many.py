@@ -130,6 +130,41 @@ def sync_times(base: dict, versions: list[dict]) -> dict:
     return {"publish_live_s": min(times), "publish_live_all_s": times, "version_bytes": nbytes, "exact": exact}
 
 
+def dense_shapes(layers: int = 9, hidden: int = 384, inter: int = 1152, kv: int = 128, head: int = 64,
+                 vocab: int = 8000) -> dict:
+    """A small dense Qwen3-shaped state (102 tensors, ~21.6M params by default): names and shapes only."""
+    out = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                    p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
+                    p + "self_attn.q_norm.weight": (head,), p + "self_attn.k_norm.weight": (head,),
+                    p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                    p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
+                    p + "post_attention_layernorm.weight": (hidden,)})
+    out.update({"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)})
+    return out
+
+
+def manifest_share(density: float = 0.004, seed: int = 0) -> dict:
+    """Bytes of the manifest in a packed delta of a small dense model: inline layout (a file) vs by hash (sync)."""
+    import wsync
+
+    rng = np.random.default_rng(seed)
+    base, new = {}, {}
+    for name, shape in dense_shapes().items():
+        n = int(np.prod(shape))
+        b = ((((rng.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32)) + 0x8000) >> 16).astype(np.uint16)
+        base[name], new[name] = _bf16(b).reshape(shape), _bf16(step(b, density, rng)).reshape(shape)
+    out = {"tensors": len(base), "params": sum(int(t.numel()) for t in base.values()), "density": density}
+    for inline in (True, False):
+        info = wsync.inspect(wsync.encode(base, new, tier="packed", inline=inline))
+        out["inline" if inline else "by_hash"] = {"payload_bytes": info["payload_bytes"],
+                                                 "manifest_bytes": info["manifest_bytes"],
+                                                 "share": info["manifest_bytes"] / info["payload_bytes"]}
+    return out
+
+
 def run(tensors: int = 20_000, elems: int = 1024, density: float = 0.01, repeats: int = 3, versions: int = 4,
         backend: str | None = None) -> dict:
     states = make_states(tensors, elems, density)
@@ -151,6 +186,7 @@ def run(tensors: int = 20_000, elems: int = 1024, density: float = 0.01, repeats
     one, many = out["results"]["one"], out["results"]["many"]
     out["ratios"] = {k: many[k] / one[k] for k in ("encode_s", "apply_s", "payload_bytes", "publish_live_s")}
     out["per_tensor_s"] = {k: (many[k] - one[k]) / (tensors - 1) for k in ("encode_s", "apply_s", "publish_live_s")}
+    out["dense_manifest"] = manifest_share()
     return out
 
 
@@ -167,6 +203,13 @@ def render(res: dict) -> str:
     lines.append(f"| manifest of the delta | {one['manifest_bytes']:,} B | {many['manifest_bytes']:,} B | |")
     lines.append(f"\nexact: one {one['exact']}, many {many['exact']}; per extra tensor: "
                  + ", ".join(f"{k[:-2]} {v * 1e9:,.0f} ns" for k, v in res["per_tensor_s"].items()))
+    d = res.get("dense_manifest")
+    if d:
+        lines.append(f"\nManifest of a packed delta of a dense model ({d['tensors']} tensors, {d['params'] / 1e6:.1f}M "
+                     f"params, {d['density']:.1%} changed): {d['by_hash']['manifest_bytes']:,} B of "
+                     f"{d['by_hash']['payload_bytes']:,} ({d['by_hash']['share']:.2%}) with the layout named by hash "
+                     f"(sync deltas); {d['inline']['manifest_bytes']:,} B ({d['inline']['share']:.2%}) with it inline "
+                     "(keyframes, files).")
     return "\n".join(lines)
 
 

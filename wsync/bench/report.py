@@ -127,6 +127,12 @@ def lora_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _moe_table(res: dict) -> str:
+    from .many import render
+
+    return render(res)
+
+
 def all_tables(doc: dict) -> str:
     """The README block for a `wsync bench all` run: one table per suite, the hardware named once."""
     su = doc["suites"]
@@ -139,7 +145,9 @@ def all_tables(doc: dict) -> str:
                  transport_table),
                 ("Weight update end to end, beside safetensors and shardcast", "sync",
                  lambda r: sync_table(r, su.get("peers"))),
-                ("LoRA: full vs delta vs adapter-only", "lora", lora_table)]
+                ("LoRA: full vs delta vs adapter-only", "lora", lora_table),
+                ("Many tensors (MoE scale) vs one tensor of the same size, bound once, tcp loopback", "moe",
+                 _moe_table)]
     for title, key, render in sections:
         if key not in su:
             continue
