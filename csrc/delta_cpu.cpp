@@ -38,6 +38,17 @@ struct Buffer {
   int64_t size() const { return int64_t(view.len); }
 };
 
+// Call f(T{}) with T the unsigned type of an element width the caller has checked (1, 2, 4 or 8 bytes).
+template <class F>
+void by_width(int width, F&& f) {
+  switch (width) {
+    case 1: f(uint8_t{}); break;
+    case 2: f(uint16_t{}); break;
+    case 4: f(uint32_t{}); break;
+    default: f(uint64_t{}); break;
+  }
+}
+
 int parse_order(const char* s) {
   if (!std::strcmp(s, "float")) return wsync::kFloat;
   if (!std::strcmp(s, "int")) return wsync::kInt;
@@ -367,15 +378,9 @@ PyObject* py_write_changes(PyObject*, PyObject* args) {
   if (!check_table(table, n, n_gaps, n_gaps, escapes, &total, &total_esc, offsets)) return nullptr;
   wsync::ChunkCheck r;
   Py_BEGIN_ALLOW_THREADS
-  auto run = [&](auto zero) {
+  by_width(width, [&](auto zero) {
     r = wsync::write_changes<decltype(zero)>(dst.s, src.s, n, table.data(), offsets.data(), gb.data());
-  };
-  switch (width) {
-    case 1: run(uint8_t{}); break;
-    case 2: run(uint16_t{}); break;
-    case 4: run(uint32_t{}); break;
-    default: run(uint64_t{}); break;
-  }
+  });
   Py_END_ALLOW_THREADS
   if (!report(r, n)) return nullptr;
   Py_RETURN_NONE;
@@ -519,15 +524,9 @@ PyObject* py_put(PyObject*, PyObject* args) {
       return nullptr;
     }
   Py_BEGIN_ALLOW_THREADS
-  auto run = [&](auto zero) {
+  by_width(width, [&](auto zero) {
     wsync::put_values<decltype(zero)>(bits.s, reinterpret_cast<const uint8_t*>(pos.data()), vb.data(), count);
-  };
-  switch (width) {
-    case 1: run(uint8_t{}); break;
-    case 2: run(uint16_t{}); break;
-    case 4: run(uint32_t{}); break;
-    default: run(uint64_t{}); break;
-  }
+  });
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
