@@ -260,9 +260,10 @@ def check_members(tensors: list[TensorSpec], members: Members) -> None:
     if [t.name for t in tensors] != members.keys():
         raise FormatError(f"payload segments {[t.name for t in tensors][:3]} do not match its layout {members.hash} "
                           f"({len(members.counts)} segments)")
-    for t, dt, n in zip(tensors, members.dtypes, members.seg_numels):
+    for j, (t, dt, n) in enumerate(zip(tensors, members.dtypes, members.seg_numels)):
         if t.dtype != dt or t.shape != (n,):
-            raise FormatError(f"segment {t.name}: {t.dtype}[{t.numel}] but its layout says {dt}[{n}]")
+            raise FormatError(f"segment {t.name} ({members.describe(j)}): {t.dtype}[{t.numel}] but its layout says "
+                              f"{dt}[{n}]")
 
 
 def _check_segments(tensors: list[TensorSpec], layout_hash: str, members: Members | None) -> None:
