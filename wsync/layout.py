@@ -28,6 +28,7 @@ from .snapshot import State, TensorBits
 from .tables import Table
 
 MAX_MEMBERS = 1 << 22  # a table this long is a lie, not a model
+MAX_ELEMENTS = 1 << 50  # nor a payload of more elements than this (the counts stay far from int64 overflow)
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,6 +97,8 @@ class Members:
         for s in shapes:
             if not (isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)):
                 raise FormatError(f"manifest: member shapes must be lists of non-negative ints, got {s!r:.60}")
+        if sum(math.prod(s) for s in shapes) > MAX_ELEMENTS:
+            raise FormatError(f"manifest: members declare more than {MAX_ELEMENTS} elements")
         if not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts) or sum(counts) != len(names):
             raise FormatError(f"manifest: segment counts {counts!r:.80} do not add up to {len(names)} members")
         return cls(tuple(names), tuple(tuple(s) for s in shapes), tuple(counts),
