@@ -336,16 +336,15 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
     state = bound if bound is not None else bind_engine(engine)
     _check_covers(state, members)
     inplace = state.writes_through
-    if not inplace:  # work on a host copy and hand the changed tensors to engine.load
-        state = Bound({n: tb if _writable(tb.bits) and not isinstance(tb.bits, Table)
-                       else TensorBits(tb.dtype, tb.shape, as_array(tb.bits).copy()) for n, tb in state.items()})
+    if not inplace:  # work on a host copy (never the engine's own memory) and hand the changed tensors to engine.load
+        state = Bound({n: TensorBits(tb.dtype, tb.shape, as_array(tb.bits).copy()) for n, tb in state.items()})
     # verifies every base and payload checksum, writes, and checks every result against the manifest
     undo, records = api.apply_payloads_inplace(state, payloads, backend=backend, layouts=layouts)
     loaded = False
     try:
         if not inplace:
-            changed = [n for p, m in zip(payloads, members) for s, j in zip(p.manifest.tensors, range(len(m.counts)))
-                       if s.kind != "same" for n in m.segment_names(j)]
+            changed = [n for p, m in zip(payloads, members) for j, spec in enumerate(p.manifest.tensors)
+                       if spec.kind != "same" for n in m.segment_names(j)]
             loaded = True
             engine.load({name: to_torch(state[name]) for name in changed})
             held = version_digest(engine.tensors(), members, backend)
