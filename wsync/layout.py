@@ -139,6 +139,16 @@ def check_against(state: State, members: Members, what: str = "payload") -> None
                                     f"base has {tb.dtype.name}{list(tb.shape)}")
 
 
+def check_covers(state: State, names, what: str, mine: str = "base", theirs: str = "payload") -> None:
+    """state holds exactly `names`, no more and no fewer; MismatchError naming the difference otherwise."""
+    if len(names) == len(state) and all(n in state for n in names):
+        return
+    have = set(names)
+    missing, extra = sorted(have - set(state)), sorted(set(state) - have)
+    raise MismatchError(f"{what}: tensor names differ: {theirs}-only {missing[:5]}, {mine}-only {extra[:5]} "
+                        f"({len(missing)} and {len(extra)})")
+
+
 def segments(state: State, members: Members) -> list[TensorBits]:
     """Each segment of `members` as one virtual tensor over state's memory (cached when state is Bound)."""
     if isinstance(state, Bound):

@@ -21,8 +21,8 @@ from contextlib import nullcontext
 import numpy as np
 
 from . import api, backends
-from .errors import ChecksumError, MismatchError, TransportError, WsyncError
-from .layout import Bound, Members, segment_digest, segments
+from .errors import ChecksumError, TransportError, WsyncError
+from .layout import Bound, Members, check_covers, segment_digest, segments
 from .payload import Payload
 from .sender import PROTOCOL
 from .snapshot import TensorBits, aliases, as_state, to_torch
@@ -373,12 +373,8 @@ def bind_engine(engine) -> Bound:
 def _check_covers(state: Bound, members: list[Members]) -> None:
     """The version's layouts name exactly the engine's tensors (checked once per layout and state)."""
     def check():
-        names = [n for m in members for n in m.names]
-        if len(names) != len(state) or not all(n in state for n in names):
-            have = set(names)
-            missing, extra = sorted(set(state) - have), sorted(have - set(state))
-            raise MismatchError(f"version does not cover the engine's tensors: engine-only {missing[:5]}, "
-                                f"payload-only {extra[:5]} ({len(missing)} and {len(extra)})")
+        check_covers(state, [n for m in members for n in m.names], "version does not cover the engine's tensors",
+                     mine="engine")
         return True
     state.plan(("covers",) + tuple(m.hash for m in members), check)
 

@@ -40,10 +40,6 @@ class Table:
             self.starts[i + 1] = self.starts[i] + p.nbytes
         self.writable = all(p.flags.writeable for p in pieces)
 
-    @classmethod
-    def of(cls, arr: np.ndarray) -> "Table":
-        return cls([arr], arr.dtype)
-
     @property
     def nbytes(self) -> int:
         return int(self.starts[-1])
@@ -107,11 +103,25 @@ class Table:
             out[sel] = self.pieces[i][positions[sel] - at[i]]
         return out
 
-    def copy_of(self) -> np.ndarray:
-        return self.gather()
-
     def __repr__(self) -> str:
         return f"Table({len(self.pieces)} pieces, {self.size} x {self.dtype})"
+
+
+def read(bits, positions: np.ndarray | None) -> np.ndarray:
+    """A copy of bits (an array or a Table) at int64 positions, or all of it for None."""
+    if isinstance(bits, Table):
+        return bits.gather() if positions is None else bits.take(positions)
+    return bits.copy() if positions is None else bits[positions]
+
+
+def write(bits, positions: np.ndarray | None, values: np.ndarray) -> None:
+    """bits[positions] = values for an array or a Table; positions None: every element."""
+    if isinstance(bits, Table):
+        bits.scatter(values) if positions is None else bits.put(positions, values)
+    elif positions is None:
+        bits[:] = values
+    else:
+        bits[positions] = values
 
 
 def as_array(bits) -> np.ndarray:

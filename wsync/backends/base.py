@@ -25,7 +25,7 @@ import numpy as np
 from ..codecs.base import Overwritten
 from ..codecs import delta_ref
 from ..codecs.delta_ref import DeltaSections
-from ..tables import Table, as_array
+from ..tables import Table, as_array, write
 
 
 class Kernels(Protocol):
@@ -106,10 +106,7 @@ class Composed:
         src = as_array(src)
         check_out(src, dst, overlap=True)
         pos = delta_ref.positions(sec, len(dst))
-        if isinstance(dst, Table):
-            dst.put(pos, src[pos])
-        else:
-            dst[pos] = src[pos]
+        write(dst, pos, src[pos])
 
     def delta_decode_checksummed(self, old, sec, order):
         old = as_array(old)
@@ -167,10 +164,7 @@ class Composed:
         if len(bad):
             k = int(bad[0])
             raise ValueError(f"positions[{k}] = {positions[k]} is outside [0, {len(bits)})")
-        if isinstance(bits, Table):
-            bits.put(positions, values)
-        else:
-            bits[positions] = values
+        write(bits, positions, values)
 
 
 def _bytes_of(buf) -> np.ndarray:

@@ -26,19 +26,25 @@ from . import hardware
 
 def make_states(tensors: int, elems: int, density: float, seed: int = 0) -> dict:
     """{"one": (base, new), "many": (base, new)} as dicts of bf16 torch tensors, equal element for element."""
-    import torch
-
     rng = np.random.default_rng(seed)
-    n = tensors * elems
-    base = (rng.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32)
-    base = ((base + 0x8000) >> 16).astype(np.uint16)  # round to bf16 bit patterns
+    base = random_bf16(rng, tensors * elems)
     new = step(base, density, rng)
-    one = ({"w": _bf16(base)}, {"w": _bf16(new)})
     width = len(str(tensors))
     names = [f"model.layers.{i // 384}.mlp.experts.{(i // 3) % 128}.{('gate', 'up', 'down')[i % 3]}_proj.{i:0{width}d}"
              for i in range(tensors)]
-    many = tuple({nm: _bf16(src[i * elems:(i + 1) * elems].copy()) for i, nm in enumerate(names)} for src in (base, new))
-    return {"one": one, "many": many}
+    return {"one": ({"w": _bf16(base)}, {"w": _bf16(new)}),
+            "many": (cut(base, names, elems), cut(new, names, elems))}
+
+
+def random_bf16(rng, n: int) -> np.ndarray:
+    """n bf16 bit patterns of N(0, 0.02) values (weights at init scale), rounded from fp32."""
+    x = (rng.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32)
+    return ((x + 0x8000) >> 16).astype(np.uint16)
+
+
+def cut(flat: np.ndarray, names: list[str], elems: int) -> dict:
+    """flat bf16 bits as len(names) separately allocated tensors of `elems` each."""
+    return {nm: _bf16(flat[i * elems:(i + 1) * elems].copy()) for i, nm in enumerate(names)}
 
 
 def step(bits: np.ndarray, density: float, rng) -> np.ndarray:
@@ -70,22 +76,24 @@ def codec_times(base: dict, new: dict, repeats: int, backend: str | None = None)
     """encode / apply-in-place seconds and payload bytes for one state pair (bound once, reused)."""
     import wsync
 
+    from ..layout import plan
+
     b = wsync.bind(base)
     t0 = time.perf_counter()
     n = wsync.bind(new)  # the one step with a Python call per tensor, once per layout
+    members = plan(n)
     bind_s = time.perf_counter() - t0
     target_src = {k: v.clone() for k, v in base.items()}
     target = wsync.bind(target_src)
     # as the sync protocol's deltas do, the payload names its member table by hash (it went with a keyframe)
-    payload = wsync.encode(b, n, tier="packed", backend=backend, inline=False)
-    members = n.plan("all", None)  # the layout encode() planned for new, once
+    payload = wsync.encode(b, n, tier="packed", backend=backend, members=members, inline=False)
     layouts = {members.hash: members}
-    encode_s = _best(lambda: wsync.encode(b, n, tier="packed", backend=backend, inline=False), repeats)
-    pristine = {k: v.clone() for k, v in base.items()}
+    encode_s = _best(lambda: wsync.encode(b, n, tier="packed", backend=backend, members=members, inline=False),
+                     repeats)
 
     def reset():
         for k, v in target_src.items():
-            v.copy_(pristine[k])
+            v.copy_(base[k])
     apply_s = _best(lambda: wsync.apply(target, payload, inplace=True, backend=backend, layouts=layouts), repeats,
                     reset)
     exact = _bytes(target_src) == _bytes(new)
@@ -154,8 +162,7 @@ def manifest_share(density: float = 0.004, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     base, new = {}, {}
     for name, shape in dense_shapes().items():
-        n = int(np.prod(shape))
-        b = ((((rng.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32)) + 0x8000) >> 16).astype(np.uint16)
+        b = random_bf16(rng, int(np.prod(shape)))
         base[name], new[name] = _bf16(b).reshape(shape), _bf16(step(b, density, rng)).reshape(shape)
     out = {"tensors": len(base), "params": sum(int(t.numel()) for t in base.values()), "density": density}
     for inline in (True, False):
@@ -181,8 +188,7 @@ def run(tensors: int = 20_000, elems: int = 1024, density: float = 0.01, repeats
         cur = step(cur, density, rng)
         chain.append(cur)
     for shape, (base, _) in states.items():
-        vs = [{"w": _bf16(c)} for c in chain] if shape == "one" else \
-            [{k: _bf16(c[i * elems:(i + 1) * elems].copy()) for i, k in enumerate(base)} for c in chain]
+        vs = [{"w": _bf16(c)} for c in chain] if shape == "one" else [cut(c, list(base), elems) for c in chain]
         out["results"][shape].update(sync_times(base, vs))
     one, many = out["results"]["one"], out["results"]["many"]
     out["ratios"] = {k: many[k] / one[k] for k in ("encode_s", "apply_s", "payload_bytes", "publish_live_s")}

@@ -14,7 +14,7 @@ import numpy as np
 import zstandard
 
 from ..errors import FormatError
-from ..tables import Table
+from ..tables import read, write
 
 
 @dataclass
@@ -27,27 +27,9 @@ class Decoded:
 
     def scatter_into(self, bits) -> np.ndarray:
         """Write into bits (1-D, writable, or a Table); return what was overwritten, for undo."""
-        if isinstance(bits, Table):
-            if self.positions is None:
-                old = bits.gather()
-                bits.scatter(self.values)
-            else:
-                old = bits.take(self.positions)
-                bits.put(self.positions, self.values)
-            return old
-        if self.positions is None:
-            old = bits.copy()
-            bits[:] = self.values
-        else:
-            old = bits[self.positions]
-            bits[self.positions] = self.values
+        old = read(bits, self.positions)
+        write(bits, self.positions, self.values)
         return old
-
-    def undo(self, bits: np.ndarray, old: np.ndarray) -> None:
-        if self.positions is None:
-            bits[:] = old
-        else:
-            bits[self.positions] = old
 
 
 @dataclass
@@ -59,15 +41,7 @@ class Overwritten:
 
     def restore(self, bits) -> None:
         """Put the values back into bits: a 1-D array or a wsync.tables.Table (positions are the stream's)."""
-        if isinstance(bits, Table):
-            if self.positions is None:
-                bits.scatter(self.values)
-            else:
-                bits.put(self.positions, self.values)
-        elif self.positions is None:
-            bits[:] = self.values
-        else:
-            bits[self.positions] = self.values
+        write(bits, self.positions, self.values)
 
 
 @dataclass

@@ -14,7 +14,6 @@ Per tensor the encoder picks, from counts it knows before building anything:
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -75,12 +74,11 @@ def decode_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype) -> Dec
     if spec.kind == "same":
         return Decoded(np.empty(0, bits_dt), np.empty(0, np.int64))
     if spec.kind == "raw":
-        return Decoded(frombuffer(parts["data"], bits_dt, spec.name))
+        return Decoded(frombuffer(parts["data"], bits_dt, "data"))
     if spec.kind == "xor":
         return Decoded(as_array(base.bits) ^ _xor_data(spec, parts, bits_dt))
     sec = _sections(spec, parts, bits_dt)
-    with _named(spec):
-        pos, values, base_sum = kernels.delta_decode_checksummed(base.bits, sec, dtype.order)
+    pos, values, base_sum = kernels.delta_decode_checksummed(base.bits, sec, dtype.order)
     return Decoded(values, pos, base_sum)
 
 
@@ -104,16 +102,15 @@ def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace
         s = kernels.copy_checksummed(base.bits, out)
         return Applied(out, s, s)
     if spec.kind == "raw":
-        return write_whole(frombuffer(parts["data"], bits_dt, spec.name), base, kernels=kernels, inplace=inplace,
+        return write_whole(frombuffer(parts["data"], bits_dt, "data"), base, kernels=kernels, inplace=inplace,
                            base_sum=True)
     if spec.kind == "xor":
         return _apply_xor(base, _xor_data(spec, parts, bits_dt), kernels, inplace)
     sec = unpacked if unpacked is not None else _sections(spec, parts, bits_dt)
-    with _named(spec):
-        if inplace:
-            overwritten, before, after = kernels.delta_apply_inplace(base.bits, sec, dtype.order)
-            return Applied(base.bits, after, before, overwritten)
-        out, before, after = kernels.delta_apply(base.bits, sec, dtype.order)
+    if inplace:
+        overwritten, before, after = kernels.delta_apply_inplace(base.bits, sec, dtype.order)
+        return Applied(base.bits, after, before, overwritten)
+    out, before, after = kernels.delta_apply(base.bits, sec, dtype.order)
     return Applied(out, after, before)
 
 
@@ -132,39 +129,33 @@ def _apply_xor(base: TensorBits, x: np.ndarray, kernels, inplace: bool) -> Appli
 
 
 def _xor_data(spec, parts: dict, bits_dt) -> np.ndarray:
-    return np.frombuffer(zstd_decompress(parts["data"], spec.nbytes, f"{spec.name}: xor data"), bits_dt)
+    return np.frombuffer(zstd_decompress(parts["data"], spec.nbytes, "xor data"), bits_dt)
 
 
 def _sections(spec, parts: dict, bits_dt) -> DeltaSections:
     return _sparse_sections(spec, parts, bits_dt) if spec.kind == "delta-sparse" else _packed_sections(spec, parts, bits_dt)
 
 
-@contextmanager
-def _named(spec):
-    """Kernel errors are named by wsync.api, which knows the segment's tensors."""
-    yield
-
-
 def _sparse_sections(spec, parts: dict, bits_dt) -> DeltaSections:
     return DeltaSections(
-        table=frombuffer(parts["table"], "<u4", f"{spec.name}: table"),
-        gaps=frombuffer(parts["gaps"], "<u2", f"{spec.name}: gaps"),
-        steps=frombuffer(parts["steps"], np.int8, f"{spec.name}: steps"),
-        escapes=frombuffer(parts["escapes"], bits_dt, f"{spec.name}: escapes"),
+        table=frombuffer(parts["table"], "<u4", "table"),
+        gaps=frombuffer(parts["gaps"], "<u2", "gaps"),
+        steps=frombuffer(parts["steps"], np.int8, "steps"),
+        escapes=frombuffer(parts["escapes"], bits_dt, "escapes"),
     )
 
 
 def _packed_sections(spec, parts: dict, bits_dt) -> DeltaSections:
     nc = delta_ref.nchunks(spec.numel)
-    table = np.frombuffer(zstd_decompress(parts["table"], 8 * nc, f"{spec.name}: table"), "<u4")
+    table = np.frombuffer(zstd_decompress(parts["table"], 8 * nc, "table"), "<u4")
     # The table is untrusted until delta_decode checks it; bound the sizes it implies first.
     n_changed, n_esc = int(table[:nc].sum(dtype=np.int64)), int(table[nc:].sum(dtype=np.int64))
     if n_changed > spec.numel or n_esc > n_changed:
-        raise FormatError(f"{spec.name}: table claims {n_changed} changes, {n_esc} escapes in {spec.numel} elements")
+        raise FormatError(f"table claims {n_changed} changes, {n_esc} escapes in {spec.numel} elements")
     gaps = np.empty(n_changed, "<u2")
     g = gaps.view(np.uint8)
-    g[0::2] = np.frombuffer(zstd_decompress(parts["gaps_lo"], n_changed, f"{spec.name}: gaps_lo"), np.uint8)
-    g[1::2] = np.frombuffer(zstd_decompress(parts["gaps_hi"], n_changed, f"{spec.name}: gaps_hi"), np.uint8)
-    steps = np.frombuffer(zstd_decompress(parts["steps"], n_changed, f"{spec.name}: steps"), np.int8)
-    esc = zstd_decompress(parts["escapes"], n_esc * bits_dt.itemsize, f"{spec.name}: escapes")
+    g[0::2] = np.frombuffer(zstd_decompress(parts["gaps_lo"], n_changed, "gaps_lo"), np.uint8)
+    g[1::2] = np.frombuffer(zstd_decompress(parts["gaps_hi"], n_changed, "gaps_hi"), np.uint8)
+    steps = np.frombuffer(zstd_decompress(parts["steps"], n_changed, "steps"), np.int8)
+    esc = zstd_decompress(parts["escapes"], n_esc * bits_dt.itemsize, "escapes")
     return DeltaSections(table, gaps, steps, np.frombuffer(esc, bits_dt))

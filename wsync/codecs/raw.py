@@ -10,7 +10,7 @@ def encode_tensor(base: TensorBits | None, new: TensorBits, *, tier, kernels, le
 
 
 def decode_tensor(base: TensorBits | None, spec, parts: dict, *, kernels, dtype) -> Decoded:
-    return Decoded(frombuffer(parts["data"], dtype.bits_dtype, spec.name))
+    return Decoded(frombuffer(parts["data"], dtype.bits_dtype, "data"))
 
 
 def unpack(spec, parts: dict, dtype) -> None:
@@ -21,5 +21,5 @@ def unpack(spec, parts: dict, dtype) -> None:
 def apply_tensor(base: TensorBits | None, spec, parts: dict, *, kernels, dtype, inplace: bool,
                  base_sum: bool, unpacked=None) -> Applied:
     """The data as the new tensor; base only matters in place (it is the target)."""
-    values = frombuffer(parts["data"], dtype.bits_dtype, spec.name)
+    values = frombuffer(parts["data"], dtype.bits_dtype, "data")
     return write_whole(values, base, kernels=kernels, inplace=inplace, base_sum=base_sum)

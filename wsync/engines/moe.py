@@ -95,11 +95,6 @@ def apply_mode(named: dict, mode: str | None) -> dict:
     raise ValueError(f"experts must be one of {MODES} or None, got {mode!r}")
 
 
-def state_per_expert(state: dict) -> dict:
-    """A trainer's state with fused experts renamed one by one (views): what a per-expert trainer publishes."""
-    return split_fused(state)
-
-
 def is_virtual(t) -> bool:
     return isinstance(t, TensorBits) and isinstance(t.bits, Table)
 
