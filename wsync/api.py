@@ -36,6 +36,13 @@ def _load(obj) -> tuple[State, dict | None, dict]:
     return as_state(obj), None, {}
 
 
+def _covers(state: State, members: Members, what: str) -> None:
+    """state holds exactly the members. segments() has found every member in it, so equal counts
+    settle it without a look at each name (this runs every version)."""
+    if len(state) != len(members.names):
+        check_covers(state, members.names, what, theirs=what)
+
+
 def _members_of(state: State, members: Members | None) -> Members:
     if members is not None:
         return members
@@ -72,7 +79,7 @@ def encode(base, new, *, codec: str = "delta", tier: str | None = "packed", vers
         base_state = _load(base)[0]
         base_segs = segments(base_state, members)
         if len(new_state) == len(members.names):
-            check_covers(base_state, members.names, "new", theirs="new")
+            _covers(base_state, members, "new")
     mod = CODECS[codec]
     encoded = [(nb, bb, mod.encode_tensor(bb, nb, tier=tier, kernels=k, level=level))
                for nb, bb in zip(new_segs, base_segs or [None] * len(new_segs))]
@@ -192,7 +199,7 @@ def _base_segments(base: State | None, man: Manifest, members: Members, whole: b
         return None
     segs = segments(base, members)
     if whole:
-        check_covers(base, members.names, "payload")
+        _covers(base, members, "payload")
     return segs
 
 
@@ -265,7 +272,12 @@ def _apply(base: State | None, payload: Payload, k, *, inplace: bool, whole: boo
     base_segs = _base_segments(base, man, members, whole)
     needs_base = man.codec == "delta"
     codec = CODECS[man.codec]
-    shared, known = _decode_shared(base_segs, payload, members, k) if inplace and base_segs else ({}, {})
+    shared, known = ({}, {})
+    if inplace and base_segs:
+        # which segments share memory is a property of where the tensors are: a Bound works it out once per layout
+        tied = base.plan(("overlapping", members.hash), lambda: _overlapping(base_segs)) \
+            if isinstance(base, Bound) else _overlapping(base_segs)
+        shared, known = _decode_shared(tied, base_segs, payload, members, k)
     done: list[Applied] = []
     late = None
     try:
@@ -298,7 +310,8 @@ def _apply(base: State | None, payload: Payload, k, *, inplace: bool, whole: boo
     return members, [a.bits for a in done]
 
 
-def _decode_shared(base_segs: list[TensorBits], payload: Payload, members: Members, k) -> tuple[dict, dict]:
+def _decode_shared(tied: set[int], base_segs: list[TensorBits], payload: Payload, members: Members,
+                   k) -> tuple[dict, dict]:
     """Segments whose memory overlaps (tied weights), decoded before anything is written.
 
     Applied in place one by one, such a segment would see the writes made for
@@ -309,7 +322,7 @@ def _decode_shared(base_segs: list[TensorBits], payload: Payload, members: Membe
     """
     out, sums = {}, {}
     specs = payload.manifest.tensors
-    for i in _overlapping(base_segs):
+    for i in tied:
         key = specs[i].name
         sums[key] = k.checksum(base_segs[i].bits)
         try:
