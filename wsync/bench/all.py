@@ -47,7 +47,7 @@ class Sizes:
     peer_repeats: int = 3  # safetensors / shardcast rounds
     lora_args: tuple = ()  # extra arguments of benchmarks/bench_lora_sync.py (its defaults when empty)
     moe_tensors: int = 20_000  # many small tensors vs one tensor of the same size (x 1,024 bf16 elements each)
-    moe_repeats: int = 3
+    moe_repeats: int = 15  # interleaved rounds of one and many tensors (best kept)
     suites: tuple = ("codec", "transport", "sync", "peers", "lora", "moe")
 
     @classmethod

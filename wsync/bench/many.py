@@ -61,45 +61,61 @@ def _bf16(bits: np.ndarray):
     return torch.from_numpy(bits).view(torch.bfloat16)
 
 
-def _best(fn, repeats: int, reset=None) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        if reset is not None:
-            reset()
+class _Case:
+    """One state pair bound once, with its encode and apply-in-place ready to time."""
+
+    def __init__(self, base: dict, new: dict, backend: str | None):
+        import wsync
+
+        from ..layout import plan
+
+        self.base, self.new, self.backend = base, new, backend
+        self.b = wsync.bind(base)
         t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        self.n = wsync.bind(new)  # the one step with a Python call per tensor, once per layout
+        self.members = plan(self.n)
+        self.bind_s = time.perf_counter() - t0
+        self.target_src = {k: v.clone() for k, v in base.items()}
+        self.target = wsync.bind(self.target_src)
+        # as the sync protocol's deltas do, the payload names its member table by hash (it went with a keyframe)
+        self.payload = self.encode()
+        self.times = {"encode_s": [], "apply_s": []}
+
+    def encode(self):
+        import wsync
+
+        return wsync.encode(self.b, self.n, tier="packed", backend=self.backend, members=self.members, inline=False)
+
+    def round(self) -> None:
+        import wsync
+
+        t0 = time.perf_counter()
+        self.encode()
+        self.times["encode_s"].append(time.perf_counter() - t0)
+        for k, v in self.target_src.items():
+            v.copy_(self.base[k])
+        t0 = time.perf_counter()
+        wsync.apply(self.target, self.payload, inplace=True, backend=self.backend,
+                    layouts={self.members.hash: self.members})
+        self.times["apply_s"].append(time.perf_counter() - t0)
+
+    def result(self) -> dict:
+        import wsync
+
+        info = wsync.inspect(self.payload)
+        return {"bind_s": self.bind_s, **{k: min(v) for k, v in self.times.items()},
+                "payload_bytes": info["payload_bytes"], "manifest_bytes": info["manifest_bytes"],
+                "segments": info["segments"], "exact": _bytes(self.target_src) == _bytes(self.new)}
 
 
-def codec_times(base: dict, new: dict, repeats: int, backend: str | None = None) -> dict:
-    """encode / apply-in-place seconds and payload bytes for one state pair (bound once, reused)."""
-    import wsync
-
-    from ..layout import plan
-
-    b = wsync.bind(base)
-    t0 = time.perf_counter()
-    n = wsync.bind(new)  # the one step with a Python call per tensor, once per layout
-    members = plan(n)
-    bind_s = time.perf_counter() - t0
-    target_src = {k: v.clone() for k, v in base.items()}
-    target = wsync.bind(target_src)
-    # as the sync protocol's deltas do, the payload names its member table by hash (it went with a keyframe)
-    payload = wsync.encode(b, n, tier="packed", backend=backend, members=members, inline=False)
-    layouts = {members.hash: members}
-    encode_s = _best(lambda: wsync.encode(b, n, tier="packed", backend=backend, members=members, inline=False),
-                     repeats)
-
-    def reset():
-        for k, v in target_src.items():
-            v.copy_(base[k])
-    apply_s = _best(lambda: wsync.apply(target, payload, inplace=True, backend=backend, layouts=layouts), repeats,
-                    reset)
-    exact = _bytes(target_src) == _bytes(new)
-    info = wsync.inspect(payload)
-    return {"bind_s": bind_s, "encode_s": encode_s, "apply_s": apply_s, "payload_bytes": info["payload_bytes"],
-            "manifest_bytes": info["manifest_bytes"], "segments": info["segments"], "exact": exact}
+def codec_times(states: dict, repeats: int, backend: str | None = None) -> dict:
+    """Encode / apply-in-place seconds (best of repeats) and payload bytes per shape, the shapes' rounds
+    interleaved so both meet the same machine (these 2-core machines drift by tens of percent)."""
+    cases = {shape: _Case(base, new, backend) for shape, (base, new) in states.items()}
+    for _ in range(repeats):
+        for c in cases.values():
+            c.round()
+    return {shape: c.result() for shape, c in cases.items()}
 
 
 def _bytes(state: dict) -> bytes:
@@ -173,13 +189,12 @@ def manifest_share(density: float = 0.004, seed: int = 0) -> dict:
     return out
 
 
-def run(tensors: int = 20_000, elems: int = 1024, density: float = 0.01, repeats: int = 3, versions: int = 4,
+def run(tensors: int = 20_000, elems: int = 1024, density: float = 0.01, repeats: int = 15, versions: int = 4,
         backend: str | None = None) -> dict:
     states = make_states(tensors, elems, density)
     rng = np.random.default_rng(1)
     out = {"tensors": tensors, "elems": elems, "density": density, "results": {}}
-    for shape, (base, new) in states.items():
-        out["results"][shape] = codec_times(base, new, repeats, backend)
+    out["results"] = codec_times(states, repeats, backend)
     # deltas of the same chain for both shapes: version k moves base k times
     import torch
 
