@@ -62,7 +62,7 @@ def _bench_codec(a) -> None:
     if a.shape == "moe":
         from .bench.many import main as bench_main
 
-        a.repeats = a.repeats or 15
+        a.repeats = a.repeats or 31
     else:
         a.repeats = a.repeats or 3
         from .bench.codec import main as bench_main
@@ -109,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
     bc.add_argument("--size", default="bench", choices=["tiny", "small", "bench"], help="generated model size")
     bc.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
     bc.add_argument("--gaps", type=int, nargs="+", default=[1, 4, 16])
-    bc.add_argument("--repeats", type=int, default=None, help="timed rounds, best kept (default 3; --shape moe 15)")
+    bc.add_argument("--repeats", type=int, default=None, help="timed rounds, best kept (default 3; --shape moe 31)")
     bc.add_argument("--json", type=Path, help="also write results as JSON here")
     bc.add_argument("--shape", default="dense", choices=["dense", "moe"],
                     help="moe: many small tensors vs one tensor of the same size, side by side (no snapshots)")

@@ -7,7 +7,7 @@ default) with the same fraction changed by one or two representable steps;
 only the number of tensors differs. Each is bound once (wsync.bind: the one
 step that costs a Python call per tensor, reported apart as `bind`), then
 every operation runs on both in the same process, interleaved, best of
-`repeats`: encode (packed), apply in place, payload bytes, and publish ->
+`repeats` (and the quartiles of the per-round ratios): encode (packed), apply in place, payload bytes, and publish ->
 live over a tcp loopback link (a Publisher and a Subscriber whose engine is
 an nn.Module holding the tensors as parameters). The ratios many/one are
 the result; the planner's per-tensor cost term comes from them.
@@ -115,7 +115,18 @@ def codec_times(states: dict, repeats: int, backend: str | None = None) -> dict:
     for _ in range(repeats):
         for c in cases.values():
             c.round()
-    return {shape: c.result() for shape, c in cases.items()}
+    return {shape: c.result() for shape, c in cases.items()}, paired(cases["one"].times, cases["many"].times)
+
+
+def paired(one: dict, many: dict) -> dict:
+    """Quartiles of the per-round ratios many/one: each round's two shapes ran back to back, so a ratio of
+    a pair is less moved by the machine's drift than a ratio of two minimums taken at different moments."""
+    out = {}
+    for k in one:
+        r = np.asarray(many[k]) / np.asarray(one[k])
+        q1, med, q3 = np.percentile(r, [25, 50, 75])
+        out[k] = {"q1": float(q1), "median": float(med), "q3": float(q3), "rounds": len(r)}
+    return out
 
 
 def _bytes(state: dict) -> bytes:
@@ -189,12 +200,12 @@ def manifest_share(density: float = 0.004, seed: int = 0) -> dict:
     return out
 
 
-def run(tensors: int = 20_000, elems: int = 1024, density: float = 0.01, repeats: int = 15, versions: int = 4,
+def run(tensors: int = 20_000, elems: int = 1024, density: float = 0.01, repeats: int = 31, versions: int = 4,
         backend: str | None = None) -> dict:
     states = make_states(tensors, elems, density)
     rng = np.random.default_rng(1)
     out = {"tensors": tensors, "elems": elems, "density": density, "results": {}}
-    out["results"] = codec_times(states, repeats, backend)
+    out["results"], out["paired_ratios"] = codec_times(states, repeats, backend)
     # deltas of the same chain for both shapes: version k moves base k times
     import torch
 
@@ -219,8 +230,10 @@ def render(res: dict) -> str:
             ("payload", "payload_bytes", "{:,.0f} B"), ("publish -> live, tcp loopback", "publish_live_s", "{:.4f} s")]
     lines = [f"| state ({n * res['elems'] / 1e6:.2f}M bf16 elements, {res['density']:.0%} changed) | 1 tensor | "
              f"{n:,} tensors x {res['elems']:,} | many / one |", "|---|---:|---:|---:|"]
+    pr = res.get("paired_ratios", {})
     for label, key, fmt in rows:
-        lines.append(f"| {label} | {fmt.format(one[key])} | {fmt.format(many[key])} | {many[key] / one[key]:.2f}x |")
+        p = f" (rounds: median {pr[key]['median']:.2f}x, quartiles {pr[key]['q1']:.2f}-{pr[key]['q3']:.2f})" if key in pr else ""
+        lines.append(f"| {label} | {fmt.format(one[key])} | {fmt.format(many[key])} | {many[key] / one[key]:.2f}x{p} |")
     lines.append(f"| bind (once per layout) | {one['bind_s']:.4f} s | {many['bind_s']:.4f} s | |")
     lines.append(f"| manifest of the delta | {one['manifest_bytes']:,} B | {many['manifest_bytes']:,} B | |")
     lines.append(f"\nexact: one {one['exact']}, many {many['exact']}; per extra tensor: "
