@@ -15,9 +15,9 @@ import pytest
 from tcp_helpers import Proxy, self_signed
 from wsync.errors import ChecksumError, TransportError
 from wsync.transports import Message, TransportTimeout, connect, listen
-from wsync.transports import tcp_auth, tcp_frames as tf
-from wsync.transports.tcp_link import HASH_PIECE, ConnectionLost, recv_hashed
-from wsync.transports.tcp_outbox import LANE_STREAMS, LANE_WARMUP, Outbox, as_views, frame_size
+from wsync.transports.tcp import auth as tcp_auth, frames as tf
+from wsync.transports.tcp.link import HASH_PIECE, ConnectionLost, recv_hashed
+from wsync.transports.tcp.outbox import LANE_STREAMS, LANE_WARMUP, Outbox, as_views, frame_size
 
 LOG = "wsync.transports.tcp"
 

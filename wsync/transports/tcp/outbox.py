@@ -16,7 +16,7 @@ from collections import OrderedDict, deque
 
 import xxhash
 
-from . import tcp_frames as tf
+from . import frames as tf
 
 MISSING = object()  # the peer holds nothing of this message, not even its HEAD
 FRAMES_PER_STREAM = 16  # with several streams, cut a message into at least this many frames per stream...

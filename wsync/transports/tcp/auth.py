@@ -28,7 +28,7 @@ import ssl
 import struct
 from dataclasses import dataclass
 
-from ..errors import TransportError
+from ...errors import TransportError
 
 VERSION = 1
 HELLO_C = struct.Struct("<4sH32s")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..errors import ChecksumError, TransportError
+from ...errors import ChecksumError, TransportError
 
 REC = struct.Struct("<4sB3xQIIQQQ")
 REC_SUM = struct.Struct("<Q")

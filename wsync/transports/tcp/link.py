@@ -7,7 +7,7 @@ fails, the whole epoch ends: all its sockets are shut down and its threads
 exit, so nothing is in flight anymore and each side's inbox is exactly what it
 holds. The connecting side then dials a new epoch (bounded retries within
 ``resume_window``), both sides swap what they hold, and each resends only what
-the other lacks (tcp_outbox). The application sees a delay, nothing else;
+the other lacks (outbox.py). The application sees a delay, nothing else;
 after the window it sees TransportError.
 
 States: connecting -> up <-> broken; up -> closing -> closed; any -> failed.
@@ -22,11 +22,11 @@ from collections import Counter
 
 import xxhash
 
-from ..errors import ChecksumError, TransportError
-from .base import Message, TransportTimeout
-from . import tcp_frames as tf
-from .tcp_inbox import Inbox
-from .tcp_outbox import Outbox, as_views, write
+from ...errors import ChecksumError, TransportError
+from ..base import Message, TransportTimeout
+from . import frames as tf
+from .inbox import Inbox
+from .outbox import Outbox, as_views, write
 
 log = logging.getLogger("wsync.transports.tcp")
 

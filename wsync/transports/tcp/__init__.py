@@ -4,7 +4,7 @@ Built for long fat pipes and for links that drop:
 
 * **several streams** per link (``streams=4``): each message is cut into frames
   (at most ``frame_bytes``, 4 MiB; smaller for messages that would give a
-  stream fewer than 16, see ``tcp_outbox.frame_size``) that any stream may
+  stream fewer than 16, see ``outbox.frame_size``) that any stream may
   carry, each with its own header (message, blob, offset, length, xxh3-64),
   and reassembled in place. A stream takes its next frame once its unsent
   bytes fall below ``notsent_lowat``, so faster streams carry more. A message
@@ -12,7 +12,7 @@ Built for long fat pipes and for links that drop:
   stream, so a trickle of small versions keeps one connection's window open;
   with 3 or more streams the frames of large messages skip stream 0 (after
   its first MiB, which opens its window), so a keyframe never cuts the rate
-  that connection learned (``tcp_outbox.take``);
+  that connection learned (``outbox.take``);
 * **large socket buffers** (``sndbuf``/``rcvbuf``, 16 MiB) and TCP_NODELAY;
   where the kernel has them (Linux >= 6.15), a 50 ms minimum retransmission
   timeout (``rto_min``) and ACKs delayed at most 10 ms (``delack_max``);
@@ -44,12 +44,12 @@ import socket
 import threading
 from dataclasses import dataclass
 
-from ..errors import TransportError
-from . import options
-from .base import Address
-from .tcp_auth import Refused, TlsConfig, client_context, reply, server_context, server_handshake, tune
-from .tcp_link import TcpLink, shut
-from .tcp_roles import ClientLink, ServerLink
+from ...errors import TransportError
+from .. import options
+from ..base import Address
+from .auth import Refused, TlsConfig, client_context, reply, server_context, server_handshake, tune
+from .link import TcpLink, shut
+from .roles import ClientLink, ServerLink
 
 __all__ = ["TcpConfig", "TcpListener", "TcpLink", "TlsConfig", "connect", "listen"]
 

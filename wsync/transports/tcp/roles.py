@@ -15,9 +15,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..errors import TransportError
-from .tcp_auth import Refused, client_handshake, reply, tune
-from .tcp_link import TcpLink, shut
+from ...errors import TransportError
+from .auth import Refused, client_handshake, reply, tune
+from .link import TcpLink, shut
 
 
 class ClientLink(TcpLink):

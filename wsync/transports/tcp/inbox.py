@@ -22,9 +22,9 @@ from collections import deque
 
 import numpy as np
 
-from ..errors import TransportError
-from .base import Message
-from . import tcp_frames as tf
+from ...errors import TransportError
+from ..base import Message
+from . import frames as tf
 
 MIN_POOLED = 1 << 20  # receive buffers smaller than this are never kept for reuse
 MAX_INCOMPLETE = 256  # messages announced but not complete; a sane sender has a few
