@@ -21,7 +21,7 @@ import numpy as np
 from . import dtypes
 from .errors import FormatError
 from .fsutil import atomic_write
-from .snapshot import State, TensorBits
+from .bits import State, TensorBits
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

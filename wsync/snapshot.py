@@ -7,39 +7,17 @@ copy when it is contiguous and on the CPU.
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
 from . import dtypes
-from .checksum import checksum, state_digest
-from .dtypes import DType
+from .bits import State, TensorBits
+from .checkpoint import read_checkpoint
+from .checksum import state_digest
 from .errors import SnapshotError
-from .tables import Table, as_array
-
-
-@dataclass(frozen=True)
-class TensorBits:
-    dtype: DType
-    shape: tuple[int, ...]
-    bits: np.ndarray  # 1-D, C-contiguous, dtype.bits_dtype; may alias the caller's tensor
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    def checksum(self) -> str:
-        return checksum(as_array(self.bits))
-
-
-State = dict[str, TensorBits]
+from .tables import Table
 
 
 def to_bits(t) -> TensorBits:
@@ -72,8 +50,6 @@ def to_torch(tb: TensorBits):
 def as_state(obj) -> State:
     """Accept a dict of tensors/arrays, a safetensors file, or a checkpoint folder."""
     if isinstance(obj, (str, os.PathLike)):
-        from .checkpoint import read_checkpoint
-
         return read_checkpoint(obj).state
     if not isinstance(obj, dict):
         raise TypeError(f"expected a dict of tensors or a path, got {type(obj).__name__}")
