@@ -4,6 +4,11 @@ We parse safetensors ourselves (an 8-byte header length, a JSON header, then
 raw little-endian data) because the codecs want bit-pattern views of every
 dtype, bf16 and fp8 included, without a copy and without torch. Files we write
 load with the `safetensors` library unchanged.
+
+Folders are written next to their destination and swapped in whole
+(fsutil.replace_folder); a shard name, from our own layout, a payload's or an
+index, must be a plain ``*.safetensors`` file name, so it cannot point outside
+the folder; an existing destination is replaced only if wsync wrote it.
 """
 from __future__ import annotations
 
@@ -12,20 +17,21 @@ import mmap
 import os
 import shutil
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from . import dtypes
-from .errors import FormatError
-from .fsutil import atomic_write
 from .bits import State, TensorBits
+from .errors import FormatError
+from .fsutil import MARKER, TEMP_TAG, atomic_write, check_inside, check_output, child, clean_stale, fsync_path, \
+    plain_name, replace_folder, temp_sibling
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
+RESERVED = ("__metadata__",)  # header keys safetensors keeps for itself: a tensor so named would vanish
 
 
 @dataclass
@@ -33,6 +39,23 @@ class Checkpoint:
     state: State
     layout: dict[str, str] | None = None  # tensor name -> shard file, for folders
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__ (first shard)
+
+
+def check_tensor_names(names) -> None:
+    """Refuse a tensor name safetensors reserves: written, it would silently replace the file's metadata."""
+    for r in RESERVED:
+        if r in names:
+            raise FormatError(f"tensor name {r!r} is reserved by safetensors (its header keeps file metadata "
+                              f"under it), so no checkpoint could hold it; rename the tensor")
+
+
+def shard_name(name, tensor: str | None = None) -> str:
+    """name, if it can be a shard of a folder we write or read: a plain file name ending in .safetensors."""
+    what = "shard file name" + (f" (of tensor {tensor!r})" if tensor is not None else "")
+    plain_name(name, what)
+    if not name.endswith(".safetensors"):
+        raise FormatError(f"{what} {name!r} refused: a shard must be a plain file name ending in .safetensors")
+    return name
 
 
 def read_safetensors(path) -> tuple[State, dict[str, str]]:
@@ -72,6 +95,7 @@ def _view(path: Path, name: str, info, data: np.ndarray) -> TensorBits:
 
 def write_safetensors(path, state: State, metadata: dict[str, str] | None = None) -> None:
     """Write atomically; tensors aligned to 8 bytes in name order."""
+    check_tensor_names(state)
     header, offset = {}, 0
     names = sorted(state)
     for name in names:
@@ -89,32 +113,42 @@ def write_safetensors(path, state: State, metadata: dict[str, str] | None = None
             f.write(memoryview(state[name].bits).cast("B"))
 
 
-def read_checkpoint(path) -> Checkpoint:
-    """A .safetensors file, or a folder with model.safetensors or a sharded index."""
+def read_checkpoint(path, *, inside=None) -> Checkpoint:
+    """A .safetensors file, or a folder with model.safetensors or a sharded index.
+
+    inside: a folder every file read must resolve into (FormatError otherwise), so
+    a symlink cannot make a reader of one folder read files from elsewhere."""
     path = Path(path)
+
+    def checked(p: Path) -> Path:
+        return p if inside is None else check_inside(inside, p)
+
     if path.is_file():
-        state, meta = read_safetensors(path)
+        state, meta = read_safetensors(checked(path))
         return Checkpoint(state, None, meta)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such safetensors file or checkpoint folder")
     if (path / INDEX_NAME).is_file():
-        return _read_sharded(path)
+        return _read_sharded(path, checked)
     if (path / SINGLE_NAME).is_file():
-        state, meta = read_safetensors(path / SINGLE_NAME)
+        state, meta = read_safetensors(checked(path / SINGLE_NAME))
         return Checkpoint(state, {n: SINGLE_NAME for n in state}, meta)
     raise FileNotFoundError(f"{path}: folder has neither {SINGLE_NAME} nor {INDEX_NAME}")
 
 
-def _read_sharded(path: Path) -> Checkpoint:
+def _read_sharded(path: Path, checked) -> Checkpoint:
     try:
-        weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        weight_map = json.loads(checked(path / INDEX_NAME).read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise FormatError(f"{path / INDEX_NAME}: not a safetensors index ({e})") from None
     state, meta, seen = {}, {}, {}
-    for shard in sorted(set(weight_map.values())):
-        if Path(shard).name != shard:
-            raise FormatError(f"{path / INDEX_NAME}: shard name {shard!r} must be a plain file name")
-        tensors, m = read_safetensors(path / shard)
+    for shard in shards:
+        try:
+            shard_name(shard)
+        except FormatError as e:
+            raise FormatError(f"{path / INDEX_NAME}: {e}") from None
+        tensors, m = read_safetensors(checked(path / shard))
         meta = meta or m
         for name, tb in tensors.items():
             state[name] = tb
@@ -125,36 +159,75 @@ def _read_sharded(path: Path) -> Checkpoint:
     return Checkpoint(state, dict(weight_map), meta)
 
 
-def write_checkpoint(path, ckpt: Checkpoint, *, copy_from=None) -> None:
+def write_checkpoint(path, ckpt: Checkpoint, *, copy_from=None, extra: dict[str, bytes] | None = None) -> None:
     """Write a .safetensors file, or (when `path` has no suffix) a checkpoint folder.
 
     Folders follow ckpt.layout (one shard per file name, plus an index when there
     is more than one) and receive copies of copy_from's other files (config,
-    tokenizer). The folder appears complete or not at all.
+    tokenizer) and the `extra` files (name -> bytes). The folder appears complete
+    or not at all, and replaces only a folder wsync wrote (fsutil.check_output):
+    this is the one place `delta apply` and `pull` write folders. `extra` is for
+    folders only.
     """
     path = Path(path)
     if path.suffix == ".safetensors":
         write_safetensors(path, ckpt.state, ckpt.metadata)
         return
-    layout = ckpt.layout or {n: SINGLE_NAME for n in ckpt.state}
+    shards = _shards(ckpt)
+    for name in extra or {}:
+        if name in shards or name in (INDEX_NAME, MARKER):
+            raise FormatError(f"extra file {name!r} would overwrite a file of the checkpoint itself")
+    path = Path(os.path.abspath(path))  # "-o ." is the folder cwd names, beside its siblings (links not resolved)
+    check_output(path)  # refuse before writing anything
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))  # same filesystem: the rename is atomic
+    clean_stale(path)  # a killed run's temp folder, if its process is gone
+    tmp = temp_sibling(path, folder=True)  # same filesystem: the swap is atomic
     try:
-        if copy_from is not None and Path(copy_from).is_dir():
-            for f in Path(copy_from).iterdir():
-                if f.is_file() and f.suffix != ".safetensors" and f.name != INDEX_NAME:
-                    shutil.copy2(f, tmp / f.name)
-        shards: dict[str, State] = {}
-        for name, tb in ckpt.state.items():
-            shards.setdefault(layout.get(name, SINGLE_NAME), {})[name] = tb
+        _copy_others(copy_from, tmp)
         for shard, tensors in shards.items():
-            write_safetensors(tmp / shard, tensors, ckpt.metadata)
+            write_safetensors(child(tmp, shard, "shard file name"), tensors, ckpt.metadata)
         if len(shards) > 1 or SINGLE_NAME not in shards:
-            index = {"metadata": {"total_size": sum(tb.nbytes for tb in ckpt.state.values())}, "weight_map": dict(sorted(layout.items()))}
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+            weight_map = {n: shard for shard, tensors in shards.items() for n in tensors}
+            index = {"metadata": {"total_size": sum(tb.nbytes for tb in ckpt.state.values())},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            with atomic_write(tmp / INDEX_NAME) as f:
+                f.write(json.dumps(index, indent=2).encode())
+        for name, data in (extra or {}).items():
+            with atomic_write(child(tmp, name, "extra file name")) as f:
+                f.write(data)
+        replace_folder(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def prepare_output(path) -> None:
+    """For commands that will write_checkpoint(path), before their work: refuse what write_checkpoint
+    would refuse, and remove what a killed earlier run left beside path (fsutil.clean_stale)."""
+    path = Path(os.path.abspath(path))
+    if path.suffix != ".safetensors":
+        check_output(path)
+    clean_stale(path)
+
+
+def _shards(ckpt: Checkpoint) -> dict[str, State]:
+    """The tensors of each shard file, every file name checked before it can become a path."""
+    layout = ckpt.layout or {}
+    shards: dict[str, State] = {}
+    for name, tb in ckpt.state.items():
+        shard = layout.get(name, SINGLE_NAME)
+        if shard not in shards:
+            shard_name(shard, name)
+        shards.setdefault(shard, {})[name] = tb
+    return shards
+
+
+def _copy_others(copy_from, tmp: Path) -> None:
+    """The base folder's other files (config, tokenizer), not its weights or wsync's own files."""
+    if copy_from is None or not Path(copy_from).is_dir():
+        return
+    for f in Path(copy_from).iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_NAME, MARKER) \
+                and TEMP_TAG not in f.name:
+            shutil.copy2(f, tmp / f.name)
+            fsync_path(tmp / f.name)

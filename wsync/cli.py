@@ -8,6 +8,8 @@
 
 BASE, NEW and OUT are .safetensors files or Hugging Face checkpoint folders.
 Errors print one line and exit 2; nothing is written unless every check passed.
+An OUT folder must be new, empty, or one wsync wrote (it holds .wsync-output.json
+listing wsync's files, and nothing else): wsync never empties a folder of yours.
 """
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ def _delta_encode(a) -> None:
 
 def _delta_apply(a) -> None:
     from .api import apply_to_checkpoint
+    from .checkpoint import prepare_output
 
     t = time.perf_counter()
+    prepare_output(a.output)  # refuse before the work, not after it
     apply_to_checkpoint(a.base, a.delta, a.output)
     print(f"wrote {a.output} (all checksums verified), {time.perf_counter() - t:.2f}s")
 

@@ -40,3 +40,7 @@ class BackendUnavailable(WsyncError):
 
 class SnapshotError(WsyncError):
     """publish() failed while copying a state, so the version it was taking does not exist."""
+
+
+class OutputError(WsyncError):
+    """An output path wsync will not write over: a folder it did not write, a file, a symlink."""

@@ -7,10 +7,13 @@ serve publishes SRC: a .safetensors file or a checkpoint folder is one version;
 a folder of checkpoints (files or sub-folders whose names end in a number, like
 step_0004) is a series, published in numeric order, and watched for new ones.
 A checkpoint is taken only once it parses and has not changed for
-``settle_s`` seconds, so a half-written one is never sent.
+``settle_s`` seconds, so a half-written one is never sent; one whose files are
+symlinks out of SRC is skipped unless follow_symlinks (``--follow-symlinks``).
 
 pull writes the newest version to OUT atomically, the version and digest stored
-in the safetensors metadata (and copied to ``OUT/wsync-version.json``). Run again (after an interruption, or later),
+in the safetensors metadata (and copied to ``OUT/wsync-version.json``). OUT must
+be new, empty, or a folder wsync wrote (fsutil.check_output); nothing else is
+ever emptied. Run again (after an interruption, or later),
 it starts from what OUT holds and fetches only the deltas since.
 """
 from __future__ import annotations
@@ -21,10 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from .checkpoint import Checkpoint, prepare_output, read_checkpoint, write_checkpoint
 from .engines.shadow import Shadow
 from .errors import FormatError, WsyncError
-from .fsutil import atomic_write
 from .layout import Members, plan
 from .subscriber import version_digest
 
@@ -60,7 +62,7 @@ def _settled(path: Path, settle_s: float) -> bool:
 
 
 def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1.0, settle_s: float = 2.0,
-          stop=None, log=print, **config) -> None:
+          stop=None, log=print, follow_symlinks: bool = False, **config) -> None:
     """Publish every checkpoint in src, then (watch=True) each new one, until stop() is true."""
     from .sync import Publisher
 
@@ -76,7 +78,7 @@ def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1
                 if not _settled(path, settle_s):
                     break  # later ones wait for this one: versions go out in order
                 try:
-                    ck = read_checkpoint(path)
+                    ck = read_checkpoint(path, inside=None if follow_symlinks else src)
                 except (WsyncError, OSError) as e:
                     log(f"skipping {path}: {e}")
                     done.add(version)
@@ -131,6 +133,7 @@ def pull(address: str, out, *, token=None, timeout: float | None = None, version
     from .sync import Subscriber
 
     out = Path(out)
+    prepare_output(out)  # before fetching anything: a folder wsync did not write is never replaced
     engine, served = read_replica(out)
     bar = _Progress() if progress else None
     sub = Subscriber(address, engine=engine, token=token, apply="poll", progress=bar, served=served)
@@ -145,9 +148,8 @@ def pull(address: str, out, *, token=None, timeout: float | None = None, version
             bar.close()
     meta = replica_metadata(engine.state, got, sub.served)
     held = meta["wsync_digest"]
-    write_checkpoint(out, Checkpoint(engine.state, None, meta))
-    with atomic_write(out / VERSION_FILE) as f:  # for people and scripts; read_replica trusts the metadata
-        f.write(json.dumps({"version": got, "digest": held, "source": address}).encode())
+    note = json.dumps({"version": got, "digest": held, "source": address}).encode()  # for people and scripts
+    write_checkpoint(out, Checkpoint(engine.state, None, meta), extra={VERSION_FILE: note})
     return got
 
 
@@ -183,6 +185,8 @@ def add_parsers(sub) -> None:
     s.add_argument("--codec", choices=["delta", "raw"], default="delta")
     s.add_argument("--tier", choices=["sparse", "packed"], default="packed")
     s.add_argument("--keyframe-every", type=int, default=50)
+    s.add_argument("--follow-symlinks", action="store_true",
+                   help="also serve checkpoint files that are symlinks to outside SRC (skipped by default)")
     s.set_defaults(fn=_serve_cmd)
     p = sub.add_parser("pull", help="fetch the newest version from a publisher into a folder (resumable)")
     p.add_argument("address")
@@ -199,7 +203,7 @@ def _address(s: str) -> str:
 
 def _serve_cmd(a) -> None:
     serve(a.src, _address(a.listen), token=a.token, watch=not a.no_watch, codec=a.codec, tier=a.tier,
-          keyframe_every=a.keyframe_every)
+          keyframe_every=a.keyframe_every, follow_symlinks=a.follow_symlinks)
 
 
 def _pull_cmd(a) -> None:

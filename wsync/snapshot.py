@@ -14,7 +14,7 @@ import numpy as np
 
 from . import dtypes
 from .bits import State, TensorBits
-from .checkpoint import read_checkpoint
+from .checkpoint import check_tensor_names, read_checkpoint
 from .checksum import state_digest
 from .errors import SnapshotError
 from .tables import Table
@@ -53,6 +53,7 @@ def as_state(obj) -> State:
         return read_checkpoint(obj).state
     if not isinstance(obj, dict):
         raise TypeError(f"expected a dict of tensors or a path, got {type(obj).__name__}")
+    check_tensor_names(obj)  # here, so publish refuses a name no replica could be written with
     if getattr(obj, "bound", False):  # layout.Bound: already TensorBits, with its tables built once
         return obj
     state = {}
