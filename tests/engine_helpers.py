@@ -17,7 +17,7 @@ def publisher(**kw):
 
 
 def subscriber(pub, engine, **kw):
-    from wsync.sync import Subscriber
+    from wsync.subscriber import Subscriber
 
     return Subscriber(pub.address, engine=engine, token=TOKEN, **kw)
 

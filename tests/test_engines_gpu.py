@@ -77,7 +77,8 @@ def test_sglang_update_weights_from_tensor(tmp_path):
     sgl = _needs("sglang")
     from wsync import engines
     from wsync.engines.sglang import SGLang
-    from wsync.sync import Publisher, Subscriber
+    from wsync.subscriber import Subscriber
+    from wsync.sync import Publisher
 
     trainer = _checkpoint(tmp_path)
     engine = sgl.Engine(model_path=str(tmp_path), skip_tokenizer_init=True, mem_fraction_static=0.3)

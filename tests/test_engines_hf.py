@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from engine_helpers import fuse, publisher, rl_step, same_bytes, subscriber, tiny_qwen  # noqa: E402
 from wsync import engines  # noqa: E402
 from wsync.errors import MismatchError  # noqa: E402
-from wsync.sync import apply_version  # noqa: E402
+from wsync.subscriber import apply_version  # noqa: E402
 
 
 @pytest.fixture

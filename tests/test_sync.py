@@ -10,7 +10,8 @@ import pytest
 from wsync import engines
 from wsync.errors import ChecksumError, MismatchError, SnapshotError, VersionError
 from wsync.snapshot import TensorBits, as_state
-from wsync.sync import Publisher, Subscriber, apply_version
+from wsync.subscriber import Subscriber, apply_version
+from wsync.sync import Publisher
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,8 @@ from .layout import Bound, Members, bind
 from .manifest import Manifest, TensorSpec
 from .payload import Payload
 from . import engines
-from .sync import Publisher, Subscriber
+from .subscriber import Subscriber
+from .sync import Publisher
 
 __version__ = "0.2.0"
 

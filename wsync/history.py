@@ -6,7 +6,10 @@ holding version v gets the deltas v+1..N when all of them are kept, and
 otherwise the keyframe followed by the deltas after it. Each keyframe drops
 the deltas from before the previous one, so memory stays flat however many
 versions pass: at most one keyframe state, the newest state, and two windows of
-keyframe_every small deltas.
+keyframe_every small deltas. Deltas are small, but raw versions (codec="raw")
+are whole models, so the kept versions are also bounded by bytes (``trim``):
+the oldest go first, and a subscriber that needed one gets a keyframe of the
+newest state instead.
 
 Everything here is pure planning or plain bookkeeping under the caller's lock;
 the encoding and sending happen in sync.py.
@@ -108,6 +111,38 @@ class History:
         if self.newest == version and (self.keyframe is None or self.keyframe.version != version):
             self.checksums.pop(version, None)
             self.newest = max(self.checksums, default=None)
+
+    def held_bytes(self) -> int:
+        """Bytes of encoded versions kept for catch-up (the keyframe's own state and encoding aside)."""
+        return sum(d.nbytes for d in self.deltas.values())
+
+    def trim(self, cap: int) -> list[int]:
+        """Drop the oldest finished versions until the rest hold at most cap bytes; returns those dropped.
+
+        The newest version and one still being encoded always stay (a sender may be waiting on its buckets)."""
+        held, dropped = self.held_bytes(), []
+        for v in sorted(self.deltas):
+            if held <= cap:
+                break
+            d = self.deltas[v]
+            if v == self.newest or not d.done:
+                continue
+            del self.deltas[v]
+            held -= d.nbytes
+            dropped.append(v)
+        return dropped
+
+    def keyframe_chain_kept(self) -> bool:
+        """Every version from the keyframe to the newest is still kept, each on the one before it."""
+        if self.keyframe is None or self.newest is None:
+            return False
+        v = self.newest
+        while v != self.keyframe.version:
+            d = self.deltas.get(v)
+            if d is None or d.error is not None or d.base_version is None:
+                return False
+            v = d.base_version
+        return True
 
     def plan(self, have: int | None, have_checksum: str | None) -> tuple[Keyframe | None, list[Encoded]]:
         """The keyframe (or None) and deltas that bring a subscriber at `have` to the newest version."""

@@ -10,9 +10,15 @@ then holds, and commit the version number. Any failure puts back every element
 written, so the engine serves version N or still N-1, never something between;
 the subscriber then asks the publisher for a keyframe. A dropped connection is
 redialled, and the hello tells the publisher where to resume.
+
+Threads: the receiver thread stages versions; applying happens there
+(apply="background") or in whoever calls poll(), one caller at a time
+(_apply_lock). Everything both sides read or write (staged versions, the
+version served, counters) is under _cv; stats are read as a copy.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -42,6 +48,9 @@ class Staged:
         self.base_version: int | None = meta["base_version"]
         self.count: int = meta["count"]
         self.checksum: str | None = meta["checksum"]  # the digest comes with the last bucket
+        at = meta.get("published_at")  # the publisher's wall clock at publish(), for the latency metric
+        self.published_at: float | None = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) \
+            else None
         self.payloads: list[Payload] = []
         self.nbytes = 0
 
@@ -53,7 +62,8 @@ class Staged:
 class Subscriber:
     def __init__(self, address: str, *, engine, token=None, apply: str = "background", backend: str | None = None,
                  connect_opts: dict | None = None, retry_s: float = 0.5, progress=None, relay: str | None = None,
-                 relay_opts: dict | None = None, served: list | None = None):
+                 relay_opts: dict | None = None, served: list | None = None, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1"):
         if apply not in ("background", "poll"):
             raise ValueError(f"apply must be 'background' or 'poll', got {apply!r}")
         self.address, self.engine, self.mode, self.backend = address, engine, apply, backend
@@ -62,6 +72,7 @@ class Subscriber:
         self.newest_seen: int | None = None  # newest version the publisher has announced
         self._lockstep = parse_address(address).scheme in ("gloo", "nccl")
         self._cv = threading.Condition()
+        self._apply_lock = threading.RLock()  # one applier at a time: poll() may be called from several threads
         self._staged: list[Staged] = []
         self._need_keyframe = False  # an apply failed: ignore deltas until a keyframe comes
         self._streak = 0  # failed applies in a row; keyframe requests back off, and wait_for gives up at GIVE_UP
@@ -77,11 +88,16 @@ class Subscriber:
             self._layouts[m.hash] = m
         self._bound: Bound | None = None  # the engine's tensors, bound once (segment tables reused every version)
         self.error: WsyncError | None = None  # the last apply failure, kept for callers to inspect
-        self.stats: dict = {"versions": 0, "bytes": 0, "failures": 0, "last": None}
+        self._stats: dict = {"versions": 0, "bytes": 0, "failures": 0, "reconnects": 0, "last": None}  # under _cv
+        self.metrics = None
+        if metrics_port is not None:
+            from .metrics import SubscriberMetrics
+
+            self.metrics = SubscriberMetrics(metrics_port, metrics_host)
         # a relay re-publishes every committed version to its own subscribers (a tree for WAN fan-out)
         self.relay = None
         if relay is not None:
-            from .sync import Publisher
+            from .sync import Publisher  # the one direction between the two modules: a relay is a publisher
 
             self.relay = Publisher(relay, token=token, **(relay_opts or {}))
         self._thread = threading.Thread(target=self._run, name="wsync-subscriber", daemon=True)
@@ -92,9 +108,10 @@ class Subscriber:
     def poll(self) -> int | None:
         """Apply every staged version now, in this thread; return the newest version applied, or None."""
         applied = None
-        while (st := self._take()) is not None:
-            if self._apply(st):
-                applied = st.version
+        with self._apply_lock:  # taken and applied in order, never two versions at once
+            while (st := self._take()) is not None:
+                if self._apply(st):
+                    applied = st.version
         return applied
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
@@ -127,6 +144,16 @@ class Subscriber:
                 self._cv.wait(min(left, 0.5) if left is not None else 0.5)
             return self.newest_seen
 
+    def stats_snapshot(self) -> dict:
+        """A consistent copy of the counters (versions, bytes, failures, reconnects, the last version's numbers)."""
+        with self._cv:
+            return copy.deepcopy(self._stats)
+
+    @property
+    def stats(self) -> dict:
+        """stats_snapshot(): a copy, never the dict the applying thread writes."""
+        return self.stats_snapshot()
+
     @property
     def served(self) -> list[Members] | None:
         """The bucket layouts of the version the engine serves (None before the first)."""
@@ -142,6 +169,8 @@ class Subscriber:
         self._thread.join(timeout=10)
         if self.relay is not None:
             self.relay.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def __enter__(self):
         return self
@@ -152,7 +181,13 @@ class Subscriber:
     # -- receiving ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        dialled = False
         while not self._closed:
+            if dialled:
+                self._count("reconnects")
+                if self.metrics is not None:
+                    self.metrics.reconnects.inc()
+            dialled = True
             try:
                 self._link = connect(self.address, **with_token(self._opts, self._token))
                 # without the layout of what it serves it cannot take deltas: it asks for a keyframe
@@ -173,7 +208,7 @@ class Subscriber:
     def _served_checksum(self) -> str | None:
         if self.version is None or self._served is None:
             return None
-        with getattr(self.engine, "lock", None) or nullcontext():
+        with self._apply_lock, getattr(self.engine, "lock", None) or nullcontext():  # not while a version applies
             return version_digest(self._bound if self._bound is not None else self.engine.tensors(), self._served,
                                   self.backend)
 
@@ -243,7 +278,14 @@ class Subscriber:
         if isinstance(version, int):
             with self._cv:
                 self.newest_seen = max(self.newest_seen if self.newest_seen is not None else -1, version)
+                newest, served = self.newest_seen, self.version
                 self._cv.notify_all()
+            if self.metrics is not None:
+                self.metrics.behind(newest, served)
+
+    def _count(self, key: str) -> None:
+        with self._cv:
+            self._stats[key] += 1
 
     def _take(self) -> Staged | None:
         with self._cv:
@@ -265,13 +307,16 @@ class Subscriber:
         if self._streak > 1:  # a keyframe that cannot apply here would otherwise be re-sent in a hot loop
             time.sleep(min(0.1 * 2 ** self._streak, 10.0))
         if self._lockstep:
-            self._report_need = True  # said in the next ack: a group link only speaks in lockstep
+            with self._cv:
+                self._report_need = True  # said in the next ack: a group link only speaks in lockstep
         else:
             self._send(Message("need", {"served": self.version}))
 
     def _ack(self, version: int) -> None:
-        need, self._report_need = self._report_need, False  # a failure is reported once, not on every ack
-        self._send(Message("ack", {"version": version, "served": self.version, "need_keyframe": need}))
+        with self._cv:  # the receiver thread acks too (lockstep, poll mode)
+            need, self._report_need = self._report_need, False  # a failure is reported once, not on every ack
+            served = self.version
+        self._send(Message("ack", {"version": version, "served": served, "need_keyframe": need}))
 
     # -- applying ----------------------------------------------------------------------------
 
@@ -286,29 +331,40 @@ class Subscriber:
             self._lost()
             return False
         t0 = time.perf_counter()
+        with self._cv:
+            layouts = dict(self._layouts)  # the receiver thread learns new ones meanwhile
         try:
             with getattr(self.engine, "lock", None) or nullcontext():  # guarded engines: not mid-forward
                 if self._bound is None or st.keyframe:
                     self._bound = None if hasattr(self.engine, "replace") else bind_engine(self.engine)
                 served = apply_version(self.engine, st.payloads, st.checksum, backend=self.backend,
-                                       layouts=self._layouts, bound=self._bound)
+                                       layouts=layouts, bound=self._bound)
         except WsyncError as e:
             self._bound = None  # bound again on the next try, in case the engine's tensors moved
-            self.error = e
-            self._streak += 1
-            self.stats["failures"] += 1
+            with self._cv:
+                self.error = e
+                self._streak += 1
+                self._stats["failures"] += 1
+            if self.metrics is not None:
+                self.metrics.failed(e)
             log.error("version %s refused, engine stays at %s: %s", st.version, self.version, e)
             self._lost()
             return False
+        apply_s = time.perf_counter() - t0
         with self._cv:
             self._served = served
             self.engine.version = self.version = st.version
             self._need_keyframe = False
             self._streak = 0
-            self.stats.update(versions=self.stats["versions"] + 1, bytes=self.stats["bytes"] + st.nbytes,
-                              last={"version": st.version, "bytes": st.nbytes, "apply_s": time.perf_counter() - t0,
-                                    "keyframe": st.keyframe})
+            self._stats.update(versions=self._stats["versions"] + 1, bytes=self._stats["bytes"] + st.nbytes,
+                               last={"version": st.version, "bytes": st.nbytes, "apply_s": apply_s,
+                                     "keyframe": st.keyframe})
+            newest = self.newest_seen
             self._cv.notify_all()
+        if self.metrics is not None:
+            latency = None if st.published_at is None else time.time() - st.published_at
+            self.metrics.committed(st.version, "raw" if st.keyframe else "delta", st.nbytes, apply_s, latency)
+            self.metrics.behind(newest, st.version)
         if self.mode == "background" and not self._lockstep:
             self._ack(st.version)
         if self.relay is not None:

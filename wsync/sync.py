@@ -26,6 +26,7 @@ acks come back as one gather per version, so that path runs in lockstep.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import threading
@@ -57,6 +58,15 @@ class PublisherConfig:
     max_queued: int = 2  # versions waiting to be encoded before publish() blocks (bounds memory)
     hello_timeout: float = 30.0  # seconds a new subscriber has to say hello
     live: bool = True  # host-memory states: publish() measures each delta against a mirror instead of copying
+    # encoded versions kept for catch-up, in bytes (raw versions are whole models); older ones are dropped and a
+    # subscriber that needed them gets a keyframe of the newest state instead. The newest version is always kept.
+    history_bytes: int = 1 << 30
+    metrics_port: int | None = None  # serve Prometheus metrics on this port (0: any free one); None: no metrics
+    metrics_host: str = "127.0.0.1"  # where the metrics endpoint listens: loopback unless asked otherwise
+
+
+class FlushTimeout(WsyncError, TimeoutError):
+    """flush() ran out of time; the message names each subscriber left behind and the version it holds."""
 
 
 class Publisher:
@@ -64,6 +74,8 @@ class Publisher:
         self.config = PublisherConfig(**config)
         if self.config.codec not in ("delta", "raw"):
             raise ValueError(f"codec must be 'delta' or 'raw', got {self.config.codec!r}")
+        if not isinstance(self.config.history_bytes, int) or self.config.history_bytes <= 0:
+            raise ValueError(f"history_bytes must be a positive number of bytes, got {self.config.history_bytes!r}")
         self._listener = listen(address, **with_token(listen_opts, token))
         self.address = self._listener.address
         self._history = History()
@@ -77,6 +89,7 @@ class Publisher:
         # the newest version, for publish() to measure host-memory states against (mirror.py)
         self._mirror = Mirror(backends.kernels(self.config.backend))
         self._published = 0  # versions accepted by publish()
+        self._published_at: dict[int, float] = {}  # version -> wall clock of publish(), sent for publish->live latency
         self._since_keyframe = 0
         self._last: int | None = None
         self._last_layout: tuple | None = None  # the last version's bucket layouts (hashes)
@@ -85,11 +98,25 @@ class Publisher:
         self._error: BaseException | None = None
         self._closed = False
         self._queue: queue.Queue = queue.Queue(self.config.max_queued)
-        self.stats: dict = {"versions": 0, "bytes": {}, "encode_s": {}}
+        # written by the encoder thread, read by the trainer's: only under _stats_lock, read as a copy (stats)
+        self._stats_lock = threading.Lock()
+        self._stats: dict = {"versions": 0, "bytes": {}, "encode_s": {}}
+        self.metrics = self._start_metrics()
         self._threads = [threading.Thread(target=self._encode_loop, name="wsync-encode", daemon=True),
                          threading.Thread(target=self._accept_loop, name="wsync-accept", daemon=True)]
         for t in self._threads:
             t.start()
+
+    def _start_metrics(self):
+        if self.config.metrics_port is None:
+            return None
+        from .metrics import PublisherMetrics
+
+        try:
+            return PublisherMetrics(self.config.metrics_port, self.config.metrics_host)
+        except BaseException:
+            self._listener.close()  # no half-built publisher left listening
+            raise
 
     # -- trainer-facing ----------------------------------------------------------------------
 
@@ -103,19 +130,27 @@ class Publisher:
         if self._last is not None and version <= self._last:
             raise VersionError(f"versions must increase: got {version} after {self._last}")
         live = _host_state(state)
-        self._host_trainer = live is not None  # worth keeping a mirror for
+        with self._cv:
+            self._host_trainer = live is not None  # worth keeping a mirror for
+            self._published_at[version] = time.time()  # before the encoder can start on it
+            while len(self._published_at) > 1000:
+                self._published_at.pop(next(iter(self._published_at)))
         layout = self._layout(live) if live is not None else None
         make_kf = keyframe_due(self._published, self._since_keyframe, self.config.keyframe_every) \
             or layout is None or layout != self._last_layout
         if live is None or make_kf or not self._publish_live(version, live):
             snap = Copying(live if live is not None else state, into=self._take_spare())
-            self._spare_wanted = snap.on_host  # else a spare would never be used
+            with self._cv:
+                self._spare_wanted = snap.on_host  # else a spare would never be used
             self._queue.put((version, snap, make_kf))
             snap.run([m.names for m in self._buckets(snap)])  # bucket by bucket: the encoder starts on each
             self._last_layout = self._layout(snap) if layout is None else layout
-        self._last = version
+        with self._cv:  # the encoder thread reads _last
+            self._last = version
         self._published += 1
         self._since_keyframe = 1 if make_kf else self._since_keyframe + 1
+        if self.metrics is not None:
+            self.metrics.published(version)
 
     def _publish_live(self, version: int, live: State) -> bool:
         """The delta from the mirror to `live`, measured here (see mirror.py); False if the mirror is not ready."""
@@ -123,7 +158,8 @@ class Publisher:
         if not self.config.live or self.config.codec != "delta" or m.version is None or m.version != self._last:
             return False  # the encoder has not made the previous version the mirror (yet); its layout is the last
         job = LiveDelta(m, live, self._buckets(live), tier=self.config.tier, kernels=m.kernels)
-        self._spare_wanted = False
+        with self._cv:
+            self._spare_wanted = False
         self._queue.put((version, job, False))
         with m.lock:
             try:
@@ -136,20 +172,48 @@ class Publisher:
         return True
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every version so far is encoded and acknowledged by every connected subscriber."""
+        """Wait until every version so far is encoded and acknowledged by every connected subscriber.
+
+        With a timeout, raises FlushTimeout naming each subscriber still behind (a frozen one would
+        otherwise hold the caller forever)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._queue.join()
         with self._cv:
             while not self._flushed():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"flush: subscribers still behind version {self._history.newest}")
+                    raise FlushTimeout(f"flush: after {timeout:g}s, subscribers still behind version "
+                                       f"{self._history.newest}: {', '.join(self._behind())}")
                 self._cv.wait(left if left is not None else 1.0)
         self._raise_pending()
 
     def _flushed(self) -> bool:
         newest = self._history.newest
         return all(p.dead or p.acked == newest for p in self._peers)
+
+    def behind(self) -> list[str]:
+        """Each live subscriber not yet at the newest version: its address and the version it acknowledged."""
+        with self._cv:
+            return self._behind()
+
+    def _behind(self) -> list[str]:
+        newest = self._history.newest
+        return [f"{p.link.peer} (holds {'nothing' if p.acked is None else f'version {p.acked}'})"
+                for p in self._peers if not p.dead and p.acked != newest]
+
+    def stats_snapshot(self) -> dict:
+        """A consistent copy of the counters: versions encoded, bytes and encode seconds per version, and the
+        bytes the catch-up history holds. Safe from any thread; the caller may keep or change it."""
+        with self._stats_lock:
+            snap = copy.deepcopy(self._stats)
+        with self._cv:
+            snap["history_bytes"] = self._history.held_bytes()
+        return snap
+
+    @property
+    def stats(self) -> dict:
+        """stats_snapshot(): a copy, never the dict the encoder thread writes."""
+        return self.stats_snapshot()
 
     @property
     def subscribers(self) -> int:
@@ -173,12 +237,15 @@ class Publisher:
                 return
             self._closed = True
             self._cv.notify_all()
+            peers = list(self._peers)
         self._queue.put(None)
         self._listener.close()
-        for p in list(self._peers):
+        for p in peers:
             p.stop()
         for t in self._threads:
             t.join(timeout=10)
+        if self.metrics is not None:
+            self.metrics.close()
 
     def __enter__(self):
         return self
@@ -187,8 +254,9 @@ class Publisher:
         self.close()
 
     def _raise_pending(self) -> None:
-        if self._error is not None:
+        with self._cv:  # the encoder thread sets it
             err, self._error = self._error, None
+        if err is not None:
             raise err
 
     # -- encoding ------------------------------------------------------------------------------
@@ -208,7 +276,10 @@ class Publisher:
                 pass  # publish() failed while reading the state, and raised that to its caller: no such version
             except BaseException as e:  # surfaces at the next publish()/flush()
                 log.exception("encoding a version failed")
-                self._error = e
+                with self._cv:
+                    self._error = e
+                if self.metrics is not None:
+                    self.metrics.failed(e)
             finally:
                 self._queue.task_done()
 
@@ -243,7 +314,8 @@ class Publisher:
                 raise
         with self._cv:
             self._recycle(prev)  # only now: _fill read prev as the delta's base
-        if cfg.live and cfg.codec == "delta" and self._host_trainer and self._last == version:
+            adopt = cfg.live and cfg.codec == "delta" and self._host_trainer and self._last == version
+        if adopt:
             self._adopt(version, state, sums)
         self._record(version, t0, delta)
         self._prepare_spare(state)
@@ -291,10 +363,14 @@ class Publisher:
         self._record(version, t0, enc)
 
     def _record(self, version: int, t0: float, enc: Encoded | None) -> None:
-        self.stats["versions"] += 1
-        self.stats["encode_s"][version] = time.perf_counter() - t0
-        self.stats["bytes"][version] = enc.nbytes if enc else None
-        self._trim_stats()
+        seconds = time.perf_counter() - t0
+        with self._stats_lock:
+            self._stats["versions"] += 1
+            self._stats["encode_s"][version] = seconds
+            self._stats["bytes"][version] = enc.nbytes if enc else None
+            self._trim_stats()
+        if self.metrics is not None:
+            self.metrics.encoded(version, seconds)
 
     def _prepare_spare(self, state: State) -> None:
         """While nothing waits to be encoded, fault in a spare for the next publish() if none was recycled.
@@ -329,6 +405,8 @@ class Publisher:
 
         Returns each segment's checksum (as its manifest gives it)."""
         sums = []  # (key, dtype, numel, checksum) of every segment: the version digest, without another pass
+        with self._cv:
+            at = self._published_at.get(enc.version)  # publish()'s wall clock: subscribers measure latency from it
         try:
             for i in range(enc.count):
                 p = payload(i)
@@ -336,7 +414,7 @@ class Publisher:
                 last = i == enc.count - 1
                 # the digest of the whole version rides on its last bucket, the one the subscriber applies after
                 meta = {"version": enc.version, "base_version": enc.base_version, "index": i, "count": enc.count,
-                        "checksum": segment_digest(sums) if last else None}
+                        "checksum": segment_digest(sums) if last else None, "published_at": at}
                 msg = Message("bucket", meta, [p.header(), p.body])
                 with self._cv:
                     if last:
@@ -344,7 +422,10 @@ class Publisher:
                         self._history.known(enc.version, enc.checksum)
                     enc.buckets.append(msg)
                     enc.nbytes += msg.nbytes
+                    self._history.trim(self.config.history_bytes)
                     self._cv.notify_all()
+                if self.metrics is not None:
+                    self.metrics.sent_bytes(p.manifest.codec, msg.nbytes)
             return {name: csum for name, _, _, csum in sums}
         except BaseException as e:
             with self._cv:
@@ -387,8 +468,9 @@ class Publisher:
             return spare
 
     def _trim_stats(self) -> None:
+        """Holds _stats_lock."""
         for key in ("bytes", "encode_s"):
-            d = self.stats[key]
+            d = self._stats[key]
             while len(d) > 1000:
                 d.pop(next(iter(d)))
 
@@ -426,9 +508,11 @@ class Publisher:
                         kf, deltas = self._fresh_keyframe(), []
                     else:
                         kf, deltas = self._history.plan(peer.sent, peer.sent_checksum)
-                        if kf is not None and peer.sent is not None and kf.version <= peer.sent:
+                        if kf is not None and (peer.sent is not None and kf.version <= peer.sent
+                                               or not self._history.keyframe_chain_kept()):
                             # it holds something numbered at or past the stored keyframe that we cannot vouch
-                            # for: a keyframe of the newest state moves it forward instead of back
+                            # for, or versions after the keyframe were dropped to bound memory: a keyframe of
+                            # the newest state moves it forward instead
                             kf, deltas = self._fresh_keyframe(), []
                     if kf is not None or deltas:
                         peer.need_keyframe = False
@@ -475,5 +559,3 @@ def _host_state(state) -> State | None:
         return None
     return bind(state)
 
-
-from .subscriber import Subscriber, apply_version  # noqa: E402  (the engine side of the same protocol)

@@ -26,7 +26,7 @@ MODES = {"full": dict(codec="raw"), "delta": dict(codec="delta", tier="packed"),
 def subscriber_main(argv=None) -> None:
     """Child process: follow ADDRESS into a host-memory engine; print one JSON line per committed version."""
     from .. import engines
-    from ..sync import Subscriber
+    from ..subscriber import Subscriber
 
     address, token, last = argv or sys.argv[1:4]
     eng = engines.Shadow()
