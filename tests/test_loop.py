@@ -122,3 +122,47 @@ def test_bad_config_is_refused():
         LoopConfig(steps=1, group_size=8, decode=DecodeConfig(slots=4))
     with pytest.raises(ValueError, match="mode"):
         LoopConfig(steps=1, mode="eventually")
+
+
+def _busy_cpus(n: int):
+    """n processes that spin a core each (the load the loop met when it crashed 1 run in 4)."""
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def test_sync_loop_completes_under_cpu_load():
+    """Issue 16 #10: the loop read Publisher.stats while the encoder thread wrote it; under load it crashed."""
+    busy = _busy_cpus(2)
+    try:
+        r = run(_cfg(mode="sync", steps=0, seconds=4.0, keep_samples=False))
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait(10)
+    _check_sync_digests(r)
+    s = r.summary
+    assert s["steps"] >= 1 and s["sync"]["versions_sent"] >= 1
+
+
+def test_loop_serves_metrics_when_asked():
+    """The loop's trainer and samplers each serve their own Prometheus endpoint on loopback."""
+    r = run(_cfg(mode="sync", steps=2, metrics_port=0))
+    m = r.summary["metrics"]
+    assert m["trainer"].startswith("http://127.0.0.1:") and m["trainer"].endswith("/metrics")
+    assert list(m["samplers"]) == [0] and m["samplers"][0].startswith("http://127.0.0.1:")
+    assert m["samplers"][0] != m["trainer"]
+
+
+def test_cli_metrics_port_flag():
+    import argparse
+
+    from trainer.cli import add_arguments, config_from_args
+    from trainer.sampler import metrics_port
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert config_from_args(p.parse_args(["--steps", "1", "--metrics-port", "9400"])).metrics_port == 9400
+    assert config_from_args(p.parse_args(["--steps", "1"])).metrics_port is None
+    assert (metrics_port(9400, 0), metrics_port(9400, 2), metrics_port(0, 1), metrics_port(None, 0)) == (9401, 9403, 0, None)

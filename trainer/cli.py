@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default="tcp://127.0.0.1:0", help="publisher address (tcp://..., local://name)")
     p.add_argument("--codec", choices=["delta", "raw"], default="delta")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-port", type=int,
+                   help="Prometheus metrics on 127.0.0.1: the trainer on PORT, sampler i on PORT+1+i")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--json", type=Path, help="write the summary (with per-step history) here")
     p.add_argument("--png", type=Path, help="reward vs wall time plot (needs matplotlib; default: next to --json)")
@@ -66,6 +68,7 @@ def config_from_args(a):
     return LoopConfig(
         mode=a.mode, max_staleness=a.max_staleness, steps=a.steps, seconds=a.seconds, samplers=a.samplers,
         group_size=a.group_size, batch_groups=a.batch_groups, seed=a.seed, address=a.address, codec=a.codec,
+        metrics_port=a.metrics_port,
         progress=not a.quiet, task=task, grpo=GRPOConfig(lr=a.lr, is_cap=a.is_cap),
         decode=DecodeConfig(slots=a.slots, temperature=a.temperature, top_p=a.top_p, kv_cache=a.kv_cache,
                             refill_at=a.refill_at),

@@ -64,6 +64,7 @@ class LoopConfig:
     report_digests: bool = False  # samplers report a digest per applied version (bit-identity checks)
     keep_samples: bool = False  # keep every trained sample in the result (tests)
     progress: bool = True  # live progress line on stderr
+    metrics_port: int | None = None  # Prometheus: trainer on this port, sampler i on port + 1 + i (0: any free)
     task: TaskConfig = field(default_factory=TaskConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -131,6 +132,8 @@ class Driver:
             self.result.synced.append(item)
         elif kind in ("ready", "bye"):
             (self.alive.add if kind == "ready" else self.alive.discard)(item["worker"])
+            if item.get("metrics"):
+                self.metrics["samplers"][item["worker"]] = item["metrics"]
             if "stats" in item:
                 self.rec.sampler_stats(item["worker"], item["stats"])
         elif kind == "group":
@@ -181,13 +184,15 @@ class Driver:
         # an auth token keeps anyone else on the network from pushing weights; local:// is a private socket
         token = secrets.token_bytes(16) if self.cfg.address.startswith("tcp://") else None
         self.pub = wsync.Publisher(self.cfg.address, codec=self.cfg.codec, keyframe_every=self.cfg.keyframe_every,
-                                   token=token)
+                                   token=token, metrics_port=self.cfg.metrics_port)
+        self.metrics: dict = {"trainer": self.pub.metrics.url if self.pub.metrics else None, "samplers": {}}
         ctx = mp.get_context("spawn")
         self.tickets = ctx.Queue()
         self.results = ctx.Queue(maxsize=(self.cfg.eta + 1) * self.cfg.batch_groups + 4 * self.cfg.samplers)
         self.stop = ctx.Event()
         scfg = sampler.SamplerConfig(policy=self.cfg.policy, decode=self.cfg.decode, threads=self.cfg.threads,
-                                     seed=self.cfg.seed, report_digests=self.cfg.report_digests)
+                                     seed=self.cfg.seed, report_digests=self.cfg.report_digests,
+                                     metrics_port=self.cfg.metrics_port)
         self.procs = procs = [ctx.Process(target=sampler.main, name=f"wsync-sampler-{i}", daemon=True,
                              args=(i, scfg, self.pub.address, token, self.tickets, self.results, self.stop))
                  for i in range(self.cfg.samplers)]
@@ -242,7 +247,8 @@ class Driver:
             except queue.Empty:
                 continue
         s = self.rec.summary()
-        s["sync"] = _sync_summary(self.pub.stats, self.rec.samplers)
+        s["sync"] = _sync_summary(self.pub.stats, self.rec.samplers)  # stats: a snapshot, safe while encoding
+        s["metrics"] = self.metrics
         s["config"] = asdict(self.cfg)
         s["hardware"] = describe()
         s["history"] = self.rec.steps

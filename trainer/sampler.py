@@ -30,6 +30,7 @@ class SamplerConfig:
     seed: int = 0  # sampling seed; worker i draws from seed * 1000 + i
     report_digests: bool = False  # after each applied version, send a digest of the live weights (tests)
     connect_timeout: float = 60.0  # seconds to wait for version 0, or for a version a ticket demands
+    metrics_port: int | None = None  # Prometheus: worker i serves on port + 1 + i (0: any free port); None: off
 
 
 class Worker:
@@ -45,7 +46,8 @@ class Worker:
         torch.set_num_threads(cfg.threads)
         self.index, self.cfg, self.tickets, self.results, self.stop = index, cfg, tickets, results, stop
         self.model = build(cfg.policy)
-        self.sub = wsync.Subscriber(address, engine=HF(self.model), token=token, apply="poll")
+        self.sub = wsync.Subscriber(address, engine=HF(self.model), token=token, apply="poll",
+                                    metrics_port=metrics_port(cfg.metrics_port, index))
         self.decoder = Decoder(self.model, cfg.decode, seed=cfg.seed * 1000 + index)
         self.groups: dict[int, dict] = {}  # group id -> ticket and its finished samples
         self.held = None  # a ticket taken from the queue that waits for free slots or a newer version
@@ -56,7 +58,8 @@ class Worker:
         t = time.perf_counter()
         self.sub.wait_for(0, timeout=self.cfg.connect_timeout)
         self._applied(self.sub.version, time.perf_counter() - t)
-        self._put({"kind": "ready", "worker": self.index, "version": self.sub.version})
+        self._put({"kind": "ready", "worker": self.index, "version": self.sub.version,
+                   "metrics": self.sub.metrics.url if self.sub.metrics else None})
         while not self.stop.is_set():
             self._poll()
             if not self._admit():
@@ -150,6 +153,13 @@ class Worker:
         s = {**self.clock, **self.count, "slots": self.cfg.decode.slots}
         s.update({f"sub_{k}": v for k, v in self.sub.stats.items() if isinstance(v, (int, float))})
         return s
+
+
+def metrics_port(base: int | None, index: int) -> int | None:
+    """Worker i's metrics port: base + 1 + i (the trainer has base), any free one for base 0, None for none."""
+    if base is None:
+        return None
+    return base + 1 + index if base else 0
 
 
 def main(index: int, cfg: SamplerConfig, address: str, token: bytes, tickets, results, stop) -> None:
