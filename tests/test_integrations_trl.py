@@ -23,7 +23,7 @@ class Server:
     """vLLM's HTTP routes as TRL uses them, over a wsync Subscriber into an HF model."""
 
     def __init__(self, model):
-        self.model, self.sub, self.calls = model, None, []
+        self.model, self.sub, self.calls, self.bodies = model, None, [], []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,7 +44,9 @@ class Server:
 
             def do_POST(self):
                 n = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(n) or b"{}")
+                raw = self.rfile.read(n) or b"{}"
+                server.bodies.append(raw.decode())
+                body = json.loads(raw)
                 server.calls.append(self.path)
                 self._reply(server.handle(self.path, body))
 
@@ -54,11 +56,12 @@ class Server:
 
     def handle(self, path, body):
         from wsync import Subscriber, engines
+        from wsync.integrations.common import engine_token
 
         if path == "/init_weight_transfer_engine":
-            info = body["init_info"]
-            self.sub = Subscriber(info["address"], engine=engines.HF(self.model), token=bytes.fromhex(info["token"]),
-                                  apply="poll")
+            info = body["init_info"]  # as wsync.engines.vllm_backend reads it: the token from the server's env
+            self.sub = Subscriber(info["address"], engine=engines.HF(self.model),
+                                  token=engine_token(info.get("token_id")), apply="poll")
         elif path == "/update_weights":
             self.sub.wait_for(body["update_info"]["version"], timeout=30)
         return {}
@@ -83,8 +86,13 @@ def trl_cpu(monkeypatch):
     wt.unpatch()
 
 
-def test_grpo_server_sync_through_wsync(trl_cpu):
+def test_grpo_server_sync_through_wsync(trl_cpu, monkeypatch, caplog):
+    import logging
+
     from trl.generation.vllm_generation import VLLMGeneration
+
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("WSYNC_TOKEN", TOKEN)  # the vLLM server's own copy of the token
 
     trainer, served = tiny_qwen(0, tie=False), tiny_qwen(1, tie=False)
     server = Server(served)
@@ -104,6 +112,11 @@ def test_grpo_server_sync_through_wsync(trl_cpu):
         sizes = vgen.vllm_client.wsync_pub.stats["bytes"]
         full = sum(t.nbytes for t in trainer.state_dict().values())
         assert sizes[1] < full / 4  # deltas, not full weights
+        # the token never rode the HTTP control plane (servers log it), nor any log line
+        assert server.bodies and not any(TOKEN in b for b in server.bodies)
+        assert not any(TOKEN in c for c in server.calls)
+        assert "token_id" in server.bodies[0]
+        assert not any(TOKEN in r.getMessage() for r in caplog.records)
     finally:
         if vgen is not None:
             vgen.vllm_client.close_communicator()

@@ -25,7 +25,8 @@ from .vllm import LoadWeights
 @dataclass
 class WsyncInitInfo(WeightTransferInitInfo):
     address: str  # the trainer's Publisher, e.g. "tcp://trainer:7070"
-    token: str | None = None  # the Publisher's auth token, hex
+    token: str | None = None  # the Publisher's auth token, hex (prefer token_id: request bodies get logged)
+    token_id: str | None = None  # the token's fingerprint; the token itself comes from WSYNC_TOKEN / WSYNC_TOKEN_FILE
     timeout_s: float = 600.0  # how long update_weights waits for a version to arrive
     layerwise: bool = False  # quantized models: vLLM's layerwise reload, fed every tensor of every version
 
@@ -44,7 +45,9 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         # follows set_weight_update_target (draft models); layerwise reload processes a layer once all of it
         # arrived, so it needs whole versions, while plain in-place loading takes just the changed tensors
         self.engine = LoadWeights(lambda: self.model, whole=init_info.layerwise)
-        token = bytes.fromhex(init_info.token) if init_info.token else None
+        from ..integrations.common import engine_token
+
+        token = bytes.fromhex(init_info.token) if init_info.token else engine_token(init_info.token_id)
         self.sub = Subscriber(init_info.address, engine=self.engine, token=token, apply="poll")
 
     def start_weight_update(self) -> None:

@@ -5,17 +5,36 @@ Frameworks count weight updates their own way (verl's ``global_steps``, slime's
 must increase strictly, and both ends must agree on the number without talking,
 so ``next_version`` turns any framework count into one deterministic rule that
 trainer and engine apply to the same sequence of calls.
+
+Tokens: a Publisher listens on loopback unless told otherwise, and refuses to
+listen anywhere else over tcp without a token (anyone who reaches it could
+otherwise push weights). The token itself never crosses a framework's control
+plane (HTTP bodies, RPC arguments, group names), which frameworks log: each end
+reads it from its own config or from ``WSYNC_TOKEN`` / ``WSYNC_TOKEN_FILE``,
+and the control plane carries only ``token_id``, a fingerprint that lets the
+engine say "wrong token" without learning it.
 """
 from __future__ import annotations
 
+import hashlib
+import ipaddress
+import os
 from dataclasses import dataclass, field
+
+from ..errors import WsyncError
+
+TOKEN_ENV, TOKEN_FILE_ENV = "WSYNC_TOKEN", "WSYNC_TOKEN_FILE"  # hex token, or a file holding it
 
 
 @dataclass(kw_only=True)
 class SyncConfig:
-    address: str = "tcp://0.0.0.0:0"  # where the trainer's Publisher listens (tcp://, ucx://, local://, gloo://?world_size=N)
+    # where the trainer's Publisher listens (tcp://, ucx://, local://, gloo://?world_size=N); another host's
+    # engines need a reachable address (tcp://0.0.0.0:7070), and then a token
+    address: str = "tcp://127.0.0.1:0"
     advertise: str | None = None  # host engines dial when address binds 0.0.0.0 (None: this host's name)
-    token: str | None = None  # shared secret, hex (both ends); None only on a trusted network
+    # shared secret, hex (both ends); None: WSYNC_TOKEN / WSYNC_TOKEN_FILE, else none (loopback only over tcp).
+    # Kept out of repr: configs get logged
+    token: str | None = field(default=None, repr=False)
     codec: str = "delta"  # "delta" (raw keyframes every keyframe_every) or "raw"
     tier: str = "packed"  # delta tier: "packed" (zstd, WAN/TCP) or "sparse" (fast links)
     keyframe_every: int = 50  # a raw version every K versions
@@ -23,17 +42,81 @@ class SyncConfig:
     publisher_opts: dict = field(default_factory=dict)  # extra PublisherConfig fields (bucket_bytes, backend, ...)
 
     def token_bytes(self) -> bytes | None:
-        return bytes.fromhex(self.token) if self.token else None
+        return load_token(self.token)
+
+    def token_id(self) -> str | None:
+        """What the control plane may carry instead of the token."""
+        return token_id(self.token_bytes())
 
     def publisher(self):
         from ..sync import Publisher
 
-        return Publisher(self.address, token=self.token_bytes(), codec=self.codec, tier=self.tier,
+        token = self.token_bytes()
+        check_exposure(self.address, token)
+        return Publisher(self.address, token=token, codec=self.codec, tier=self.tier,
                          keyframe_every=self.keyframe_every, **self.publisher_opts)
 
     def dial_address(self, pub) -> str:
         """The address an engine on another host dials to reach `pub`."""
         return advertised(pub.address, self.advertise)
+
+
+def load_token(token: str | bytes | None = None) -> bytes | None:
+    """The shared token: given (hex string or bytes), else WSYNC_TOKEN (hex), else the file WSYNC_TOKEN_FILE names."""
+    if isinstance(token, bytes):
+        return token
+    if not token:
+        token = os.environ.get(TOKEN_ENV)
+    if not token and os.environ.get(TOKEN_FILE_ENV):
+        with open(os.environ[TOKEN_FILE_ENV]) as f:
+            token = f.read().strip()
+    if not token:
+        return None
+    try:
+        return bytes.fromhex(token)
+    except ValueError:
+        raise ValueError("the wsync token must be hex (e.g. python -c 'import secrets; print(secrets.token_hex(16))')"
+                         ) from None
+
+
+def token_id(token: bytes | None) -> str | None:
+    """A fingerprint of the token, safe to send and log: it names the token without revealing it."""
+    if token is None:
+        return None
+    return hashlib.sha256(b"wsync token id\0" + token).hexdigest()[:16]
+
+
+def engine_token(expected_id: str | None) -> bytes | None:
+    """The engine's side of a control plane that carried only token_id: its own token, checked against the id."""
+    if expected_id is None:
+        return None
+    token = load_token()
+    if token is None:
+        raise WsyncError(f"the trainer's publisher wants a token (id {expected_id}); give this engine the same "
+                         f"token in {TOKEN_ENV} (hex) or a file named by {TOKEN_FILE_ENV}")
+    if token_id(token) != expected_id:
+        raise WsyncError(f"this engine's token (id {token_id(token)}) is not the trainer's (id {expected_id})")
+    return token
+
+
+def check_exposure(address: str, token: bytes | None) -> None:
+    """Refuse a tcp listener beyond loopback without a token: anyone who reaches it could push weights."""
+    scheme, _, rest = address.partition("://")
+    if scheme != "tcp" or token is not None:
+        return
+    host = rest.partition("?")[0].rpartition(":")[0].strip("[]")
+    if not _loopback(host):
+        raise ValueError(f"{address} listens beyond this host without a token, so anyone who can reach it could "
+                         f"push weights: set token= (or {TOKEN_ENV}) on both ends, or listen on tcp://127.0.0.1")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
 
 
 def advertised(address: str, host: str | None = None) -> str:

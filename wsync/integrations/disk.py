@@ -64,6 +64,7 @@ class StepDirs(Shadow):
 def sidecar(address: str, path_for, *, token: str | None = None, marker: str | None = None, keep: int = 2):
     """Start a Subscriber that writes every version it commits (call .close() to stop)."""
     from ..subscriber import Subscriber
+    from .common import load_token
 
     return Subscriber(address, engine=StepDirs(path_for, marker=marker, keep=keep),
-                      token=bytes.fromhex(token) if token else None)
+                      token=load_token(token))  # None: WSYNC_TOKEN / WSYNC_TOKEN_FILE, if set

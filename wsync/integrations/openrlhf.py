@@ -12,7 +12,9 @@ only NCCL/gloo groups exist, so this module patches four methods and routes
 
 - trainer: ``_init_vllm_sync_group`` starts a wsync Publisher and passes its
   address through the same ``init_process_group`` RPC (``backend="wsync"``,
-  ``group_name`` carries ``wsync:<token hex>``); ``broadcast_to_vllm`` gathers
+  ``group_name`` carries ``wsync:<token id>``, a fingerprint: the token itself
+  never rides an RPC argument or a group name, which get logged; each vLLM
+  worker reads it from ``WSYNC_TOKEN`` / ``WSYNC_TOKEN_FILE``); ``broadcast_to_vllm`` gathers
   each parameter as before (ZeRO-3 too), publishes the whole model as one
   version, and sends one ``update_weight("wsync:<version>")`` per engine;
 - vLLM worker: ``WorkerWrap.init_process_group`` subscribes, and
@@ -27,7 +29,7 @@ from __future__ import annotations
 import importlib
 from contextlib import nullcontext
 
-from .common import SyncConfig, host_state
+from .common import SyncConfig, engine_token, host_state
 
 SYNC_BACKEND = "wsync"
 PREFIX = "wsync:"
@@ -75,7 +77,7 @@ def init_vllm_sync_group(self, backend: str):
     self._wsync_version = -1
     tp = self.strategy.args.vllm.tensor_parallel_size
     world_size = len(self.vllm_engines) * tp + 1
-    group = PREFIX + (_CONFIG.token or "")
+    group = PREFIX + (_CONFIG.token_id() or "")  # a fingerprint, never the token
     address = _CONFIG.dial_address(self._wsync_pub)
     _resolve([engine.init_process_group.remote(address, 0, i * tp + 1, world_size, group, backend=SYNC_BACKEND,
                                                use_ray=False) for i, engine in enumerate(self.vllm_engines)])
@@ -134,10 +136,10 @@ def worker_init_process_group(self, master_address, master_port, rank_offset, wo
     from ..engines.vllm import LoadWeights
     from ..subscriber import Subscriber
 
-    token = group_name[len(PREFIX):] if group_name.startswith(PREFIX) else ""
+    wanted = group_name[len(PREFIX):] if group_name.startswith(PREFIX) else ""
+    token = engine_token(wanted or None)  # this worker's own token (environment), checked against the id
     self._wsync_engine = LoadWeights(lambda: self.model_runner.model)
-    self._wsync_sub = Subscriber(master_address, engine=self._wsync_engine,
-                                 token=bytes.fromhex(token) if token else None, apply="poll")
+    self._wsync_sub = Subscriber(master_address, engine=self._wsync_engine, token=token, apply="poll")
 
 
 def worker_update_weight(self, name, dtype, shape, empty_cache=False):

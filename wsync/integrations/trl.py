@@ -18,7 +18,10 @@ class, so ``patch()`` swaps the one name it uses
     import wsync.integrations.trl as wt
     wt.patch(address="tcp://0.0.0.0:7070", token=secret_hex)   # before GRPOTrainer(...)
 
-and the server starts with ``--weight-transfer-config '{"backend": "wsync"}'``.
+and the server starts with ``--weight-transfer-config '{"backend": "wsync"}'`` and
+the same token in its environment (``WSYNC_TOKEN``). The token never goes into
+the HTTP requests, which servers and proxies log: they carry its fingerprint
+(``token_id``) so the server can tell a wrong token from a missing one.
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ def client_class(config: SyncConfig | None = None) -> type:
             cfg = self.wsync_config or _CONFIG or SyncConfig()
             self.wsync_pub = cfg.publisher()
             self.wsync_version: int | None = None
-            init_info = {"address": cfg.dial_address(self.wsync_pub), "token": cfg.token, "timeout_s": cfg.timeout_s}
+            init_info = {"address": cfg.dial_address(self.wsync_pub), "token_id": cfg.token_id(),
+                         "timeout_s": cfg.timeout_s}
             self._post(f"{self.base_url}/init_weight_transfer_engine", json={"init_info": init_info})
             self.communicator = self.wsync_pub
 

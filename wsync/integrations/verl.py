@@ -23,7 +23,10 @@ verl config::
     actor_rollout_ref.rollout.checkpoint_engine.backend=wsync
     +actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=wsync.integrations.verl
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.wsync.address=tcp://0.0.0.0:7070
-    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.wsync.token=<hex>
+
+with the token in every worker's environment (``WSYNC_TOKEN=<hex>``, e.g. through
+Ray's runtime_env), not in the config, which verl prints; a tcp address beyond
+loopback without a token is refused.
 """
 from __future__ import annotations
 
