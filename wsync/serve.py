@@ -62,13 +62,18 @@ def _settled(path: Path, settle_s: float) -> bool:
 
 
 def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1.0, settle_s: float = 2.0,
-          stop=None, log=print, follow_symlinks: bool = False, **config) -> None:
-    """Publish every checkpoint in src, then (watch=True) each new one, until stop() is true."""
+          stop=None, log=print, follow_symlinks: bool = False, flush_timeout: float = 300.0, **config) -> None:
+    """Publish every checkpoint in src, then (watch=True) each new one, until stop() is true.
+
+    Before returning, waits up to flush_timeout seconds for every subscriber to hold the newest version;
+    then raises FlushTimeout naming each one left behind (a frozen subscriber must not hold serve forever)."""
     from .sync import Publisher
 
     src = Path(src)
     pub = Publisher(listen, token=token, **config)
     log(f"serving {src} at {pub.address}")
+    if pub.metrics is not None:
+        log(f"metrics at {pub.metrics.url}")
     done: set[int] = set()
     try:
         while True:
@@ -87,7 +92,7 @@ def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1
                 done.add(version)
                 log(f"published version {version} from {path}")
             if not watch or (stop is not None and stop()):
-                pub.flush()
+                pub.flush(flush_timeout)
                 return
             time.sleep(poll_s)
     finally:
@@ -130,7 +135,7 @@ def replica_metadata(state, version: int, served: list | None = None) -> dict[st
 def pull(address: str, out, *, token=None, timeout: float | None = None, version: int | None = None,
          progress: bool = True) -> int:
     """Fetch the newest version (or at least `version`) into out; returns the version written."""
-    from .sync import Subscriber
+    from .subscriber import Subscriber
 
     out = Path(out)
     prepare_output(out)  # before fetching anything: a folder wsync did not write is never replaced
@@ -187,6 +192,10 @@ def add_parsers(sub) -> None:
     s.add_argument("--keyframe-every", type=int, default=50)
     s.add_argument("--follow-symlinks", action="store_true",
                    help="also serve checkpoint files that are symlinks to outside SRC (skipped by default)")
+    s.add_argument("--flush-timeout", type=float, default=300.0,
+                   help="--no-watch: seconds to wait for subscribers to take the newest version before giving up "
+                        "and naming those left behind")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     s.set_defaults(fn=_serve_cmd)
     p = sub.add_parser("pull", help="fetch the newest version from a publisher into a folder (resumable)")
     p.add_argument("address")
@@ -203,7 +212,8 @@ def _address(s: str) -> str:
 
 def _serve_cmd(a) -> None:
     serve(a.src, _address(a.listen), token=a.token, watch=not a.no_watch, codec=a.codec, tier=a.tier,
-          keyframe_every=a.keyframe_every, follow_symlinks=a.follow_symlinks)
+          keyframe_every=a.keyframe_every, follow_symlinks=a.follow_symlinks, flush_timeout=a.flush_timeout,
+          metrics_port=a.metrics_port)
 
 
 def _pull_cmd(a) -> None:
