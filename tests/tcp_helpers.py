@@ -135,3 +135,118 @@ def self_signed(tmp_path, host: str = "127.0.0.1") -> tuple[str, str]:
     key.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption()))
     return str(cert), str(key)
+
+
+class RecordRelay:
+    """A man in the middle on loopback that speaks the tcp:// record format and lacks the token.
+
+    It relays every connection between dialler and listener. Bytes from the
+    dialler pass untouched; on the listener -> dialler side it skips the
+    handshake (which it cannot forge) and parses the records after it, then
+    does `action` once, to the first FRAME record of at least 1 KiB:
+
+    rewrite: change body bytes and recompute the body's and the header's xxh3, as an attacker would;
+    drop: leave the record out; repeat: send it twice; swap: send it after the next FRAME record.
+
+    A record MAC it cannot compute, so it passes tags through as they came
+    (tag: bytes of each tag, 0 on a link without them).
+    """
+
+    def __init__(self, target_port: int, action: str, tag: int = 0):
+        from wsync.transports.tcp import auth
+
+        self.target, self.action, self.tag = target_port, action, tag
+        self.reply_tag = getattr(auth, "MAC_SIZE", 0)  # handshake v2 ends the server's reply with a MAC
+        self.hello = auth.HELLO_S.size
+        self.done = False  # the action happened
+        self._lock = threading.Lock()
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self._srv.getsockname()[1]}"
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self._srv.accept()
+                u = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                return
+            self._socks += [c, u]
+            threading.Thread(target=self._pass, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._records, args=(u, c), daemon=True).start()
+
+    @staticmethod
+    def _pass(src, dst):
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        _shut(src, dst)
+
+    def _records(self, src, dst):
+        from wsync.transports.tcp import frames as tf
+
+        try:
+            dst.sendall(_exact(src, self.hello))
+            n = _exact(src, 4)
+            dst.sendall(n + _exact(src, int.from_bytes(n, "little") + self.reply_tag))
+            held = None  # swap: a record held back until the next FRAME has gone
+            while True:
+                head = _exact(src, tf.REC_SIZE + self.tag)
+                rec = tf.unpack(head[: tf.REC_SIZE])
+                body = _exact(src, rec.length + (self.tag if rec.length else 0))
+                now = head + body
+                if rec.type == tf.FRAME and rec.length >= 1024:
+                    now, held = self._act(rec, head, body, held)
+                dst.sendall(now)
+        except (OSError, EOFError):
+            pass
+        _shut(src, dst)
+
+    def _act(self, rec, head: bytes, body: bytes, held):
+        """(bytes to forward now, a record to hold back) in place of this FRAME record."""
+        import xxhash
+        from wsync.transports.tcp import frames as tf
+
+        if held is not None:
+            return head + body + held, None
+        with self._lock:
+            first, self.done = not self.done, True
+        if not first:
+            return head + body, None
+        if self.action == "drop":
+            return b"", None
+        if self.action == "repeat":
+            return (head + body) * 2, None
+        if self.action == "swap":
+            return b"", head + body
+        data = bytearray(body[: rec.length])  # rewrite: the values an attacker wants, checksums that agree
+        for i in range(0, len(data), 997):
+            data[i] ^= 0x5A
+        rec.body_sum = xxhash.xxh3_64_intdigest(bytes(data))
+        return tf.pack(rec) + head[tf.REC_SIZE:] + bytes(data) + body[rec.length:], None
+
+    def close(self):
+        self._srv.close()
+        for s in self._socks:
+            _shut(s)
+
+
+def _exact(sock, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def _shut(*socks):
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

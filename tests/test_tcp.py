@@ -304,10 +304,11 @@ def _fake_peer(address: str, records: list[bytes]) -> None:
     port = int(address.rsplit(":", 1)[1])
     req = {"session": "ab" * 16, "epoch": 1}
     up = socket.create_connection(("127.0.0.1", port))
+    deadline = time.monotonic() + 10
     tcp_auth.client_handshake(up, None, {**req, "op": "open", "dir": "up", "index": 0, "streams": 1,
-                                         "state": tf.encode_state(0, {}).decode()}, "test")
+                                         "state": tf.encode_state(0, {}).decode()}, "test", deadline)
     down = socket.create_connection(("127.0.0.1", port))
-    tcp_auth.client_handshake(down, None, {**req, "op": "join", "dir": "down", "index": 0}, "test")
+    tcp_auth.client_handshake(down, None, {**req, "op": "join", "dir": "down", "index": 0}, "test", deadline)
     for r in records:
         up.sendall(r)
     return up, down
@@ -322,6 +323,7 @@ def _head(seq, sizes, frame=1 << 20, max_lie=None):
 
 @pytest.mark.parametrize("records, match", [
     ([_head(0, [1 << 40])], "max_message"),
+    ([_head(0, [1 << 30]), _head(1, [1 << 30]), _head(2, [1 << 30])], "incomplete"),  # announced, never sent
     ([_head(0, [100], frame=3)], "frame size"),
     ([_head(0, [3 << 20]), tf.pack(tf.Record(tf.FRAME, 0, 0, 12345, 10, 0)) + bytes(10)], "not a frame"),
     ([_head(0, [100]), tf.pack(tf.Record(tf.FRAME, 0, 7, 0, 100, 0)) + bytes(100)], "blob 7"),
@@ -372,7 +374,7 @@ def _swallow(fn, *args):
 
 @pytest.mark.parametrize("direction", ["down", "up"])
 def test_connections_cut_mid_message_resume_bit_exact(direction):
-    lst = listen("tcp://127.0.0.1:0")
+    lst = listen("tcp://127.0.0.1:0", max_message=64 << 20)  # a listener takes 16 MiB unless told
     proxy = Proxy(int(lst.address.rsplit(":", 1)[1]), direction=direction, cut_after=20 << 20)
     cli = connect(proxy.address, streams=3, frame_bytes=1 << 20)
     srv = lst.accept(timeout=10)

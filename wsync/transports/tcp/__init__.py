@@ -22,7 +22,17 @@ Built for long fat pipes and for links that drop:
 * **auth**: with ``token=...`` every connection runs an HMAC-SHA256
   challenge-response both ways, and a peer without the token is refused and
   logged (logger ``wsync.transports.tcp``) before ``accept()`` ever sees it.
+  Every record after the handshake then carries a keyed-BLAKE3 MAC under a
+  key of that connection (mac.py), so a relay without the token cannot change,
+  drop, reorder or replay a byte unseen, TLS or not: the link fails instead.
   **Without a token on the listener anyone who reaches the port may connect.**
+* **strangers are cheap**: a connection's handshake has one deadline
+  (``handshake_timeout``), at most ``max_handshakes`` run at once (gate.py), and
+  nothing is allocated for a peer before it proves the token;
+* **bounded messages**: a listener accepts messages of at most 16 MiB by
+  default (in wsync it is the publisher: subscribers only send it small
+  control messages), a dialler up to 64 GiB (buckets); ``max_message`` sets it,
+  and ``TcpLink.limit`` narrows it once the receiver knows what to expect.
 * **TLS** with ``tls=`` an ``ssl.SSLContext`` or a ``TlsConfig``/dict of files.
 
 Usage (through ``wsync.transports``)::
@@ -48,10 +58,12 @@ from ...errors import TransportError
 from .. import options
 from ..base import Address
 from .auth import Refused, TlsConfig, client_context, reply, server_context, server_handshake, tune
+from .gate import Gate
 from .link import TcpLink, shut
+from .mac import Forged
 from .roles import ClientLink, ServerLink
 
-__all__ = ["TcpConfig", "TcpListener", "TcpLink", "TlsConfig", "connect", "listen"]
+__all__ = ["Forged", "TcpConfig", "TcpListener", "TcpLink", "TlsConfig", "connect", "listen"]
 
 log = logging.getLogger("wsync.transports.tcp")
 
@@ -65,10 +77,13 @@ class TcpConfig:
     notsent_lowat: int = 256 << 10  # with 2+ streams, TCP_NOTSENT_LOWAT: unsent bytes a stream may hold (0: no limit)
     resume_window: float = 30.0  # seconds a dropped link may take to reconnect before TransportError
     connect_timeout: float = 10.0  # seconds per TCP connect attempt
-    handshake_timeout: float = 10.0  # seconds for a connection's handshake (TLS + token + join)
+    handshake_timeout: float = 10.0  # seconds for a connection's whole handshake (TLS + token + join), in total
+    max_handshakes: int = 64  # listener: connections in their handshake at once (a newcomer displaces the oldest)
     user_timeout: float = 20.0  # TCP_USER_TIMEOUT: unacknowledged data this old breaks the connection (0: off)
     stall_timeout: float = 120.0  # longest wait for a frame's message header before giving up
-    max_message: int = 64 << 30  # largest message accepted from the peer (bounds allocation)
+    # largest message accepted from the peer, checked before anything is allocated for it (None: 16 MiB on a
+    # listener, which in wsync hears only control messages from subscribers; 64 GiB on a dialler)
+    max_message: int | None = None
     recv_window: int = 512 << 20  # complete messages not yet taken by recv() before reading pauses
     max_resends: int = 3  # times one frame may fail its checksum in a row before ChecksumError
     linger: float = 5.0  # close(): seconds to wait for the peer to acknowledge what was sent
@@ -83,9 +98,13 @@ class TcpConfig:
     pool_bytes: int = 256 << 20  # received buffers (>= 1 MiB) kept for reuse once the caller drops them (fresh pages are slow)
 
     @classmethod
-    def from_options(cls, params: dict, opts: dict) -> "TcpConfig":
+    def from_options(cls, params: dict, opts: dict, listening: bool = False) -> "TcpConfig":
         """Address parameters (strings; sizes like 16M) overridden by keyword options."""
         cfg = options.build(cls, params, opts, KINDS)
+        if cfg.max_message is None:
+            cfg.max_message = LISTEN_MAX_MESSAGE if listening else DIAL_MAX_MESSAGE
+        if cfg.max_handshakes < 1:
+            raise ValueError(f"max_handshakes must be at least 1, got {cfg.max_handshakes}")
         if not 1 <= cfg.streams <= 64:
             raise ValueError(f"streams must be 1..64, got {cfg.streams}")
         if not 64 << 10 <= cfg.frame_bytes <= 64 << 20:
@@ -98,11 +117,12 @@ class TcpConfig:
 KINDS = {"streams": int, "frame_bytes": "size", "sndbuf": "size", "rcvbuf": "size", "notsent_lowat": "size",
          "resume_window": float, "connect_timeout": float, "handshake_timeout": float, "user_timeout": float,
          "stall_timeout": float, "max_message": "size", "recv_window": "size", "max_resends": int, "linger": float,
-         "pool_bytes": "size", "rto_min": float, "delack_max": float}
+         "pool_bytes": "size", "rto_min": float, "delack_max": float, "max_handshakes": int}
+LISTEN_MAX_MESSAGE, DIAL_MAX_MESSAGE = 16 << 20, 64 << 30
 
 
 def listen(addr: Address, *, token=None, tls=None, **opts) -> "TcpListener":
-    return TcpListener(addr, TcpConfig.from_options(addr.params, opts), token, server_context(tls))
+    return TcpListener(addr, TcpConfig.from_options(addr.params, opts, listening=True), token, server_context(tls))
 
 
 def connect(addr: Address, *, token=None, tls=None, timeout: float = 30.0, **opts) -> TcpLink:
@@ -135,6 +155,7 @@ class TcpListener:
         self._links: dict[str, ServerLink] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._gate = Gate(cfg.max_handshakes, cfg.handshake_timeout)
         threading.Thread(target=self._accept_loop, daemon=True, name="wsync-listen").start()
 
     def accept(self, timeout: float | None = None) -> TcpLink | None:
@@ -153,6 +174,7 @@ class TcpListener:
         self._closed = True
         shut(self._sock)
         self._sock.close()
+        self._gate.close()
         while not self._ready.empty():
             link = self._ready.get()
             if link is not None:
@@ -168,25 +190,32 @@ class TcpListener:
                     return
                 continue
             peer = f"{where[0]}:{where[1]}"
-            threading.Thread(target=self._admit, args=(conn, peer), daemon=True, name="wsync-admit").start()
+            entry = self._gate.enter(conn)  # before a thread exists for it: the gate bounds the threads
+            threading.Thread(target=self._admit, args=(conn, peer, entry), daemon=True, name="wsync-admit").start()
 
-    def _admit(self, conn, peer: str) -> None:
+    def _admit(self, conn, peer: str, entry) -> None:
         try:
             tune(conn, self.cfg)
             conn.settimeout(self.cfg.handshake_timeout)
             if self.tls is not None:
-                conn = self.tls.wrap_socket(conn, server_side=True)
-            req = server_handshake(conn, self.token, peer)
+                conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                self._gate.swap(entry, conn)
+                conn.do_handshake()
+            req, keys = server_handshake(conn, self.token, peer, entry.deadline)
             _check_request(req)
+            if not self._gate.leave(entry):
+                raise TransportError("handshake deadline passed, or displaced by newer connections")
             conn.settimeout(None)
-            self._link_for(req, peer).attach(conn, req)
+            self._link_for(req, peer).attach(conn, req, keys)
         except Refused as ex:
             log.warning("tcp listener %s refused %s: %s", self.address, peer, ex)
-            reply(conn, error=str(ex))
+            reply(conn, None, error=str(ex))
             conn.close()
         except (TransportError, OSError, ValueError) as ex:
             log.warning("tcp listener %s dropped %s: %s", self.address, peer, ex)
             conn.close()
+        finally:
+            self._gate.leave(entry)
 
     def _link_for(self, req: dict, peer: str) -> ServerLink:
         sid = req["session"]

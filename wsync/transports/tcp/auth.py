@@ -7,15 +7,27 @@ link. Both sides prove the shared token without sending it::
     C -> S  b"WSH1" u16 version, 32-byte client nonce
     S -> C  b"WSH1" u16 version, u8 auth, 32-byte server nonce,
             HMAC-SHA256(token, "wsync-server" | client nonce | server nonce)
-    C -> S  HMAC-SHA256(token, "wsync-client" | server nonce | client nonce | request),
-            u32 length, request JSON (session id, epoch, stream index, stream count, resume state)
-    S -> C  u32 length, reply JSON ({"ok": true, ...} or {"ok": false, "error": ...})
+    C -> S  HMAC-SHA256(token, "wsync-client" | server nonce | client nonce)
+    C -> S  u32 length, request JSON (session id, epoch, stream index, stream count, resume state),
+            HMAC-SHA256(token, "wsync-request" | client nonce | server nonce | request)
+    S -> C  u32 length, reply JSON ({"ok": true, ...} or {"ok": false, "error": ...}),
+            HMAC-SHA256(token, "wsync-reply" | client nonce | server nonce | reply)
+
+The server checks the client's proof before it reads (or allocates room for)
+the request, so a peer without the token costs it a few hundred bytes. The
+whole exchange has one deadline, not one per read, so a peer that trickles a
+byte at a time is dropped on time. Both documents carry a MAC because, without
+TLS, a relay could rewrite them (a forged resume state would make the dialler
+drop messages the listener never got). The records that follow are
+authenticated too, under per-connection keys derived here from the token and
+both nonces (``Keys.frames``, see mac.py), so nothing recorded on one
+connection can be replayed on another.
 
 Nonces come from ``secrets`` and MACs are compared with ``hmac.compare_digest``.
-A listener without a token runs the same exchange with auth = 0 and checks
-nothing (anyone who can reach the port can connect: use a token, or TLS and a
-token, off loopback). A client that holds a token refuses a server that cannot
-prove it.
+A listener without a token runs the same exchange with auth = 0, zero MACs,
+and checks nothing (anyone who can reach the port can connect: use a token, or
+TLS and a token, off loopback). A client that holds a token refuses a server
+that cannot prove it.
 """
 from __future__ import annotations
 
@@ -26,14 +38,16 @@ import secrets
 import socket
 import ssl
 import struct
+import time
 from dataclasses import dataclass
 
 from ...errors import TransportError
 
-VERSION = 1
+VERSION = 2  # 2: token proof before the request, MACs on request, reply and records
 HELLO_C = struct.Struct("<4sH32s")
 HELLO_S = struct.Struct("<4sHB32s32s")
 LEN = struct.Struct("<I")
+MAC_SIZE = 32  # HMAC-SHA256
 MAGIC = b"WSH1"
 MAX_JSON = 1 << 20  # request/reply JSON (a resume state lists held frames: small)
 
@@ -105,11 +119,17 @@ def tune(sock: socket.socket, cfg) -> None:
             raise TransportError(f"congestion control {cfg.congestion!r} is not available here: {e}") from None
 
 
-def read_exact(sock: socket.socket, n: int, peer: str) -> bytes:
+def read_exact(sock: socket.socket, n: int, peer: str, deadline: float) -> bytes:
+    """n bytes by the deadline (time.monotonic()): each wait gets only the time left, so trickling
+    one byte at a time does not keep a handshake alive."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        left = deadline - time.monotonic()
         try:
+            if left <= 0:
+                raise socket.timeout
+            sock.settimeout(left)
             k = sock.recv_into(view[got:])
         except socket.timeout:
             raise TransportError(f"{peer} did not finish the handshake in time") from None
@@ -125,19 +145,35 @@ def _mac(token: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(token, label + b"".join(parts), hashlib.sha256).digest()
 
 
-def _send_json(sock, doc) -> None:
-    body = json.dumps(doc, separators=(",", ":")).encode()
-    sock.sendall(LEN.pack(len(body)) + body)
+@dataclass(frozen=True)
+class Keys:
+    """What one handshake with a token leaves behind: MACs bound to the token and both sides' fresh
+    nonces, so nothing recorded from one connection verifies on another."""
+
+    token: bytes
+    nc: bytes  # client nonce
+    ns: bytes  # server nonce
+
+    def tag(self, label: bytes, body: bytes) -> bytes:
+        return _mac(self.token, label, self.nc, self.ns, body)
+
+    def frames(self, direction: str) -> bytes:
+        """The key of the records this connection carries ("up": dialler to listener, "down": back)."""
+        return _mac(self.token, b"wsync-frames-" + direction.encode(), self.nc, self.ns)
 
 
-def _read_json(sock, peer: str) -> tuple[bytes, dict]:
-    (n,) = LEN.unpack(read_exact(sock, LEN.size, peer))
+def _tag(keys: Keys | None, label: bytes, body: bytes) -> bytes:
+    return keys.tag(label, body) if keys is not None else bytes(MAC_SIZE)
+
+
+def _read_json(sock, peer: str, deadline: float) -> tuple[bytes, dict]:
+    (n,) = LEN.unpack(read_exact(sock, LEN.size, peer, deadline))
     if n > MAX_JSON:
         raise TransportError(f"{peer} sent a {n}-byte handshake document (limit {MAX_JSON})")
-    body = read_exact(sock, n, peer)
+    body = read_exact(sock, n, peer, deadline)
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         doc = None
     if not isinstance(doc, dict):
         raise TransportError(f"{peer} sent a malformed handshake document")
@@ -148,12 +184,14 @@ def _token(token) -> bytes | None:
     return token.encode() if isinstance(token, str) else token
 
 
-def client_handshake(sock: socket.socket, token, request: dict, peer: str) -> dict:
-    """Prove the token, check the server's proof, send request; the server's reply (ok) or TransportError."""
+def client_handshake(sock: socket.socket, token, request: dict, peer: str,
+                     deadline: float) -> tuple[dict, Keys | None]:
+    """Prove the token, check the server's proof, send request; the server's reply (ok) and the
+    connection's keys (None without a token), or TransportError."""
     key, nc = _token(token), secrets.token_bytes(32)
     try:
         sock.sendall(HELLO_C.pack(MAGIC, VERSION, nc))
-        magic, version, auth, ns, mac_s = HELLO_S.unpack(read_exact(sock, HELLO_S.size, peer))
+        magic, version, auth, ns, mac_s = HELLO_S.unpack(read_exact(sock, HELLO_S.size, peer, deadline))
         if magic != MAGIC:
             raise Refused(f"{peer} is not a wsync tcp listener (it answered {magic!r})")
         if version != VERSION:
@@ -163,43 +201,54 @@ def client_handshake(sock: socket.socket, token, request: dict, peer: str) -> di
             raise Refused(f"{peer} does not check tokens; refusing to connect with one (give it the token)")
         if key is not None and not hmac.compare_digest(mac_s, _mac(key, b"wsync-server", nc, ns)):
             raise Refused(f"{peer} failed to prove the shared token (wrong token on one side?)")
+        keys = Keys(key, nc, ns) if key is not None else None
+        proof = _mac(key, b"wsync-client", ns, nc) if key is not None else bytes(MAC_SIZE)
         body = json.dumps(request, separators=(",", ":")).encode()
-        mac_c = _mac(key, b"wsync-client", ns, nc, body) if key is not None else bytes(32)
-        sock.sendall(mac_c + LEN.pack(len(body)) + body)
-        _, reply = _read_json(sock, peer)
+        sock.sendall(proof + LEN.pack(len(body)) + body + _tag(keys, b"wsync-request", body))
+        body, answer = _read_json(sock, peer, deadline)
+        tag = read_exact(sock, MAC_SIZE, peer, deadline)
     except OSError as e:
         raise TransportError(f"handshake with {peer} failed: {e}") from None
-    if not reply.get("ok"):
+    if not answer.get("ok"):
         hint = "; pass token=..." if auth and key is None else ""
-        raise Refused(f"{peer} refused the connection: {reply.get('error', 'no reason given')}{hint}")
-    return reply
+        raise Refused(f"{peer} refused the connection: {answer.get('error', 'no reason given')}{hint}")
+    if keys is not None and not hmac.compare_digest(tag, keys.tag(b"wsync-reply", body)):
+        raise TransportError(f"the handshake reply from {peer} failed its MAC: it was changed on the path")
+    return answer, keys
 
 
-def server_handshake(sock: socket.socket, token, peer: str) -> dict:
-    """Check the client's hello and token proof; returns its request. The caller answers with reply():
-    the request's outcome, or the error of a Refused raised here."""
+def server_handshake(sock: socket.socket, token, peer: str, deadline: float) -> tuple[dict, Keys | None]:
+    """Check the client's hello and token proof, then read its request; returns it with the connection's
+    keys. The caller answers with reply(): the request's outcome, or the error of a Refused raised here."""
     key, ns = _token(token), secrets.token_bytes(32)
-    magic, version, nc = HELLO_C.unpack(read_exact(sock, HELLO_C.size, peer))
+    magic, version, nc = HELLO_C.unpack(read_exact(sock, HELLO_C.size, peer, deadline))
     if magic != MAGIC:
         raise TransportError(f"not a wsync client (it sent {magic!r})")
-    mac_s = _mac(key, b"wsync-server", nc, ns) if key is not None else bytes(32)
+    mac_s = _mac(key, b"wsync-server", nc, ns) if key is not None else bytes(MAC_SIZE)
     sock.sendall(HELLO_S.pack(MAGIC, VERSION, key is not None, ns, mac_s))
     if version != VERSION:
         raise TransportError(f"client speaks protocol v{version}, this listener v{VERSION}")  # it reads ours
     try:
-        mac_c = read_exact(sock, 32, peer)
+        proof = read_exact(sock, MAC_SIZE, peer, deadline)
     except TransportError:
         if key is None:
             raise
         raise Refused("peer hung up at the token check (it holds another token, or none)") from None
-    body, request = _read_json(sock, peer)
-    if key is not None and not hmac.compare_digest(mac_c, _mac(key, b"wsync-client", ns, nc, body)):
+    if key is not None and not hmac.compare_digest(proof, _mac(key, b"wsync-client", ns, nc)):
         raise Refused("bad or missing token")
-    return request
+    keys = Keys(key, nc, ns) if key is not None else None
+    body, request = _read_json(sock, peer, deadline)  # only now: the peer holds the token
+    tag = read_exact(sock, MAC_SIZE, peer, deadline)
+    if keys is not None and not hmac.compare_digest(tag, keys.tag(b"wsync-request", body)):
+        raise TransportError("the connection request failed its MAC: it was changed on the path")
+    return request, keys
 
 
-def reply(sock: socket.socket, error: str | None = None, **fields) -> None:
+def reply(sock: socket.socket, keys: Keys | None, error: str | None = None, **fields) -> None:
+    """Answer a connection request; with keys, under a MAC the client checks before it trusts an ok."""
+    body = json.dumps({"ok": False, "error": error} if error else {"ok": True, **fields},
+                      separators=(",", ":")).encode()
     try:
-        _send_json(sock, {"ok": False, "error": error} if error else {"ok": True, **fields})
+        sock.sendall(LEN.pack(len(body)) + body + _tag(keys, b"wsync-reply", body))
     except OSError:
         pass

@@ -20,6 +20,7 @@ Record header (little-endian)::
 
 HEAD carries JSON ``{"kind", "meta", "sizes", "frame"}``; FRAME carries blob bytes;
 ACK (``seq`` = every message below it is complete) and CLOSE have no body.
+With a token, a tag follows the header and another the body (mac.py).
 Every number read from the wire is bounded here before anything is allocated.
 """
 from __future__ import annotations
@@ -65,12 +66,15 @@ def pack(rec: Record) -> bytes:
     return head + REC_SUM.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def unpack(raw: bytes) -> Record:
-    """Parse and check a record header; CorruptRecord if its bytes are damaged."""
+def unpack(raw: bytes, mac=None, peer: str = "peer") -> Record:
+    """Parse and check a record header (with mac, raw ends with its tag): CorruptRecord if its bytes are
+    damaged, mac.Forged if they were forged; only then is any field believed."""
     head = raw[: REC.size]
     (want,) = REC_SUM.unpack_from(raw, REC.size)
     if xxhash.xxh3_64_intdigest(head) != want:
         raise CorruptRecord("record header failed its checksum (corrupt in transit)")
+    if mac is not None:
+        mac.check(raw[REC_SIZE:], mac.head(raw[:REC_SIZE]), "a record header", peer)
     magic, typ, seq, blob, spare, off, length, body_sum = REC.unpack(head)
     if magic != MAGIC or typ not in (HEAD, FRAME, ACK, CLOSE) or spare:
         raise TransportError(f"peer broke the tcp record format (magic {magic!r}, type {typ})")
@@ -88,7 +92,7 @@ def decode_head(body: bytes, max_message: int) -> tuple[str, dict, list[int], in
     try:
         doc = json.loads(body)
         kind, meta, sizes, frame = doc["kind"], doc["meta"], doc["sizes"], doc["frame"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise TransportError(f"malformed message header from peer: {e}") from None
     if not (isinstance(kind, str) and isinstance(meta, dict) and isinstance(sizes, list) and len(sizes) <= MAX_BLOBS
             and all(type(n) is int and n >= 0 for n in sizes) and type(frame) is int):

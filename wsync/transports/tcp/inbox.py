@@ -9,7 +9,9 @@ told after a reconnect, so it resends only the rest.
 
 Blobs come out of ``recv`` as 1-D uint8 memoryviews (over recycled numpy
 buffers). Memory is bounded: a message's buffers are allocated when its HEAD arrives,
-after checking its size against ``max_message``; a reader stops reading (and
+after checking its size against ``max_message`` and the bytes of messages
+announced but still incomplete against twice that (a sender that keeps
+announcing without finishing is refused, not fed); a reader stops reading (and
 TCP pushes back on the sender) while complete messages the application has
 not taken exceed ``recv_window``.
 """
@@ -91,9 +93,13 @@ class Inbox:
         if self.known(seq):
             return  # a HEAD sent again after a reconnect
         kind, meta, sizes, frame = tf.decode_head(body, self.max_message)
-        incomplete = sum(1 for m in self.msgs.values() if m.missing)
-        if incomplete >= MAX_INCOMPLETE or seq >= self.complete_below + (1 << 20):
-            raise TransportError(f"peer announced message {seq} with {incomplete} still incomplete; protocol broken")
+        incomplete = [m.size for m in self.msgs.values() if m.missing]
+        if len(incomplete) >= MAX_INCOMPLETE or seq >= self.complete_below + (1 << 20):
+            raise TransportError(f"peer announced message {seq} with {len(incomplete)} still incomplete; "
+                                 "protocol broken")
+        if sum(incomplete) + sum(sizes) > 2 * self.max_message:
+            raise TransportError(f"peer announced message {seq} of {sum(sizes)} bytes with {sum(incomplete)} bytes of "
+                                 f"earlier messages still incomplete, above 2 x max_message={self.max_message}")
         # only deliverable bytes count: waiting on an incomplete earlier message could deadlock
         while live() and self.ready_bytes and self.ready_bytes + sum(sizes) > self.recv_window:
             self.app_lags = True

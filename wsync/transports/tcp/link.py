@@ -26,6 +26,7 @@ from ...errors import ChecksumError, TransportError
 from ..base import Message, TransportTimeout
 from . import frames as tf
 from .inbox import Inbox
+from .mac import TAG, macs_for
 from .outbox import Outbox, as_views, write
 
 log = logging.getLogger("wsync.transports.tcp")
@@ -55,8 +56,9 @@ def recv_into(sock, view: memoryview, peer: str) -> None:
 HASH_PIECE = 256 << 10  # recv_hashed hashes each piece this size as it lands, while it is in cache
 
 
-def recv_hashed(sock, view: memoryview, peer: str) -> int:
-    """recv_into view, hashing piece by piece as the bytes land; the xxh3-64 of the whole view.
+def recv_hashed(sock, view: memoryview, peer: str, tagger=None) -> int:
+    """recv_into view, hashing piece by piece as the bytes land; the xxh3-64 of the whole view
+    (tagger, a record MAC's body hasher, is fed the same pieces).
 
     The same digest as xxh3_64_intdigest(view) after one recv_into, but each
     piece is read again while still in cache: a frame of 4 MiB hashed after
@@ -67,6 +69,8 @@ def recv_hashed(sock, view: memoryview, peer: str) -> int:
     while got < len(view):
         n = recv_some(sock, view[got: got + HASH_PIECE], peer)
         h.update(view[got: got + n])
+        if tagger is not None:
+            tagger.update(view[got: got + n])
         got += n
     return h.intdigest()
 
@@ -179,6 +183,13 @@ class TcpLink:
             self._end(TransportError(f"link to {self.peer} was closed by this side"))
         self._reap()
 
+    def limit(self, max_message: int) -> None:
+        """The largest message this side accepts from now on: a receiver that knows what it expects
+        (a layout's bucket sizes) narrows the configured max_message, so a larger one is refused
+        before anything is allocated for it."""
+        with self.cv:
+            self.inbox.max_message = max_message
+
     def _check_open(self) -> None:
         if self.state in ("failed", "closed"):
             raise self.error
@@ -188,8 +199,9 @@ class TcpLink:
     def _live(self, e: int) -> bool:
         return self.epoch == e and self.state in ("up", "closing")
 
-    def _start(self, e: int, outs: list, ins: list, peer_state: str) -> None:
-        """Run epoch e on these sockets (called under cv, once the peer's held state is known)."""
+    def _start(self, e: int, outs: list, ins: list, peer_state: str, keys: dict | None) -> None:
+        """Run epoch e on these sockets (called under cv, once the peer's held state is known);
+        keys: socket -> its record MAC key (None without a token)."""
         if self.state not in ("connecting", "broken"):
             raise TransportError(f"link to {self.peer} ended while reconnecting")
         nxt, partial = tf.decode_state(peer_state.encode(), self.out.next_seq)
@@ -206,10 +218,10 @@ class TcpLink:
         self.out.start(len(outs))
         if len(outs) > 1:
             _limit_unsent(outs, self.cfg.notsent_lowat)
-        self._threads = [threading.Thread(target=self._writer, args=(e, k, s), daemon=True, name=f"wsync-tx{k}")
-                         for k, s in enumerate(outs)]
-        self._threads += [threading.Thread(target=self._reader, args=(e, s), daemon=True, name=f"wsync-rx{k}")
-                          for k, s in enumerate(ins)]
+        self._threads = [threading.Thread(target=self._writer, args=(e, k, s, mac), daemon=True, name=f"wsync-tx{k}")
+                         for k, (s, mac) in enumerate(zip(outs, macs_for(keys, outs)))]
+        self._threads += [threading.Thread(target=self._reader, args=(e, s, mac), daemon=True, name=f"wsync-rx{k}")
+                          for k, (s, mac) in enumerate(zip(ins, macs_for(keys, ins)))]
         for t in self._threads:
             t.start()
         self.cv.notify_all()
@@ -271,7 +283,7 @@ class TcpLink:
 
     # -- threads ------------------------------------------------------------------------------
 
-    def _writer(self, e: int, k: int, sock) -> None:
+    def _writer(self, e: int, k: int, sock, mac) -> None:
         live = lambda: self._live(e)  # noqa: E731
         try:
             while True:
@@ -279,7 +291,7 @@ class TcpLink:
                     job = self.out.take(k, live)
                 if job is None:
                     return
-                write(sock, job)
+                write(sock, job, mac)
                 with self.cv:
                     self.out.written(job)
                     if job[0] == "close" and self._peer_closed:
@@ -290,9 +302,9 @@ class TcpLink:
             log.exception("link %s: writer crashed", self.peer)
             self._fail(TransportError(f"internal error in the tcp writer: {ex!r}"))
 
-    def _reader(self, e: int, sock) -> None:
+    def _reader(self, e: int, sock, mac) -> None:
         try:
-            while self._read_one(e, sock):
+            while self._read_one(e, sock, mac):
                 pass
         except tf.CorruptRecord as ex:
             self._corrupted(e, ex)
@@ -304,26 +316,30 @@ class TcpLink:
             log.exception("link %s: reader crashed", self.peer)
             self._fail(TransportError(f"internal error in the tcp reader: {ex!r}"))
 
-    def _read_one(self, e: int, sock) -> bool:
+    def _read_one(self, e: int, sock, mac) -> bool:
         live = lambda: self._live(e)  # noqa: E731
-        rec = tf.unpack(read(sock, tf.REC_SIZE, self.peer))
+        raw = read(sock, tf.REC_SIZE + (TAG if mac else 0), self.peer)
+        rec = tf.unpack(raw, mac, self.peer)
+        header = raw[: tf.REC_SIZE]
         if rec.type == tf.FRAME:
-            return self._read_frame(e, sock, rec, live)
+            return self._read_frame(e, sock, rec, header, mac, live)
         if rec.type == tf.HEAD:
             if rec.length > tf.MAX_HEAD:
                 raise TransportError(f"{self.peer} sent a {rec.length}-byte message header (limit {tf.MAX_HEAD})")
             body = read(sock, rec.length, self.peer)
-            if xxhash.xxh3_64_intdigest(body) != rec.body_sum:
-                raise tf.CorruptRecord(f"header of message {rec.seq} failed its checksum", (rec.seq, -1, -1))
+            self._check_body(sock, mac, header, body, xxhash.xxh3_64_intdigest(body) == rec.body_sum,
+                             f"header of message {rec.seq}", (rec.seq, -1, -1))
             with self.cv:
                 self.inbox.on_head(rec.seq, body, live)
                 self._queue_ack()
         elif rec.type == tf.ACK:
+            self._next(mac)
             with self.cv:
                 if rec.seq > self.out.next_seq:
                     raise TransportError(f"{self.peer} acknowledged message {rec.seq} that was never sent")
                 self.out.acked(rec.seq)
         else:  # CLOSE: the peer's goodbye, or its answer to ours
+            self._next(mac)
             with self.cv:
                 if self.state == "up":  # answer first, so the peer shuts down only once we stopped reading
                     self.state, self._peer_closed = "closing", True
@@ -334,7 +350,26 @@ class TcpLink:
             return False
         return live()
 
-    def _read_frame(self, e: int, sock, rec: tf.Record, live) -> bool:
+    @staticmethod
+    def _next(mac) -> None:
+        if mac is not None:
+            mac.next()
+
+    def _check_body(self, sock, mac, header: bytes, body, sum_ok: bool, what: str, key: tuple, tagger=None) -> None:
+        """After a body landed: its tag read and checked (with a token), then its xxh3. Damage is resent,
+        forgery ends the link; either way the caller has not marked anything held yet."""
+        if mac is not None:
+            tag = read(sock, TAG, self.peer)
+            if tagger is None:
+                tagger = mac.body(header)
+                tagger.update(body)
+            if sum_ok:
+                mac.check(tag, tagger.digest(), what, self.peer)
+            mac.next()
+        if not sum_ok:
+            raise tf.CorruptRecord(f"{what} failed its checksum", key)
+
+    def _read_frame(self, e: int, sock, rec: tf.Record, header: bytes, mac, live) -> bool:
         if rec.length > tf.MAX_FRAME:
             raise TransportError(f"{self.peer} sent a {rec.length}-byte frame (limit {tf.MAX_FRAME})")
         with self.cv:
@@ -343,22 +378,27 @@ class TcpLink:
                 if target is not None:
                     self.inbox.release(rec.seq, target[0], rec.blob, target[1], False)
                 return False
-        if target is None:  # a frame we already hold: read it into nothing
+        tagger = mac.body(header) if mac is not None else None
+        if target is None:  # a frame we already hold: read it into nothing (its tag still counts)
             left = rec.length
             while left:
-                left -= len(read(sock, min(left, 1 << 20), self.peer))
+                piece = read(sock, min(left, 1 << 20), self.peer)
+                left -= len(piece)
+                if tagger is not None:
+                    tagger.update(piece)
+            self._check_body(sock, mac, header, b"", True, f"a repeated frame of message {rec.seq}", (), tagger)
             return True
         m, i, view = target
+        what = f"frame {i} of blob {rec.blob} of message {rec.seq}"
         ok = False
         try:
-            ok = recv_hashed(sock, view, self.peer) == rec.body_sum
+            sum_ok = recv_hashed(sock, view, self.peer, tagger) == rec.body_sum
+            self._check_body(sock, mac, header, view, sum_ok, what, (rec.seq, rec.blob, i), tagger)
+            ok = True
         finally:
             with self.cv:
                 self.inbox.release(rec.seq, m, rec.blob, i, ok)
                 self._queue_ack()
-        if not ok:
-            raise tf.CorruptRecord(f"frame {i} of blob {rec.blob} of message {rec.seq} failed its checksum",
-                                   (rec.seq, rec.blob, i))
         return live()
 
     def _queue_ack(self) -> None:

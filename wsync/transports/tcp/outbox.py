@@ -47,13 +47,13 @@ def frame_size(nbytes: int, streams: int, frame_bytes: int) -> int:
 
 
 class OutMsg:
-    __slots__ = ("seq", "head", "views", "frame", "sums", "pending")
+    __slots__ = ("seq", "head", "head_body", "views", "frame", "sums", "pending")
 
     def __init__(self, seq: int, kind: str, meta: dict, views: list[memoryview], frame: int):
         body = tf.encode_head(kind, meta, [len(v) for v in views], frame)
         rec = tf.Record(tf.HEAD, seq, length=len(body), body_sum=xxhash.xxh3_64_intdigest(body))
         self.seq, self.views, self.frame = seq, views, frame
-        self.head = tf.pack(rec) + body
+        self.head, self.head_body = tf.pack(rec), body
         self.sums: dict[tuple[int, int], int] = {}  # (blob, frame) -> xxh3 of its first transmission
         self.pending = 0  # HEAD + frames queued but not yet written in this epoch
 
@@ -192,15 +192,16 @@ class Outbox:
                 self.cv.notify_all()
 
 
-def write(sock, job: tuple) -> None:
-    """Put one job's bytes on sock (outside the lock); frame sums are computed on first use and kept."""
+def write(sock, job: tuple, mac=None) -> None:
+    """Put one job's records on sock (outside the lock); frame sums are computed on first use and kept,
+    record MACs (with a token) on every transmission, as they cover the connection's record count."""
     what = job[0]
     if what == "head":
-        sock.sendall(job[1].head)
+        send_record(sock, job[1].head, job[1].head_body, mac)
     elif what == "ack":
-        sock.sendall(tf.pack(tf.Record(tf.ACK, job[1])))
+        send_record(sock, tf.pack(tf.Record(tf.ACK, job[1])), b"", mac)
     elif what == "close":
-        sock.sendall(tf.pack(tf.Record(tf.CLOSE)))
+        send_record(sock, tf.pack(tf.Record(tf.CLOSE)), b"", mac)
     else:
         om = job[1]
         for b, i in job[2]:
@@ -209,5 +210,26 @@ def write(sock, job: tuple) -> None:
             s = om.sums.get((b, i))
             if s is None:
                 s = om.sums[(b, i)] = xxhash.xxh3_64_intdigest(view)
-            sock.sendall(tf.pack(tf.Record(tf.FRAME, om.seq, b, off, len(view), s)))
-            sock.sendall(view)
+            send_record(sock, tf.pack(tf.Record(tf.FRAME, om.seq, b, off, len(view), s)), view, mac)
+
+
+MAC_PIECE = 256 << 10  # a body is tagged piece by piece just before each piece is sent, while it is in cache
+
+
+def send_record(sock, header: bytes, body, mac) -> None:
+    if mac is None:
+        if len(body) < MAC_PIECE:
+            sock.sendall(header + bytes(body))
+        else:
+            sock.sendall(header)
+            sock.sendall(body)
+        return
+    sock.sendall(header + mac.head(header))
+    if len(body):
+        h = mac.body(header)
+        for off in range(0, len(body), MAC_PIECE):
+            piece = body[off: off + MAC_PIECE]
+            h.update(piece)
+            sock.sendall(piece)
+        sock.sendall(h.digest())
+    mac.next()

@@ -5,7 +5,9 @@ stream 0 with ``op`` open or resume (carrying what it holds), then the other
 2N-1 connections with ``op`` join. The listening side starts the epoch when
 the last one has joined. After a drop only the dialling side acts: it retries
 with growing pauses until ``resume_window`` runs out, while the listening side
-waits that long for it and then fails the link.
+waits that long for it and then fails the link. With a token, each
+connection's handshake leaves it its own record MAC key (auth.Keys.frames),
+handed to the epoch with its socket.
 """
 from __future__ import annotations
 
@@ -30,17 +32,19 @@ class ClientLink(TcpLink):
         with self.cv:
             self._attempt = max(self._attempt, self.epoch) + 1
             e, held = self._attempt, self.inbox.state()
-        n, socks = self.cfg.streams, []
+        n, socks, keys = self.cfg.streams, [], {}
         base = {"session": self.session, "epoch": e}
         try:
-            s0, rep = self._dial({**base, "op": "resume" if resume else "open", "dir": "up", "index": 0,
-                                  "streams": n, "state": held}, deadline)
+            s0, rep, keys[s0] = self._dial({**base, "op": "resume" if resume else "open", "dir": "up", "index": 0,
+                                            "streams": n, "state": held}, deadline)
             socks.append(s0)
             joins = [("up", k) for k in range(1, n)] + [("down", k) for k in range(n)]
             with ThreadPoolExecutor(max_workers=min(8, len(joins) or 1)) as pool:  # WAN: dial in parallel
                 futs = [pool.submit(self._dial, {**base, "op": "join", "dir": d, "index": k}, deadline)
                         for d, k in joins]
-                results = [f.exception() or f.result()[0] for f in futs]
+                results = [f.exception() or f.result() for f in futs]
+            keys.update((r[0], r[2]) for r in results if not isinstance(r, BaseException))
+            results = [r if isinstance(r, BaseException) else r[0] for r in results]
             socks.extend(r for r in results if not isinstance(r, BaseException))
             errors = sorted((r for r in results if isinstance(r, BaseException)), key=lambda x: not isinstance(x, Refused))
             if errors:
@@ -50,7 +54,7 @@ class ClientLink(TcpLink):
             if not isinstance(rep.get("state"), str):
                 raise TransportError(f"{self.peer} sent no resume state")
             with self.cv:
-                self._start(e, outs, ins, rep["state"])
+                self._start(e, outs, ins, rep["state"], keys)
         except BaseException:
             for s in set(socks):
                 shut(s)
@@ -72,10 +76,10 @@ class ClientLink(TcpLink):
             sock.connect(info[4])
             if self.tls is not None:
                 sock = self.tls.wrap_socket(sock, server_hostname=self.host)
-            sock.settimeout(min(self.cfg.handshake_timeout, left))
-            rep = client_handshake(sock, self.token, req, self.peer)
+            hs_deadline = time.monotonic() + min(self.cfg.handshake_timeout, left)
+            rep, keys = client_handshake(sock, self.token, req, self.peer, hs_deadline)
             sock.settimeout(None)
-            return sock, rep
+            return sock, rep, (keys.frames(req["dir"]) if keys is not None else None)
         except OSError as e:
             sock.close()
             raise TransportError(f"cannot connect to {self.peer}: {e}") from None
@@ -113,10 +117,11 @@ class ServerLink(TcpLink):
         self._pending: dict | None = None  # the epoch being joined: e, ins, outs, peer state
         self._on_ready = on_ready
 
-    def attach(self, sock, req: dict) -> None:
-        """Take one authenticated connection of this link (Refused if it does not fit)."""
+    def attach(self, sock, req: dict, keys) -> None:
+        """Take one authenticated connection of this link (Refused if it does not fit); keys: its
+        handshake's auth.Keys (None without a token)."""
         if req["op"] == "join":
-            return self._join(sock, req)
+            return self._join(sock, req, keys)
         with self.cv:
             if self.state in ("failed", "closed"):
                 raise Refused("that link has ended")
@@ -130,8 +135,9 @@ class ServerLink(TcpLink):
             self._drop_pending()
             n = req["streams"]
             self._pending = {"e": req["epoch"], "ins": [sock] + [None] * (n - 1), "outs": [None] * n,
-                             "state": req["state"]}
-            reply(sock, state=self.inbox.state())
+                             "state": req["state"], "keys": {}}
+            self._keep_key(sock, req, keys)
+            reply(sock, keys, state=self.inbox.state())
             if self.state == "connecting":  # a subscriber that never finishes joining is dropped
                 t = threading.Timer(2 * self.cfg.handshake_timeout, self._abandon, (req["epoch"],))
                 t.daemon = True
@@ -143,7 +149,11 @@ class ServerLink(TcpLink):
             if self.state == "connecting" and self._pending and self._pending["e"] == e:
                 self._fail(TransportError(f"{self.peer} did not finish opening its {self.cfg.streams} streams"))
 
-    def _join(self, sock, req: dict) -> None:
+    def _keep_key(self, sock, req: dict, keys) -> None:
+        if keys is not None:
+            self._pending["keys"][sock] = keys.frames(req["dir"])
+
+    def _join(self, sock, req: dict, keys) -> None:
         with self.cv:
             p = self._pending
             if p is None or req["epoch"] != p["e"]:
@@ -153,7 +163,8 @@ class ServerLink(TcpLink):
             if not 0 <= k < len(slots) or slots[k] is not None:
                 raise Refused(f"bad or repeated stream index {k}")
             slots[k] = sock
-            reply(sock)
+            self._keep_key(sock, req, keys)
+            reply(sock, keys)
             self._maybe_start()
 
     def _maybe_start(self) -> None:
@@ -163,7 +174,7 @@ class ServerLink(TcpLink):
         self._pending = None
         first = self.state == "connecting"
         try:
-            self._start(p["e"], p["outs"], p["ins"], p["state"])
+            self._start(p["e"], p["outs"], p["ins"], p["state"], p["keys"])
         except TransportError as ex:
             self._fail(ex)
             raise
