@@ -1,6 +1,13 @@
 """tcp:// against a plain-socket baseline measured in the same run, sender and receiver in two processes.
 
     python benchmarks/bench_tcp.py [--size-mib 1024] [--streams 1 4] [--repeat 3] [--host 127.0.0.1]
+                                   [--auth plain mac tls]
+
+``--auth`` names the link kinds measured side by side: ``plain`` (no token: the
+unauthenticated link), ``mac`` (a token: every record carries a keyed-BLAKE3
+MAC, transports/tcp/mac.py), ``tls`` (TLS, no token), ``tls+mac`` (both).
+Each is reported as GB/s, as a ratio to the plain-socket baseline, and as a
+ratio to ``plain`` when that was measured (the cost of authentication).
 
 Baseline: one TCP connection, ``sendall(memoryview)`` on one side and
 ``recv_into`` a preallocated buffer on the other, the fastest plain Python
@@ -41,6 +48,26 @@ import numpy as np
 import xxhash
 
 
+TOKEN = "bench-token"
+
+
+def auth_opts(mode: str, cert: str | None, listening: bool) -> dict:
+    """The listen()/connect() keywords of one kind of link."""
+    out = {"token": TOKEN} if "mac" in mode else {}
+    if "tls" in mode:
+        out["tls"] = {"certfile": cert, "keyfile": cert + ".key"} if listening else {"cafile": cert}
+    return out
+
+
+def make_cert(folder: str, host: str) -> str:
+    """A self-signed certificate for host (the openssl CLI); the key is beside it as <cert>.key."""
+    cert = os.path.join(folder, "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-days", "2", "-subj", f"/CN={host}", "-addext", f"subjectAltName=IP:{host}",
+                    "-keyout", cert + ".key", "-out", cert], check=True, capture_output=True)
+    return cert
+
+
 def _recv_main(a) -> None:
     """Child: accept runs one by one and print "ok <digest>" after each."""
     from wsync.transports import Message, listen
@@ -49,10 +76,11 @@ def _recv_main(a) -> None:
         os.sched_setaffinity(0, {1})
 
     raw = socket.create_server((a.host, 0))
-    lst = listen(f"tcp://{a.host}:0", **json.loads(a.opts))
-    print(raw.getsockname()[1], lst.address, flush=True)
+    opts = {**json.loads(a.opts), "max_message": a.size_mib << 20}  # a listener takes 16 MiB unless told
+    lsts = {m: listen(f"tcp://{a.host}:0", **opts, **auth_opts(m, a.cert, True)) for m in a.auth}
+    print(raw.getsockname()[1], json.dumps({m: lst.address for m, lst in lsts.items()}), flush=True)
     buf = bytearray(a.size_mib << 20)
-    links = {}  # one long-lived link per stream count, as a sync keeps its link: receive buffers recycle
+    links = {}  # one long-lived link per kind and stream count, as a sync keeps its link: buffers recycle
     for line in sys.stdin:
         if line.startswith("raw"):
             c, _ = raw.accept()
@@ -66,11 +94,11 @@ def _recv_main(a) -> None:
             c.close()
             digest = xxhash.xxh3_128_hexdigest(buf)
         else:
-            n = int(line.split()[1])
-            if n not in links:
-                links[n] = lst.accept(timeout=60)
-            m = links[n].recv(600)
-            links[n].send(Message("done"))
+            _, mode, n = line.split()
+            if (mode, n) not in links:
+                links[mode, n] = lsts[mode].accept(timeout=60)
+            m = links[mode, n].recv(600)
+            links[mode, n].send(Message("done"))
             digest = xxhash.xxh3_128_hexdigest(m.blobs[0])
             del m  # lets the link reuse the buffer for the next run
         print("ok", digest, flush=True)
@@ -97,7 +125,15 @@ def ours(link, data: memoryview) -> float:
 
 
 def run(size_mib: int, streams: list[int], repeat: int, host: str = "127.0.0.1", netns: str | None = None,
-        opts: dict | None = None, fresh: bool = False, pin: bool = True) -> dict:
+        opts: dict | None = None, fresh: bool = False, pin: bool = True, auth: tuple = ("plain",)) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-tcp-") as tmp:
+        cert = make_cert(tmp, host) if any("tls" in m for m in auth) else None
+        return _run(size_mib, streams, repeat, host, netns, opts, fresh, pin, list(auth), cert)
+
+
+def _run(size_mib, streams, repeat, host, netns, opts, fresh, pin, auth, cert) -> dict:
     opts = dict(opts or {})
     pin = pin and len(os.sched_getaffinity(0)) >= 2 and {0, 1} <= os.sched_getaffinity(0)
     if pin:
@@ -107,13 +143,14 @@ def run(size_mib: int, streams: list[int], repeat: int, host: str = "127.0.0.1",
     data = memoryview(np.random.default_rng(0).integers(0, 255, size_mib << 20, dtype=np.uint8))
     want = xxhash.xxh3_128_hexdigest(data)
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "recv", "--size-mib", str(size_mib), "--host", host,
-           "--opts", json.dumps(opts)] + (["--pin-recv"] if pin else [])
+           "--opts", json.dumps(opts), "--auth", *auth] + (["--pin-recv"] if pin else []) + (["--cert", cert] if cert else [])
     if netns:
         cmd = ["ip", "netns", "exec", netns] + cmd
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(os.path.abspath(p or ".") for p in sys.path))
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
-        raw_port, address = child.stdout.readline().split()
+        raw_port, addresses = child.stdout.readline().split(" ", 1)
+        addresses = json.loads(addresses)
 
         def once(what, fn, *args):
             child.stdin.write(what + "\n")
@@ -126,33 +163,42 @@ def run(size_mib: int, streams: list[int], repeat: int, host: str = "127.0.0.1",
 
         from wsync.transports import connect
 
-        from wsync.bench.wan_bench import hardware
+        from wsync.bench.hardware import describe, one_line
 
-        res = {"hardware": hardware(), "load_avg_before": os.getloadavg()[0], "size_bytes": len(data),
-               "opts": opts, "repeat": repeat, "pinned": bool(pin), "baseline_gbps": 0.0}
-        links = {n: connect(address, streams=n, **opts) for n in streams}
-        for n in streams:  # warm-up: first-touch of the receive buffers, TCP windows opening
-            once(f"tcp {n}", ours, links[n], data)
-            res[f"tcp_streams{n}_gbps"] = 0.0
+        hw = describe()
+        res = {"hardware": one_line(hw), "hardware_info": hw, "load_avg_before": os.getloadavg()[0],
+               "size_bytes": len(data), "opts": opts, "repeat": repeat, "pinned": bool(pin), "auth": auth,
+               "baseline_gbps": 0.0}
+        kinds = [(m, n) for n in streams for m in auth]
+        links = {(m, n): connect(addresses[m], streams=n, **opts, **auth_opts(m, cert, False)) for m, n in kinds}
+        for m, n in kinds:  # warm-up: first-touch of the receive buffers, TCP windows opening
+            once(f"tcp {m} {n}", ours, links[m, n], data)
+            res[_key(m, n)] = 0.0
         once("raw", baseline, int(raw_port), host, data)
         res["runs"] = []  # every timed run in order, (what, GB/s), to show the spread under shared load
-        for _ in range(repeat):
-            for n in streams:
+        for _ in range(repeat):  # interleaved: background load hits every kind alike
+            for m, n in kinds:
                 g = once("raw", baseline, int(raw_port), host, data)
                 res["baseline_gbps"] = max(res["baseline_gbps"], g)
-                key = f"tcp_streams{n}_gbps"
-                mine = once(f"tcp {n}", ours, links[n], data)
-                res[key] = max(res[key], mine)
-                res["runs"] += [["raw", round(g, 3)], [f"tcp{n}", round(mine, 3)]]
+                mine = once(f"tcp {m} {n}", ours, links[m, n], data)
+                res[_key(m, n)] = max(res[_key(m, n)], mine)
+                res["runs"] += [["raw", round(g, 3)], [f"{m}{n}", round(mine, 3)]]
         for link in links.values():
             link.close()
-        for n in streams:
-            res[f"tcp_streams{n}_ratio"] = res[f"tcp_streams{n}_gbps"] / res["baseline_gbps"]
+        for m, n in kinds:
+            res[_key(m, n, "ratio")] = res[_key(m, n)] / res["baseline_gbps"]
+            if "plain" in auth:
+                res[_key(m, n, "vs_plain")] = res[_key(m, n)] / res[_key("plain", n)]
         res["load_avg_after"] = os.getloadavg()[0]
         return res
     finally:
         child.stdin.close()
         child.wait(30)
+
+
+def _key(mode: str, n: int, what: str = "gbps") -> str:
+    """plain keeps the names results had before there were other kinds (tcp_streams4_gbps)."""
+    return f"tcp_streams{n}_{what}" if mode == "plain" else f"tcp_{mode}_streams{n}_{what}"
 
 
 def main() -> None:
@@ -164,6 +210,9 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1", help="where the receiver listens")
     ap.add_argument("--netns", help="run the receiver inside this network namespace")
     ap.add_argument("--opts", default="{}", help="tcp options for both ends, as JSON")
+    ap.add_argument("--auth", nargs="+", default=["plain"], choices=["plain", "mac", "tls", "tls+mac"],
+                    help="kinds of link to measure side by side (default: plain)")
+    ap.add_argument("--cert", help=argparse.SUPPRESS)  # the receiver child: the TLS certificate
     ap.add_argument("--fresh-buffers", action="store_true",
                     help="keep the default receive pool (256 MiB): larger messages land in new pages every run")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
@@ -173,7 +222,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.role == "recv":
         return _recv_main(a)
-    res = run(a.size_mib, a.streams, a.repeat, a.host, a.netns, json.loads(a.opts), a.fresh_buffers, a.pin)
+    res = run(a.size_mib, a.streams, a.repeat, a.host, a.netns, json.loads(a.opts), a.fresh_buffers, a.pin,
+              tuple(a.auth))
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:

@@ -54,6 +54,7 @@ def recv_into(sock, view: memoryview, peer: str) -> None:
 
 
 HASH_PIECE = 256 << 10  # recv_hashed hashes each piece this size as it lands, while it is in cache
+MAC_BATCH = 1 << 20  # ...and feeds a record MAC this many bytes at a time (still in cache: 32 MiB L3 here)
 
 
 def recv_hashed(sock, view: memoryview, peer: str, tagger=None) -> int:
@@ -65,13 +66,14 @@ def recv_hashed(sock, view: memoryview, peer: str, tagger=None) -> int:
     it landed streamed from memory at ~9 GB/s here, a piece just received
     hashes at ~25 GB/s.
     """
-    h, got = xxhash.xxh3_64(), 0
+    h, got, tagged = xxhash.xxh3_64(), 0, 0
     while got < len(view):
         n = recv_some(sock, view[got: got + HASH_PIECE], peer)
         h.update(view[got: got + n])
-        if tagger is not None:
-            tagger.update(view[got: got + n])
         got += n
+        if tagger is not None and (got - tagged >= MAC_BATCH or got == len(view)):
+            tagger.update(view[tagged: got])  # BLAKE3 is 2x faster on 1 MiB than on 64 KiB updates
+            tagged = got
     return h.intdigest()
 
 

@@ -213,12 +213,14 @@ def write(sock, job: tuple, mac=None) -> None:
             send_record(sock, tf.pack(tf.Record(tf.FRAME, om.seq, b, off, len(view), s)), view, mac)
 
 
-MAC_PIECE = 256 << 10  # a body is tagged piece by piece just before each piece is sent, while it is in cache
+# a body is tagged piece by piece just before each piece is sent, while it is in cache; BLAKE3 runs at twice
+# the speed on 1 MiB updates as on 64 KiB ones (its SIMD hashes many 1 KiB chunks at once)
+MAC_PIECE = 1 << 20
 
 
 def send_record(sock, header: bytes, body, mac) -> None:
     if mac is None:
-        if len(body) < MAC_PIECE:
+        if len(body) < 256 << 10:  # one syscall for small records
             sock.sendall(header + bytes(body))
         else:
             sock.sendall(header)
