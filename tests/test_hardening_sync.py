@@ -230,3 +230,23 @@ def test_sync_does_not_import_subscriber():
     # and each side imports alone, in either order
     for first in ("wsync.subscriber", "wsync.sync"):
         subprocess.run([sys.executable, "-c", f"import {first}; import wsync.sync, wsync.subscriber"], check=True)
+
+
+def test_default_history_cap_follows_the_model(rng, monkeypatch):
+    """Without history_bytes, raw history is bounded by twice the model's bytes (at least MIN_HISTORY_BYTES)."""
+    import wsync.sync as sync
+
+    monkeypatch.setattr(sync, "MIN_HISTORY_BYTES", 1)  # so a small test model shows the bound
+    states = [_state(rng)]
+    for _ in range(8):
+        states.append(_step(states[-1], rng))
+    one = sum(a.nbytes for a in states[0].values())
+    with Publisher(ADDR, token=TOKEN, codec="raw") as pub:
+        for v, st in enumerate(states):
+            pub.publish(st, version=v)
+            pub.flush(timeout=60)
+            assert pub.stats["history_bytes"] <= 2 * one + 4096  # payload headers ride on top of the tensors
+        late = Shadow()
+        with Subscriber(pub.address, engine=late, token=TOKEN) as sub:
+            sub.wait_for(len(states) - 1, timeout=60)
+        assert _same(late, states[-1])

@@ -60,9 +60,14 @@ class PublisherConfig:
     live: bool = True  # host-memory states: publish() measures each delta against a mirror instead of copying
     # encoded versions kept for catch-up, in bytes (raw versions are whole models); older ones are dropped and a
     # subscriber that needed them gets a keyframe of the newest state instead. The newest version is always kept.
-    history_bytes: int = 1 << 30
+    # None: twice the model's bytes (a chain of deltas bigger than that costs more than the keyframe it
+    # replaces), and at least MIN_HISTORY_BYTES
+    history_bytes: int | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port (0: any free one); None: no metrics
     metrics_host: str = "127.0.0.1"  # where the metrics endpoint listens: loopback unless asked otherwise
+
+
+MIN_HISTORY_BYTES = 256 << 20
 
 
 class FlushTimeout(WsyncError, TimeoutError):
@@ -74,11 +79,13 @@ class Publisher:
         self.config = PublisherConfig(**config)
         if self.config.codec not in ("delta", "raw"):
             raise ValueError(f"codec must be 'delta' or 'raw', got {self.config.codec!r}")
-        if not isinstance(self.config.history_bytes, int) or self.config.history_bytes <= 0:
+        cap = self.config.history_bytes
+        if cap is not None and (not isinstance(cap, int) or cap <= 0):
             raise ValueError(f"history_bytes must be a positive number of bytes, got {self.config.history_bytes!r}")
         self._listener = listen(address, **with_token(listen_opts, token))
         self.address = self._listener.address
         self._history = History()
+        self._model_bytes = 0  # bytes of the newest layout's tensors (for the default history_bytes)
         self._cv = threading.Condition()
         self._state: State | None = None  # newest state handed to the encoder
         self._on_demand: Keyframe | None = None  # keyframe of the newest state, for subscribers that lost their way
@@ -290,6 +297,10 @@ class Publisher:
         checksum = None  # the state's digest, known once its buckets are encoded (from their checksums)
         same_layout = prev is not None and self._layout(prev) == self._layout(state)
         make_kf = make_kf or not same_layout
+        if not same_layout:  # once per layout, off the trainer's path
+            size = sum(tb.nbytes for _, tb in state.items())
+            with self._cv:
+                self._model_bytes = size
         if make_kf:
             wait_copied(state, state)  # a keyframe stays in the history: never register one half copied
         delta = None
@@ -388,6 +399,12 @@ class Publisher:
             if self._spare is None:
                 self._spare = spare
 
+    def _history_cap(self) -> int:
+        """Bytes of encoded versions the history may hold (see PublisherConfig.history_bytes). Holds _cv."""
+        if self.config.history_bytes is not None:
+            return self.config.history_bytes
+        return max(2 * self._model_bytes, MIN_HISTORY_BYTES)
+
     def _buckets(self, state: State) -> list[Members]:
         """The layout of each bucket of state (computed once per Bound, and for a plain state each time)."""
         def make():
@@ -422,7 +439,7 @@ class Publisher:
                         self._history.known(enc.version, enc.checksum)
                     enc.buckets.append(msg)
                     enc.nbytes += msg.nbytes
-                    self._history.trim(self.config.history_bytes)
+                    self._history.trim(self._history_cap())
                     self._cv.notify_all()
                 if self.metrics is not None:
                     self.metrics.sent_bytes(p.manifest.codec, msg.nbytes)
