@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, safejson
 from .bits import State, TensorBits
 from .errors import FormatError
 from .fsutil import MARKER, TEMP_TAG, atomic_write, check_inside, check_output, child, clean_stale, fsync_path, \
@@ -69,7 +69,7 @@ def read_safetensors(path) -> tuple[State, dict[str, str]]:
     if hlen > MAX_HEADER or 8 + hlen > size:
         raise FormatError(f"{path}: header length {hlen} does not fit a {size}-byte file")
     try:
-        header = json.loads(mm[8 : 8 + hlen])
+        header = safejson.loads(mm[8 : 8 + hlen], what=f"{path}: header")
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"{path}: header is not JSON: {e}") from None
     if not isinstance(header, dict):
@@ -138,7 +138,7 @@ def read_checkpoint(path, *, inside=None) -> Checkpoint:
 
 def _read_sharded(path: Path, checked) -> Checkpoint:
     try:
-        weight_map = json.loads(checked(path / INDEX_NAME).read_text())["weight_map"]
+        weight_map = safejson.loads(checked(path / INDEX_NAME).read_text(), what=str(path / INDEX_NAME))["weight_map"]
         shards = sorted(set(weight_map.values()))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise FormatError(f"{path / INDEX_NAME}: not a safetensors index ({e})") from None

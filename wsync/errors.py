@@ -44,3 +44,11 @@ class SnapshotError(WsyncError):
 
 class OutputError(WsyncError):
     """An output path wsync will not write over: a folder it did not write, a file, a symlink."""
+
+
+class JSONError(FormatError, ValueError):
+    """JSON from a peer or a file that does not parse, or nests deeper or runs longer than wsync allows.
+
+    Also a ValueError, so code that already turns json's own ValueError into its
+    error (a TransportError for a bad message header) treats it the same way.
+    """

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint, prepare_output, read_checkpoint, write_checkpoint
 from .engines.shadow import Shadow
+from . import safejson
 from .errors import FormatError, WsyncError
 from .layout import Members, plan
 from .subscriber import version_digest
@@ -111,7 +112,7 @@ def read_replica(out: Path) -> tuple[Shadow, list | None]:
         return engine, None
     try:
         ck = read_checkpoint(out)
-        served = [Members.from_doc(d) for d in json.loads(ck.metadata["wsync_layouts"])]
+        served = [Members.from_doc(d) for d in safejson.loads(ck.metadata["wsync_layouts"], what="replica layouts")]
         engine.replace(ck.state)
         if version_digest(engine.state, served) != ck.metadata["wsync_digest"]:
             raise FormatError(f"{out}: weights do not match the digest stored with them")

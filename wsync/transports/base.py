@@ -39,6 +39,7 @@ from typing import Protocol
 
 import xxhash
 
+from .. import safejson
 from ..errors import ChecksumError, TransportError
 
 MAGIC = b"WSM1"
@@ -172,7 +173,7 @@ def open_head(head: bytes, hsum: int, keys: tuple[str, ...]) -> list:
     if xxhash.xxh3_64_intdigest(head) != hsum:
         raise ChecksumError("message header checksum mismatch (corrupt in transit)")
     try:
-        doc = json.loads(head)
+        doc = safejson.loads(head, what="message header")
         return [doc[k] for k in keys]
     except (ValueError, KeyError, TypeError) as e:
         raise TransportError(f"malformed message header: {e}") from None

@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .. import safejson
 from ..errors import ChecksumError, TransportError
 from . import local_cuda, options
 from .base import Address, Message, TransportTimeout
@@ -264,7 +265,7 @@ class LocalLink:
             if not more:
                 raise TransportError(f"{self.peer} closed the connection mid-frame")
             body += more
-        return kind, json.loads(body), fds
+        return kind, safejson.loads(body, what=f"frame from {self.peer}"), fds
 
     def _reap(self) -> None:
         """Give back segments whose views our caller has dropped (from the caller's thread or the reader's)."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from .. import safejson
 from ..errors import BackendUnavailable, ChecksumError, TransportError
 from . import options
 from .base import ENVELOPE, MAGIC, MAX_BLOB, MAX_HEADER, Address, Message, TransportTimeout
@@ -175,7 +176,7 @@ def parse_head(raw: bytes) -> tuple[str, dict, list[int], list[str], list[bool]]
     if xxhash.xxh3_64_intdigest(raw[ENVELOPE.size:]) != hsum:
         raise ChecksumError("message header checksum mismatch (corrupt in transit)")
     try:
-        d = json.loads(raw[ENVELOPE.size:])
+        d = safejson.loads(raw[ENVELOPE.size:], what="message header")
         kind, meta, sizes, sums, cuda = d["kind"], d["meta"], d["sizes"], d["sums"], d["cuda"]
     except (ValueError, KeyError, TypeError) as e:
         raise TransportError(f"malformed message header: {e}") from None

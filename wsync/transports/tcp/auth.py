@@ -41,6 +41,7 @@ import struct
 import time
 from dataclasses import dataclass
 
+from ... import safejson
 from ...errors import TransportError
 
 VERSION = 2  # 2: token proof before the request, MACs on request, reply and records
@@ -172,7 +173,7 @@ def _read_json(sock, peer: str, deadline: float) -> tuple[bytes, dict]:
         raise TransportError(f"{peer} sent a {n}-byte handshake document (limit {MAX_JSON})")
     body = read_exact(sock, n, peer, deadline)
     try:
-        doc = json.loads(body)
+        doc = safejson.loads(body, what="handshake document")
     except (ValueError, RecursionError):
         doc = None
     if not isinstance(doc, dict):

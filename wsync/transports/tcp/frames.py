@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from ... import safejson
 from ...errors import ChecksumError, TransportError
 
 REC = struct.Struct("<4sB3xQIIQQQ")
@@ -90,7 +91,7 @@ def encode_head(kind: str, meta: dict, sizes: list[int], frame: int) -> bytes:
 def decode_head(body: bytes, max_message: int) -> tuple[str, dict, list[int], int]:
     """Validate a HEAD body: field types, blob count, total size and frame size all bounded."""
     try:
-        doc = json.loads(body)
+        doc = safejson.loads(body, what="message header")
         kind, meta, sizes, frame = doc["kind"], doc["meta"], doc["sizes"], doc["frame"]
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise TransportError(f"malformed message header from peer: {e}") from None
@@ -133,7 +134,7 @@ def encode_state(next_seq: int, partial: dict[int, list[list[int]] | None]) -> b
 def decode_state(body: bytes, sent: int) -> tuple[int, dict[int, list[set[int]] | None]]:
     """Parse the peer's resume state; ``sent`` is our next sequence number, which bounds it."""
     try:
-        doc = json.loads(body)
+        doc = safejson.loads(body, what="resume state")
         nxt, items = doc["next"], doc["partial"]
         partial = {}
         for s, held in items:
