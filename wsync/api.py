@@ -228,26 +228,38 @@ def _base_errors_first(base_segs, man: Manifest, members: Members, i: int, k, kn
         raise
 
 
+# What prepare may unpack per byte received. A packed delta unpacks to a few times its size; a section
+# that claims far more may be a decompression bomb, and without the base prepare cannot tell: it leaves
+# such a segment to apply, which checks the declared sizes against the base's first.
+PREPARE_RATIO = 64
+PREPARE_SLACK = 1 << 20
+
+
 def prepare(payload: Payload, *, backend: str | None = None) -> Payload:
     """Check each segment's stored bytes and do the decoding that needs no base (zstd stages), ahead of apply.
 
     A subscriber calls this as each bucket of a version arrives, so the apply
     at the end touches little more than the engine's tensors. It stops
     quietly at the first problem: apply meets it again and raises it, ranked
-    as always (a wrong base before a corrupt payload).
+    as always (a wrong base before a corrupt payload). It unpacks at most
+    PREPARE_RATIO times the bytes received (plus PREPARE_SLACK), whatever the
+    manifest declares.
     """
     codec = CODECS.get(payload.manifest.codec)
     if codec is None:
         return payload
     k = backends.kernels(backend)
+    budget = PREPARE_RATIO * len(payload.body) + PREPARE_SLACK
     for spec in payload.manifest.tensors:
         if spec.name in payload.unpacked:
             continue
         try:
             _check_frame(payload, spec, k, spec.name)
-            payload.unpacked[spec.name] = codec.unpack(spec, payload.parts(spec), dtypes.by_name(spec.dtype))
+            sec = codec.unpack(spec, payload.parts(spec), dtypes.by_name(spec.dtype), limit=budget)
         except Exception:  # noqa: BLE001  (apply does this work again and raises it properly)
             break
+        payload.unpacked[spec.name] = sec
+        budget -= 0 if sec is None else sec.sparse_size()
     return payload
 
 
@@ -479,21 +491,45 @@ def inspect(payload) -> dict:
 
 
 def _changed(spec: TensorSpec, payload: Payload) -> int:
-    """Changed elements of one segment (raw segments count as all changed)."""
-    from .codecs.base import zstd_decompress
+    """Changed elements of one segment (raw segments count as all changed).
+
+    Without a base, the segment's size is only what the manifest declares, so
+    zstd sections are read in bounded pieces, never unpacked whole.
+    """
+    from .codecs.base import zstd_blocks
     from .codecs.delta_ref import nchunks
 
     if spec.kind == "same":
         return 0
     if spec.kind == "xor":  # a dense change: the elements whose XOR with the base is not zero
         bits_dt = dtypes.by_name(spec.dtype).bits_dtype
-        x = np.frombuffer(zstd_decompress(payload.parts(spec)["data"], spec.nbytes, f"{spec.name}: xor data"), bits_dt)
-        return int(np.count_nonzero(x))
+        return _count(zstd_blocks(payload.parts(spec)["data"], spec.nbytes, f"{spec.name}: xor data"), bits_dt,
+                      lambda x: np.count_nonzero(x))
     if not spec.kind.startswith("delta"):
         return spec.numel
-
     nc = nchunks(spec.numel)
     table = payload.parts(spec)["table"]
-    if spec.kind == "delta-packed":
-        table = zstd_decompress(table, 8 * nc, f"{spec.name}: table")
-    return int(np.frombuffer(table, "<u4")[:nc].sum(dtype=np.int64))
+    if spec.kind == "delta-sparse":
+        return int(np.frombuffer(table, "<u4")[:nc].sum(dtype=np.int64))
+    counts = _prefix(zstd_blocks(table, 8 * nc, f"{spec.name}: table"), 4 * nc)
+    return _count(counts, np.dtype("<u4"), lambda x: x.sum(dtype=np.int64))
+
+
+def _count(pieces, dtype: np.dtype, fn) -> int:
+    """The sum of fn over pieces of bytes viewed as dtype (an element may straddle two pieces)."""
+    total, rest = 0, b""
+    for piece in pieces:
+        data = rest + piece if rest else piece
+        whole = len(data) - len(data) % dtype.itemsize
+        total += int(fn(np.frombuffer(data, dtype, whole // dtype.itemsize)))
+        rest = bytes(data[whole:])
+    return total
+
+
+def _prefix(pieces, n: int):
+    """The first n bytes of a stream of pieces (what follows is never read)."""
+    for piece in pieces:
+        yield piece[:n]
+        n -= len(piece)
+        if n <= 0:
+            return

@@ -29,6 +29,26 @@ from .tables import Table
 
 MAX_MEMBERS = 1 << 22  # a table this long is a lie, not a model
 MAX_ELEMENTS = 1 << 50  # nor a payload of more elements than this (the counts stay far from int64 overflow)
+MAX_DIMS = 64  # torch allows 64 dimensions; more is a lie (and a product of thousands of huge ints is slow)
+
+
+def shape_numel(shape, where: str) -> int:
+    """The element count of an untrusted shape (a list of ints), checked before anything is sized from it.
+
+    Each dimension and the running product are held to MAX_ELEMENTS, so the
+    product of a crafted shape never grows into a huge integer, and a count
+    that passes fits int64 with room to add many of them.
+    """
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS):
+        raise FormatError(f"{where}: shape must be a list of at most {MAX_DIMS} ints, got {shape!r:.80}")
+    n = 1
+    for d in shape:
+        if not (isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ELEMENTS):
+            raise FormatError(f"{where}: shape must hold non-negative ints, got {shape!r:.80}")
+        n *= d
+        if n > MAX_ELEMENTS:
+            raise FormatError(f"{where}: shape {shape!r:.80} declares more than {MAX_ELEMENTS} elements")
+    return n
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,10 +114,7 @@ class Members:
             raise FormatError("manifest: member names must be non-empty strings")
         if len(set(names)) != len(names):
             raise FormatError("manifest: a member name appears twice")
-        for s in shapes:
-            if not (isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)):
-                raise FormatError(f"manifest: member shapes must be lists of non-negative ints, got {s!r:.60}")
-        if sum(math.prod(s) for s in shapes) > MAX_ELEMENTS:
+        if sum(shape_numel(s, "manifest: member") for s in shapes) > MAX_ELEMENTS:
             raise FormatError(f"manifest: members declare more than {MAX_ELEMENTS} elements")
         if not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts) or sum(counts) != len(names):
             raise FormatError(f"manifest: segment counts {counts!r:.80} do not add up to {len(names)} members")

@@ -18,10 +18,10 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from . import dtypes
+from . import dtypes, safejson
 from .checksum import ALGO
 from .errors import FormatError
-from .layout import Members
+from .layout import MAX_ELEMENTS, Members, shape_numel
 
 FORMAT_VERSION = 2
 READERS = {1: "wsync 0.1.x (pip install 'wsync<0.2')"}  # older formats, and which wsync reads them
@@ -114,11 +114,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Manifest":
-        try:
-            doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"manifest is not valid JSON: {e}") from None
-        return _parse(doc)
+        return _parse(safejson.loads(raw, what="manifest"))
 
 
 def _spec_doc(t: TensorSpec) -> dict:
@@ -209,8 +205,7 @@ def _parse_spec(d, i: int, codec: str, tier: str | None) -> TensorSpec:
     where = f"tensor #{i} {name!r}"
     dt = dtypes.by_name(_get(d, "dtype", str, where))
     shape = _get(d, "shape", list, where)
-    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-        raise FormatError(f"{where}: shape must be a list of non-negative ints, got {shape!r:.80}")
+    shape_numel(shape, where)
     kind = _get(d, "kind", str, where)
     expected = PARTS.get((codec, kind))
     if expected is None or (kind.startswith("delta-") and kind != f"delta-{tier}"):
@@ -243,6 +238,8 @@ def _check_lengths(spec: TensorSpec, where: str) -> None:
         raise FormatError(f"{where}: raw data is {spec.parts['data']} bytes, but {spec.dtype}{list(spec.shape)} needs {spec.nbytes}")
     if spec.kind == "delta-sparse" and spec.parts["table"] != 8 * spec.nchunks:
         raise FormatError(f"{where}: chunk table is {spec.parts['table']} bytes, expected {8 * spec.nchunks}")
+    if spec.kind == "delta-sparse" and spec.length >= spec.nbytes:  # the encoder stores such a change whole
+        raise FormatError(f"{where}: {spec.length} bytes of delta sections for a {spec.nbytes}-byte tensor")
     if spec.kind.startswith("delta") and spec.base_checksum is None:
         raise FormatError(f"{where}: a delta tensor needs a base_checksum")
 
@@ -278,8 +275,11 @@ def _check_segments(tensors: list[TensorSpec], layout_hash: str, members: Member
 
 def _check_tiling(tensors: list[TensorSpec]) -> None:
     names = set()
-    pos = 0
+    pos = elements = 0
     for t in tensors:
+        elements += t.numel
+        if elements > MAX_ELEMENTS:
+            raise FormatError(f"manifest: segments declare more than {MAX_ELEMENTS} elements")
         if t.name in names:
             raise FormatError(f"tensor {t.name!r} appears twice in the manifest")
         names.add(t.name)

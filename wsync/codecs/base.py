@@ -91,22 +91,66 @@ def zstd_compress(data, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
 
 
+# No zstd frame expands more than this: a block regenerates at most 128 KiB, and the smallest block
+# (an RLE block) is 4 bytes. A section declaring more than this times its stored size is a lie.
+ZSTD_MAX_RATIO = (128 << 10) // 4
+
+
 def zstd_decompress(frame, expected: int, what: str) -> bytes:
-    """Decompress exactly `expected` bytes from one zstd frame or raise FormatError."""
+    """Decompress exactly `expected` bytes from one zstd frame or raise FormatError.
+
+    The caller has checked `expected` against what it knows (the base's size, a
+    budget); the frame's own header and length must agree before anything is allocated.
+    """
     if len(frame) == 0:
         if expected:
             raise FormatError(f"{what}: empty section, expected {expected} bytes once decompressed")
         return b""
+    _check_frame_size(frame, expected, what)
     try:
-        size = zstandard.frame_content_size(frame)
-        if size != expected:
-            raise FormatError(f"{what}: frame holds {size} bytes, expected {expected}")
         out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=expected)
     except zstandard.ZstdError as e:
         raise FormatError(f"{what}: corrupt zstd frame ({e})") from None
     if len(out) != expected:
         raise FormatError(f"{what}: decompressed to {len(out)} bytes, expected {expected}")
     return out
+
+
+def zstd_blocks(frame, expected: int, what: str, block: int = 1 << 20):
+    """The `expected` bytes of one zstd frame in pieces of at most `block` bytes, for readers that only
+    count: memory stays at one block whatever the frame declares."""
+    if len(frame) == 0:
+        if expected:
+            raise FormatError(f"{what}: empty section, expected {expected} bytes once decompressed")
+        return
+    _check_frame_size(frame, expected, what)
+    got = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(memoryview(frame), read_across_frames=False) as r:
+            while got < expected:
+                piece = r.read(min(block, expected - got))
+                if not piece:
+                    break
+                got += len(piece)
+                yield piece
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{what}: corrupt zstd frame ({e})") from None
+    if got != expected:
+        raise FormatError(f"{what}: decompressed to {got} bytes, expected {expected}")
+
+
+def _check_frame_size(frame, expected: int, what: str) -> None:
+    """The frame states its size, the size is `expected`, and `frame` is long enough to hold that much."""
+    try:
+        size = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{what}: corrupt zstd frame ({e})") from None
+    if size < 0:
+        raise FormatError(f"{what}: zstd frame does not state its content size (wsync always writes it)")
+    if size != expected:
+        raise FormatError(f"{what}: frame holds {size} bytes, expected {expected}")
+    if expected > ZSTD_MAX_RATIO * len(frame):
+        raise FormatError(f"{what}: a {len(frame)}-byte zstd frame cannot hold {expected} bytes")
 
 
 def frombuffer(buf, dtype, what: str) -> np.ndarray:

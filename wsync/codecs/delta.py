@@ -82,10 +82,15 @@ def decode_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype) -> Dec
     return Decoded(values, pos, base_sum)
 
 
-def unpack(spec, parts: dict, dtype) -> DeltaSections | None:
+def unpack(spec, parts: dict, dtype, limit: int | None = None) -> DeltaSections | None:
     """What decoding needs no base for: a delta's sections, out of their zstd stage. The XOR data of a dense
-    change is left packed (unpacked, it is as large as the tensor, and it would wait in memory for the base)."""
-    return _sections(spec, parts, dtype.bits_dtype) if spec.kind.startswith("delta") else None
+    change is left packed (unpacked, it is as large as the tensor, and it would wait in memory for the base).
+
+    limit: the most bytes the sections may take once unpacked; more raises FormatError before any is
+    allocated. Without a base, the tensor's size is only what the manifest declares, so a caller that has
+    not checked it against anything passes a limit.
+    """
+    return _sections(spec, parts, dtype.bits_dtype, limit) if spec.kind.startswith("delta") else None
 
 
 def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace: bool, base_sum: bool,
@@ -132,8 +137,10 @@ def _xor_data(spec, parts: dict, bits_dt) -> np.ndarray:
     return np.frombuffer(zstd_decompress(parts["data"], spec.nbytes, "xor data"), bits_dt)
 
 
-def _sections(spec, parts: dict, bits_dt) -> DeltaSections:
-    return _sparse_sections(spec, parts, bits_dt) if spec.kind == "delta-sparse" else _packed_sections(spec, parts, bits_dt)
+def _sections(spec, parts: dict, bits_dt, limit: int | None = None) -> DeltaSections:
+    if spec.kind == "delta-sparse":  # views of the payload: nothing is allocated
+        return _sparse_sections(spec, parts, bits_dt)
+    return _packed_sections(spec, parts, bits_dt, limit)
 
 
 def _sparse_sections(spec, parts: dict, bits_dt) -> DeltaSections:
@@ -145,13 +152,19 @@ def _sparse_sections(spec, parts: dict, bits_dt) -> DeltaSections:
     )
 
 
-def _packed_sections(spec, parts: dict, bits_dt) -> DeltaSections:
+def _packed_sections(spec, parts: dict, bits_dt, limit: int | None = None) -> DeltaSections:
     nc = delta_ref.nchunks(spec.numel)
+    _within(8 * nc, limit, "table")
     table = np.frombuffer(zstd_decompress(parts["table"], 8 * nc, "table"), "<u4")
     # The table is untrusted until delta_decode checks it; bound the sizes it implies first.
     n_changed, n_esc = int(table[:nc].sum(dtype=np.int64)), int(table[nc:].sum(dtype=np.int64))
-    if n_changed > spec.numel or n_esc > n_changed:
+    if n_esc > n_changed:
         raise FormatError(f"table claims {n_changed} changes, {n_esc} escapes in {spec.numel} elements")
+    size = delta_ref.sparse_size(spec.numel, bits_dt.itemsize, n_changed, n_esc)
+    if size >= spec.nbytes:  # the encoder stores such a change whole (raw or xor), never as a delta
+        raise FormatError(f"table claims {n_changed} changes, {n_esc} escapes in {spec.numel} elements: "
+                          f"{size} bytes of sections, more than the {spec.nbytes}-byte tensor")
+    _within(size, limit, "sections")
     gaps = np.empty(n_changed, "<u2")
     g = gaps.view(np.uint8)
     g[0::2] = np.frombuffer(zstd_decompress(parts["gaps_lo"], n_changed, "gaps_lo"), np.uint8)
@@ -159,3 +172,8 @@ def _packed_sections(spec, parts: dict, bits_dt) -> DeltaSections:
     steps = np.frombuffer(zstd_decompress(parts["steps"], n_changed, "steps"), np.int8)
     esc = zstd_decompress(parts["escapes"], n_esc * bits_dt.itemsize, "escapes")
     return DeltaSections(table, gaps, steps, np.frombuffer(esc, bits_dt))
+
+
+def _within(nbytes: int, limit: int | None, what: str) -> None:
+    if limit is not None and nbytes > limit:
+        raise FormatError(f"{what}: {nbytes} bytes once unpacked, over the {limit}-byte limit for this payload")

@@ -28,6 +28,11 @@ Sections of one tensor, back to back, all little-endian:
   steps    i8[n_changed]
   escapes  uW[n_escapes]
 
+A tensor is stored as a delta only when these sections are smaller than the
+tensor itself (n * W bytes); a denser change is stored whole. A decoder
+refuses sections, or a chunk table, that claim as much or more, so a delta
+never makes a receiver allocate more than the tensor it changes.
+
 Decoding validates everything it reads: counts fit their chunk, the section
 sizes agree with the table, every position is inside its chunk, and each
 chunk's escape markers match its escape count. Invalid input raises

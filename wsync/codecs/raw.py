@@ -13,7 +13,7 @@ def decode_tensor(base: TensorBits | None, spec, parts: dict, *, kernels, dtype)
     return Decoded(frombuffer(parts["data"], dtype.bits_dtype, "data"))
 
 
-def unpack(spec, parts: dict, dtype) -> None:
+def unpack(spec, parts: dict, dtype, limit: int | None = None) -> None:
     """Nothing to decode ahead of the base: the bytes are the tensor."""
     return None
 
