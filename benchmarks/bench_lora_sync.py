@@ -35,7 +35,8 @@ from wsync import engines  # noqa: E402
 from wsync.bench import hardware  # noqa: E402
 from wsync.snapshot import unique_tensors  # noqa: E402
 from wsync.engines.peft import PEFT, adapter_state  # noqa: E402
-from wsync.sync import Publisher, Subscriber  # noqa: E402
+from wsync.subscriber import Subscriber  # noqa: E402
+from wsync.sync import Publisher  # noqa: E402
 
 TOKEN = b"bench-lora"
 

@@ -56,7 +56,9 @@ def test_vllm_worker_extension_and_backend(tmp_path, monkeypatch):
     params = vllm.SamplingParams(max_tokens=8, temperature=0)
     before = llm.generate(prompt, params)[0].outputs[0].token_ids
     with Publisher("tcp://127.0.0.1:0", token=TOKEN) as pub:
-        llm.collective_rpc("wsync_subscribe", args=(pub.address, TOKEN.hex()))
+        monkeypatch.setenv("WSYNC_TOKEN", TOKEN.hex())  # the RPC carries only the token's fingerprint
+        from wsync.integrations.common import token_id
+        llm.collective_rpc("wsync_subscribe", args=(pub.address, token_id(TOKEN)))
         _bump(trainer)
         pub.publish(trainer.state_dict(), version=1)
         assert llm.collective_rpc("wsync_update", args=(1,)) == [1]

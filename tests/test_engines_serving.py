@@ -17,6 +17,7 @@ from engine_helpers import TOKEN, fuse, publisher, rl_step, subscriber, tiny_qwe
 from wsync import engines  # noqa: E402
 from wsync.engines.sglang import SGLang  # noqa: E402
 from wsync.engines.staged import EngineError  # noqa: E402
+from wsync.integrations.common import token_id  # noqa: E402
 from wsync.engines.vllm import LoadWeights, WsyncWorkerExtension, write_adapter  # noqa: E402
 from wsync.errors import MismatchError  # noqa: E402
 
@@ -88,7 +89,7 @@ def test_failed_push_rolls_back_then_recovers(gen):
         assert live_digest(served) == engines.HF(trainer).digest() != at0
 
 
-def test_worker_extension_rpc_methods(gen):
+def test_worker_extension_rpc_methods(gen, monkeypatch):
     class Worker(WsyncWorkerExtension):  # vLLM mixes the extension into its worker class the same way
         def __init__(self, model):
             self.model = model
@@ -98,7 +99,8 @@ def test_worker_extension_rpc_methods(gen):
 
     trainer, w = tiny_qwen(0), Worker(vllm_like(2))
     with publisher() as pub:
-        w.wsync_subscribe(pub.address, TOKEN.hex())
+        monkeypatch.setenv("WSYNC_TOKEN", TOKEN.hex())  # the RPC carries only the token's fingerprint
+        w.wsync_subscribe(pub.address, token_id(TOKEN))
         try:
             for v in range(3):
                 rl_step(trainer, gen)

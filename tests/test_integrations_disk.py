@@ -53,3 +53,26 @@ def test_prime_rl_broadcast_to_step_dirs(tmp_path):
     finally:
         side.close()
         bc.close()
+
+
+def test_step_dirs_never_replace_or_remove_a_folder_wsync_did_not_write(tmp_path):
+    """A folder already at a version's path that wsync did not write (a user's, another tool's) stays as it
+    was and the write is refused; folders it wrote are replaced and aged out."""
+    import pytest
+
+    from wsync.errors import OutputError
+    from wsync.integrations.disk import StepDirs
+    from wsync.snapshot import as_state
+
+    dirs = StepDirs(lambda v: tmp_path / f"step_{v}", marker="STABLE", keep=1)
+    dirs.state = as_state({"w": torch.arange(6, dtype=torch.float32)})
+    foreign = tmp_path / "step_2"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    dirs.version = 1
+    assert (tmp_path / "step_1" / "STABLE").exists()
+    with pytest.raises(OutputError):
+        dirs.version = 2
+    assert (foreign / "notes.txt").read_text() == "mine" and sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+    dirs.version = 3  # keep=1: step_1 (ours) is removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]

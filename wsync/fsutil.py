@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import safejson
 from .errors import FormatError, OutputError
 
 MARKER = ".wsync-output.json"  # in every folder wsync writes: proof that it may replace the folder
@@ -191,6 +192,16 @@ def check_output(path) -> None:
                           f"or choose another folder for -o")
 
 
+def remove_output(path) -> None:
+    """Remove a folder wsync wrote (check_output's rule: its marker lists everything in it); anything else
+    stays, and OutputError says why."""
+    path = Path(path)
+    if not path.exists():
+        return
+    check_output(path)
+    shutil.rmtree(path)
+
+
 def _owned(path: Path) -> set[str] | None:
     """The names wsync wrote in the folder, by its marker (None: not a wsync output)."""
     marker = path / MARKER
@@ -199,7 +210,7 @@ def _owned(path: Path) -> set[str] | None:
         return set(LEGACY_PULL) if held == LEGACY_PULL else None
     try:
         with open(marker, "rb") as f:
-            doc = json.loads(f.read(1 << 20))
+            doc = safejson.loads(f.read(1 << 20), what=str(marker))
         files = doc["files"]
         if doc.get("written_by") != "wsync" or not all(isinstance(n, str) for n in files):
             return None

@@ -9,14 +9,16 @@ Nothing here imports vLLM until it is used. Three ways in, newest first:
    travel over a wsync transport and codec (tcp/ucx/..., delta or raw); vLLM's
    control plane only says which version to apply::
 
-       client.init_weight_transfer_engine({"address": "tcp://trainer:7070", "token": TOKEN.hex()})
+       # token_id(TOKEN) is the token's fingerprint; each vLLM process reads the token
+       # itself from WSYNC_TOKEN / WSYNC_TOKEN_FILE (request bodies and RPC arguments get logged)
+       client.init_weight_transfer_engine({"address": "tcp://trainer:7070", "token_id": token_id(TOKEN)})
        pub.publish(model.state_dict(), version=v)           # trainer, as usual
        client.start_weight_update(); client.update_weights({"version": v}); client.finish_weight_update()
 
 2. **Worker extension** for the ``collective_rpc`` path (older vLLM)::
 
        llm = LLM(model, worker_extension_cls="wsync.engines.vllm.WsyncWorkerExtension")
-       llm.collective_rpc("wsync_subscribe", args=("tcp://trainer:7070", TOKEN.hex()))
+       llm.collective_rpc("wsync_subscribe", args=("tcp://trainer:7070", token_id(TOKEN)))
        llm.collective_rpc("wsync_update", args=(v,))       # between generate() calls
 
 3. **LoRA** through vLLM's runtime adapter loading: ``VLLMLoRA`` receives the
@@ -99,11 +101,14 @@ class LoadWeights(Staged):
 class WsyncWorkerExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); methods are called by ``collective_rpc``."""
 
-    def wsync_subscribe(self, address: str, token: str | None = None) -> None:
+    def wsync_subscribe(self, address: str, token_id: str | None = None) -> None:
+        """token_id: the token's fingerprint (wsync.integrations.common.token_id); RPC arguments get logged,
+        so the token itself comes from WSYNC_TOKEN / WSYNC_TOKEN_FILE in each worker's environment."""
+        from ..integrations.common import engine_token
         from ..subscriber import Subscriber
 
         self.wsync_engine = LoadWeights(self.get_model)
-        self.wsync_sub = Subscriber(address, engine=self.wsync_engine, token=bytes.fromhex(token) if token else None,
+        self.wsync_sub = Subscriber(address, engine=self.wsync_engine, token=engine_token(token_id),
                                     apply="poll")  # applied only inside wsync_update, between generate() calls
 
     def wsync_update(self, version: int, timeout: float | None = 600.0) -> int:

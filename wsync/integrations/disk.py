@@ -8,16 +8,15 @@ newest version in memory and writes every committed version into the folder the
 framework's reload already expects. Only the coded bytes cross the network; the
 engines and the framework's reload code stay as they are.
 
-A folder is written whole under a temporary name and renamed into place when
-the Subscriber commits the version (``version`` is set), then ``marker`` is
-created, so nothing ever reads a half-written version. The Subscriber acks a
+A folder is written whole under a temporary name, ``marker`` inside it, and
+swapped into place when the Subscriber commits the version (``version`` is
+set), so nothing ever reads a half-written version; like ``pull``, it replaces
+or removes only folders wsync wrote (``wsync.fsutil``). The Subscriber acks a
 version only after that, so ``Publisher.flush()`` on the trainer returns once
 every sidecar has its folder.
 """
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from ..engines.shadow import Shadow
@@ -45,21 +44,16 @@ class StepDirs(Shadow):
         self._version = v
 
     def _write(self, version: int) -> None:
-        from ..checkpoint import write_safetensors
+        """The folder appears whole (marker included) or not at all, and only replaces a folder wsync wrote."""
+        from ..checkpoint import Checkpoint, write_checkpoint
+        from ..fsutil import remove_output
 
         final = Path(self.path_for(version))
-        tmp = final.with_name(f".{final.name}.wsync-tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        write_safetensors(tmp / "model.safetensors", self.state, {"format": "pt", "wsync_version": str(version)})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        if self.marker:
-            (final / self.marker).touch()
+        write_checkpoint(final, Checkpoint(self.state, None, {"format": "pt", "wsync_version": str(version)}),
+                         extra={self.marker: b""} if self.marker else None)
         self._written.append(final)
         while len(self._written) > self.keep:
-            shutil.rmtree(self._written.pop(0), ignore_errors=True)
-
+            remove_output(self._written.pop(0))
 
 def sidecar(address: str, path_for, *, token: str | None = None, marker: str | None = None, keep: int = 2):
     """Start a Subscriber that writes every version it commits (call .close() to stop)."""
