@@ -250,3 +250,42 @@ def test_default_history_cap_follows_the_model(rng, monkeypatch):
         with Subscriber(pub.address, engine=late, token=TOKEN) as sub:
             sub.wait_for(len(states) - 1, timeout=60)
         assert _same(late, states[-1])
+
+
+# -- finding 9, end to end: a deep-JSON manifest from upstream costs a reconnect, not the receive thread -----
+
+def test_deep_json_manifest_from_upstream_is_survived_and_the_engine_converges(rng, monkeypatch):
+    """What a compromised relay (or publisher) can send: a bucket whose manifest nests 5,000 deep, its xxh3
+    valid. Python's json raised RecursionError there, which is not a WsyncError, so it killed the subscriber's
+    receive thread for good. Now it is a FormatError: the subscriber drops the link, redials, and converges."""
+    import xxhash
+
+    from wsync import payload as wp
+    from wsync import sender as ws
+
+    deep = b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    poisoned = []
+    real = ws.Sender._send_version
+
+    def once_poisoned(self, enc):
+        if enc.version == 1 and not poisoned:
+            poisoned.append(enc.version)
+            msg = self.pub._wait_bucket(enc, 0)
+            head = wp.HEADER.pack(wp.MAGIC, wp.FORMAT_VERSION, len(deep), len(msg.blobs[1]),
+                                  xxhash.xxh3_64_intdigest(deep)) + deep
+            self.link.send(Message("bucket", msg.meta, [head, msg.blobs[1]]))
+            return False
+        return real(self, enc)
+
+    monkeypatch.setattr(ws.Sender, "_send_version", once_poisoned)
+    s0 = _state(rng)
+    s1 = _step(s0, rng)
+    engine = Shadow()
+    with Publisher("tcp://127.0.0.1:0", codec="delta") as pub:
+        with Subscriber(pub.address, engine=engine, retry_s=0.05) as sub:
+            pub.publish(s0, version=0)
+            sub.wait_for(0, timeout=60)
+            pub.publish(s1, version=1)
+            sub.wait_for(1, timeout=60)
+            assert poisoned == [1] and sub.stats["reconnects"] >= 1 and sub._thread.is_alive()
+            assert _same(engine, s1)
