@@ -139,10 +139,11 @@ def test_delta_speeds_prefer_the_cpu_kernels(tmp_path):
         measured_speed("full", results=codec, kernels=kernels)
 
 
-def test_repo_default_delta_speed_names_the_kernels_file():
-    from wsync.plan.codec_speeds import measured_speed, newest_kernels
+def test_repo_default_delta_speed_is_the_fastest_backend():
+    from wsync.plan.codec_speeds import candidates, measured_speed, newest_results
 
-    if newest_kernels() is None:
-        pytest.skip("no *-kernels.json results in this checkout")
+    if newest_results() is None:
+        pytest.skip("no codec results in this checkout")
     s = measured_speed("delta", tier="sparse")
-    assert newest_kernels().name in s.source and "backend cpu" in s.source
+    assert s.encode_gbps == max(c.encode_gbps for c in candidates("delta", tier="sparse"))
+    assert s.backend != "ref" and f"backend {s.backend}" in s.source

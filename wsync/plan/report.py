@@ -55,10 +55,16 @@ def _published(a) -> None:
         print(" -", note)
 
 
+def _speed_label(speed) -> str:
+    """A short name for the table: the backend measured, the GPU a bound is for, or 'given'."""
+    return "given" if speed.basis == "given" else speed.backend or "?"
+
+
 def cmd_transfer(a) -> None:
     if a.published:
         return _published(a)
-    from .codec_speeds import CodecSpeed, measured_speed
+    from .codec_speeds import CodecSpeed
+    from .gpu_speeds import codec_speed
     from .lora import LoraConfig
     from .models import get_model
     from .transfer import parse_codec, parse_link, sync_cost
@@ -73,33 +79,42 @@ def cmd_transfer(a) -> None:
 
         per_tensor = TensorCost(encode_s=a.per_tensor_us * 1e-6, apply_s=a.per_tensor_us * 1e-6,
                                 source=f"{a.per_tensor_us} us per tensor at each end, given on the command line")
-    rows = []
-    for m in models:
-        for c in codecs:
-            c = dataclasses.replace(c, tier=a.tier)
-            speed = measured_speed(c.kind, saving=c.saving, tier=c.tier)
-            if a.encode_gbps or a.apply_gbps:
-                speed = CodecSpeed(encode_gbps=a.encode_gbps or speed.encode_gbps, apply_gbps=a.apply_gbps or
-                                   speed.apply_gbps, saving=speed.saving, source="given on the command line")
+    rows, speeds = [], {}
+    for c in codecs:
+        c = dataclasses.replace(c, tier=a.tier)
+        speed = codec_speed(c.kind, saving=c.saving, tier=c.tier, backend=a.backend)
+        if a.encode_gbps or a.apply_gbps:
+            speed = CodecSpeed(encode_gbps=a.encode_gbps or speed.encode_gbps, apply_gbps=a.apply_gbps or
+                               speed.apply_gbps, saving=speed.saving, basis="given", backend=speed.backend,
+                               source=f"given on the command line (otherwise: {speed.source})")
+        speeds[c.label] = speed
+        for m in models:
             for link in links:
                 s = sync_cost(m, link, c, speed=speed, dtype=a.dtype, buckets=a.buckets, encode_workers=a.encode_workers,
                               apply_workers=a.apply_workers, usd_per_gpu_s=a.usd_per_gpu_s, per_tensor=per_tensor)
                 rows.append(dict(dataclasses.asdict(s), gb=s.wire_bytes / 1e9, idle_usd=s.idle_usd_per_gpu * a.gpus,
-                                 wire_usd=s.wire_s * a.usd_per_gpu_s * a.gpus))
+                                 wire_usd=s.wire_s * a.usd_per_gpu_s * a.gpus, speeds=_speed_label(speed),
+                                 speed_basis=speed.basis, encode_gbps=speed.encode_gbps, apply_gbps=speed.apply_gbps))
+    rows.sort(key=lambda r: [m.name for m in models].index(r["model"]))  # one model's rows together
     if a.json:
         return _json(rows)
     print(_table(rows, [("model", ""), ("codec", ""), ("link", ""), ("gb", ".3f"), ("wire_s", ".3f"), ("encode_s", ".2f"),
                         ("apply_s", ".2f"), ("tensors", ","), ("tensor_s", ".3f"), ("pipelined_s", ".2f"),
-                        ("dominant", ""), ("wire_usd", ".4f"), ("idle_usd", ".4f")]))
-    print(f"wire_s = bytes / line rate (what published tables print); encode/apply at measured codec speeds, "
+                        ("dominant", ""), ("wire_usd", ".4f"), ("idle_usd", ".4f"), ("speeds", "")]))
+    print(f"wire_s = bytes / line rate (what published tables print); encode/apply at the codec speeds below, "
           f"{a.encode_workers} encode and {a.apply_workers} apply worker(s), pipelined over {a.buckets} buckets.")
     print(f"wire_usd / idle_usd = wire / pipelined time x {a.gpus} GPU(s) x ${a.usd_per_gpu_s}/GPU-s, per step.")
     print("tensors = state_dict tensors with experts named one by one; tensor_s = the part of encode + apply "
           "that is a cost per tensor, not per byte (included in encode_s / apply_s).")
-    for src in dict.fromkeys(r["speed_source"] for r in rows):
-        print(" speeds:", src)
+    print(f"codec speeds (GB/s of model bytes per worker, --backend {a.backend}):")
+    for label, sp in speeds.items():
+        kind = {"measured": "measured", "bound": "BOUND, not measured", "given": "given"}[sp.basis]
+        print(f"  {label}: encode {sp.encode_gbps:.4g}, apply {sp.apply_gbps:.4g} GB/s, {kind}; {sp.source}")
+    if all(sp.basis == "measured" and not sp.backend.startswith("cuda") for sp in speeds.values()):
+        print("  these are CPU speeds; a GPU trainer encodes on the GPU: --backend cuda (a measured cuda run, else "
+              "the H100 bandwidth bound) or --backend gpu-bound:h200")
     for src in dict.fromkeys(r["tensor_source"] for r in rows):
-        print(" per-tensor cost:", src)
+        print("per-tensor cost:", src)
 
 
 def cmd_lora(a) -> None:
