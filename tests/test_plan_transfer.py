@@ -45,8 +45,39 @@ def test_wan_full_sync_does_not_follow_from_its_own_numbers():
 
 
 def test_audit_flags_exactly_the_wan_full_figure():
-    bad = [c.figure for c in pub.audit() if c.error() > (0.03 if "LoRA" in c.figure else 0.01)]
+    bad = [c.figure for c in pub.audit() if c.error() is not None and c.error() > c.tolerance]
     assert bad == ["qwen3-8b full sync s, WAN 10 Gbit/s"]
+
+
+def test_every_published_row_and_column_is_computed():
+    checks = pub.audit()
+    names = [n for n, *_ in pub.TRANSFER_TABLE]
+    assert [n for n, *_ in pub.WAN_TABLE] == names  # the WAN table has the same four models
+    for n in names:
+        for what in ("size GB", "full sync s, TCP 50 Gbit/s", "full sync s, RDMA 3.2 Tbit/s", "full sync s, WAN",
+                     "delta sync s, 98% saved, WAN", "idle USD saved per sync per GPU, WAN"):
+            got = [c for c in checks if c.figure.startswith(f"{n} {what}")]
+            assert len(got) == 1 and got[0].from_model > 0, (n, what)
+    recorded = [c for c in checks if c.published is not None]
+    assert len(recorded) == 12 + 2 + 5  # transfer table, the WAN row this repo has, LoRA table
+    for c in recorded:
+        if c.figure != "qwen3-8b full sync s, WAN 10 Gbit/s":  # does not follow from its own numbers (above)
+            assert c.error() <= c.tolerance, c.figure
+
+
+def test_wan_row_and_its_cost_saving():
+    full, delta, usd = pub.wan_row("kimi-k2.6")
+    assert full == pytest.approx(595.148 * 8 / 10, rel=1e-3) and delta == pytest.approx(full * 0.02)
+    assert usd == pytest.approx((full - delta) * pub.IDLE_USD_PER_GPU_S)
+
+
+def test_a_copied_in_wan_figure_is_checked(monkeypatch):
+    full, delta, usd = pub.wan_row("glm-4.7")
+    table = [r if r[0] != "glm-4.7" else ("glm-4.7", round(full, 1), round(delta, 2), usd * 1.05) for r in pub.WAN_TABLE]
+    monkeypatch.setattr(pub, "WAN_TABLE", table)
+    errs = {c.figure: c.error() for c in pub.audit() if c.figure.startswith("glm-4.7") and "WAN" in c.figure}
+    assert errs["glm-4.7 full sync s, WAN 10 Gbit/s"] < 0.01
+    assert errs["glm-4.7 idle USD saved per sync per GPU, WAN 10 Gbit/s"] > 0.01  # a wrong figure is caught
 
 
 def test_idle_cost_at_published_price():
