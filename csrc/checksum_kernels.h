@@ -25,17 +25,17 @@ inline uint64_t combine_digests(const std::vector<uint64_t>& digests) {
   return xxh3(digests.data(), digests.size() * sizeof(uint64_t));
 }
 
-// Feed stream bytes [lo, hi) to h, piece by piece.
+// Feed stream bytes [lo, hi) to h, all their pieces in batches.
 inline void hash_range(const Stream& s, int64_t lo, int64_t hi, BlockHash& h) {
-  for_pieces(s, lo, hi, [&](uintptr_t b, int64_t l, int64_t r) { h.add(at(b, l), r - l); });
+  SpanBatch batch(&h);
+  for_pieces(s, lo, hi, [&](uintptr_t b, int64_t l, int64_t r) { batch.add(at(b, l), r - l); });
 }
 
-// The xxh3 of stream bytes [lo, hi): one shot when they lie in one piece
-// (the usual case, and a little faster), else streamed over the pieces.
+// The xxh3 of stream bytes [lo, hi): one shot when they lie in one piece, else streamed over the pieces.
 inline uint64_t hash_block(const Stream& s, int64_t lo, int64_t hi) {
   const int64_t i = s.find(lo);
   if (i < s.n && s.starts[i + 1] >= hi) return xxh3(at(s.base(i), lo), size_t(hi - lo));
-  BlockHash h;
+  BlockHash h(hi - lo);
   hash_range(s, lo, hi, h);
   return h.digest();
 }

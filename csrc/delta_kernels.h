@@ -152,6 +152,10 @@ struct Units {
       : nc(nchunks(n)), per(blocks ? kBlock / (kChunk * width) : 1), count((nc + per - 1) / per) {}
   int64_t first(int64_t u) const { return u * per; }
   int64_t last(int64_t u) const { return std::min(nc, (u + 1) * per); }
+  // Bytes of unit u's elements (its checksum block's length), n elements of `width` bytes in all.
+  static int64_t bytes(int64_t n, int width, int64_t first, int64_t last) {
+    return (std::min(n, last * kChunk) - first * kChunk) * width;
+  }
 };
 
 // ---- encode ----------------------------------------------------------------
@@ -174,6 +178,7 @@ void stage_chunk(const Stream& A, const Stream& B, int64_t begin, int64_t end, u
                  uint32_t* esc, BlockHash* ha, BlockHash* hb) {
   constexpr int W = sizeof(T);
   int64_t k = 0, e = 0, prev = -1;  // prev = -1 makes the first gap its offset
+  SpanBatch sa(ha), sb(hb);  // a and b are only read here: their runs are hashed in batches
   zip_pieces(A, B, begin * W, end * W, [&](uintptr_t pa, uintptr_t pb, int64_t lo, int64_t hi) {
     const uint8_t *a = at(pa, 0), *b = at(pb, 0);
     for_each_change<T>(a, b, lo / W, hi / W, [&](int64_t i) {
@@ -188,8 +193,8 @@ void stage_chunk(const Stream& A, const Stream& B, int64_t begin, int64_t end, u
       ++k;
       e += s == kEscape;
     });
-    if (ha) ha->add(a + lo, hi - lo);
-    if (hb) hb->add(b + lo, hi - lo);
+    sa.add(a + lo, hi - lo);
+    sb.add(b + lo, hi - lo);
   });
   *cnt = uint32_t(k);
   *esc = uint32_t(e);
@@ -203,7 +208,8 @@ void encode_pass1(const Stream& a, const Stream& b, int64_t n, uint32_t* table, 
   constexpr int W = sizeof(T);
   const Units units(n, W, old_digests != nullptr || new_digests != nullptr);
   parallel_for(units.count, 1, [&](int64_t u) {
-    BlockHash ho, hn;
+    const int64_t block = Units::bytes(n, W, units.first(u), units.last(u));
+    BlockHash ho(block), hn(block);
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c);
       stage_chunk<T, O>(a, b, begin, begin + len, stage ? stage + c * slot_bytes<T>() : nullptr, &table[c],
@@ -329,7 +335,7 @@ ChunkCheck decode_all(const Stream& old, int64_t n, const uint32_t* table, const
   const Units units(n, W, old_digests != nullptr);
   std::vector<ChunkCheck> checks(static_cast<size_t>(units.nc));
   parallel_for(units.count, 1, [&](int64_t u) {
-    BlockHash ho;
+    BlockHash ho(Units::bytes(n, W, units.first(u), units.last(u)));
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c);
       const int64_t lo = begin * W, hi = (begin + len) * W;
@@ -386,7 +392,8 @@ ChunkCheck apply_all(const Stream& old, int64_t n, const uint32_t* table, const 
   const Units units(n, W, true);
   std::vector<ChunkCheck> checks(static_cast<size_t>(units.nc));
   parallel_for(units.count, 1, [&](int64_t u) {
-    BlockHash ho, hn;
+    const int64_t block = Units::bytes(n, W, units.first(u), units.last(u));
+    BlockHash ho(block), hn(block);
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c), lo = begin * W, hi = (begin + len) * W;
       hash_range(old, lo, hi, ho);
@@ -425,7 +432,8 @@ ChunkCheck apply_inplace_all(const Stream& bits, int64_t n, const uint32_t* tabl
   const Units units(n, W, true);
   std::vector<ChunkCheck> checks(static_cast<size_t>(units.nc));
   parallel_for(units.count, 1, [&](int64_t u) {
-    BlockHash ho, hn;
+    const int64_t block = Units::bytes(n, W, units.first(u), units.last(u));
+    BlockHash ho(block), hn(block);
     for (int64_t c = units.first(u); c < units.last(u); ++c) {
       const int64_t begin = c * kChunk, len = chunk_len(n, c), lo = begin * W, hi = (begin + len) * W;
       hash_range(bits, lo, hi, ho);

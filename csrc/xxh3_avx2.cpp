@@ -27,6 +27,7 @@
 #include "third_party/xxhash.h"
 
 #include "xxh3_avx2.h"
+#include "xxh3_stream_impl.h"
 
 namespace wsync {
 namespace avx2 {
@@ -57,6 +58,19 @@ void update(void* state, const void* p, size_t n) {
 
 uint64_t digest(const void* state) {
   const uint64_t h = XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state));
+  CLEAN_UPPER();
+  return h;
+}
+
+void stream_reset(Xxh3Stream* st, uint64_t len) { xs_reset(st, len); }
+
+void stream_feed(Xxh3Stream* st, const Span* spans, size_t count) {
+  xs_feed(st, spans, count);
+  CLEAN_UPPER();
+}
+
+uint64_t stream_digest(const Xxh3Stream* st) {
+  const uint64_t h = xs_digest(st);
   CLEAN_UPPER();
   return h;
 }

@@ -4,16 +4,19 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #define XXH_INLINE_ALL  // header-only: no libxxhash to link, and the compiler can inline XXH3
 #include "third_party/xxhash.h"
 #include "xxh3_avx2.h"
+#include "xxh3_stream_impl.h"
 
 namespace wsync {
 
+// WSYNC_NO_AVX2=1 runs the baseline build on an AVX2 CPU (the tests check that both give the same digests).
 inline bool use_avx2() {
 #if defined(__GNUC__) && defined(__x86_64__)
-  static const bool yes = avx2::compiled() && __builtin_cpu_supports("avx2");
+  static const bool yes = avx2::compiled() && __builtin_cpu_supports("avx2") && !std::getenv("WSYNC_NO_AVX2");
   return yes;
 #else
   return false;
@@ -22,18 +25,50 @@ inline bool use_avx2() {
 
 inline uint64_t xxh3(const void* p, size_t n) { return use_avx2() ? avx2::hash(p, n) : XXH3_64bits(p, n); }
 
-// Streaming xxh3 of one checksum block, fed piece by piece (same digest as one shot).
-struct BlockHash {
-  XXH3_state_t state;
-  BlockHash() {
-    if (use_avx2()) avx2::reset(&state);
-    else XXH3_64bits_reset(&state);
+// The xxh3 of one checksum block of `len` bytes, fed in order span by span
+// (same digest as one shot; see xxh3_stream.h). Feed many spans per call where
+// they are known together: the accumulators stay in registers across them.
+class BlockHash {
+ public:
+  explicit BlockHash(int64_t len) {
+    if (use_avx2()) avx2::stream_reset(&st_, uint64_t(len));
+    else xs_reset(&st_, uint64_t(len));
   }
-  void add(const uint8_t* p, int64_t len) {
-    if (use_avx2()) avx2::update(&state, p, size_t(len));
-    else XXH3_64bits_update(&state, p, size_t(len));
+  void feed(const Span* spans, size_t count) {
+    if (use_avx2()) avx2::stream_feed(&st_, spans, count);
+    else xs_feed(&st_, spans, count);
   }
-  uint64_t digest() const { return use_avx2() ? avx2::digest(&state) : XXH3_64bits_digest(&state); }
+  void add(const uint8_t* p, int64_t n) {
+    const Span s{p, n};
+    feed(&s, 1);
+  }
+  uint64_t digest() const { return use_avx2() ? avx2::stream_digest(&st_) : xs_digest(&st_); }
+
+ private:
+  Xxh3Stream st_;
+};
+
+// Spans gathered for one BlockHash and fed in batches: for a range whose bytes
+// do not change before flush() (the caller calls it before writing them).
+class SpanBatch {
+ public:
+  explicit SpanBatch(BlockHash* h) : h_(h) {}
+  ~SpanBatch() { flush(); }
+  void add(const uint8_t* p, int64_t n) {
+    if (!h_) return;
+    spans_[count_++] = Span{p, n};
+    if (count_ == kSpans) flush();
+  }
+  void flush() {
+    if (h_ && count_) h_->feed(spans_, count_);
+    count_ = 0;
+  }
+
+ private:
+  static constexpr size_t kSpans = 64;
+  BlockHash* h_;
+  Span spans_[kSpans];
+  size_t count_ = 0;
 };
 
 }  // namespace wsync

@@ -9,6 +9,8 @@ spanning many chunks, boundaries that fall inside chunks and 1 MiB blocks.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -267,3 +269,35 @@ def test_cpu_rejects_read_only_tables(cpu_kernels):
         k.delta_apply_inplace(t, sec, "uint")
     with pytest.raises(TypeError):
         k.put(t, np.zeros(0, np.int64), np.zeros(0, np.uint16))
+
+
+@pytest.mark.parametrize("total", [1, 63, 64, 65, 128, 239, 240, 241, 255, 256, 257, 1023, 1024, 1025, 1088, 4096,
+                                   70_001, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 333])
+@pytest.mark.parametrize("step", [1, 3, 63, 64, 65, 1000, 1024, 2048, 4000])
+def test_block_hash_over_any_cut_is_xxh3_of_the_bytes(total, step):
+    """The C++ block hash fed span by span (csrc/xxh3_stream.h) equals one-shot xxh3 of the gathered bytes for
+    every length (xxh3's short paths, stripe and 1 KiB block edges, the last stripe split across pieces) and
+    every cut (pieces shorter than a stripe, straddling stripes, aligned blocks)."""
+    cpu = pytest.importorskip("wsync.backends.cpu")._import_extension()
+    if total > 8 * step * 1000:  # keep piece counts sane for the small steps
+        step = max(step, total // 2000 + 1)
+    a = np.random.default_rng(total * 7 + step).integers(0, 256, total, dtype=np.uint8)
+    t = Table([a[i:i + step].copy() for i in range(0, total, step)], a.dtype)
+    assert f"{cpu.checksum(t.arg()):016x}" == checksum(a)
+
+
+def test_block_hash_baseline_build_agrees(tmp_path):
+    """The same cuts hashed by the baseline (SSE2) build, as a CPU without AVX2 would (WSYNC_NO_AVX2)."""
+    pytest.importorskip("wsync.backends.cpu")._import_extension()
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, 'tests'); import numpy as np; from test_tables import *\n"
+            "for total in (1, 240, 241, 1025, 70_001, BLOCK + 1):\n"
+            "    for step in (1, 63, 65, 2048):\n"
+            "        test_block_hash_over_any_cut_is_xxh3_of_the_bytes(total, step)\n"
+            "print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "WSYNC_NO_AVX2": "1"},
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
