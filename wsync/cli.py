@@ -136,6 +136,7 @@ def parser() -> argparse.ArgumentParser:
 # import nothing heavy at module level: the parser is built on every call.
 EXTENSIONS = [
     ("", "wsync.serve"),
+    ("", "wsync.demo"),
     ("bench", "wsync.bench.transport"),
     ("bench", "wsync.bench.sync"),
     ("bench", "wsync.bench.all"),
