@@ -1,12 +1,15 @@
 """Sync vs async on long-tailed responses: the benchmark behind the reference loop's claim.
 
-    python -m trainer.bench --steps 120 --repeats 2 --out benchmarks/results/
+    python -m trainer.bench --steps 120 --repeats 2                        # -> ~/.cache/wsync/results/
+    python -m trainer.bench --steps 120 --repeats 2 --out benchmarks/results  # a run to commit
 
 Runs the same configuration (same seed, task, policy, batch) once per mode,
 alternating sync and async so that background load on a shared machine hits
 both alike, and writes one JSON with every run's summary, the per-pair ratios
 of samples/s, the rewards reached, and where each side's idle time went. The
-machine is named in the file (``wsync.bench.hardware``).
+machine is named in the file and in its name (``wsync.bench.hardware.stem``,
+as `wsync bench all` names its results), and a PNG beside it plots reward,
+throughput and staleness of sync and async together.
 """
 from __future__ import annotations
 
@@ -62,19 +65,26 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache", choices=["keep", "recompute"], default="keep")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for the .json and .png (default ~/.cache/wsync/results; benchmarks/results for a run "
+                        "to commit)")
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # see trainer.cli: before any OpenMP pool starts
 
-    from wsync.bench.hardware import describe, one_line
+    from wsync.bench.hardware import default_results_dir, describe, one_line, stem
 
     from .loop import run
+    from .metrics import plot_runs
 
-    runs = []
+    out_dir = a.out or default_results_dir()
+
+    runs, histories = [], []
     for rep in range(a.repeats):
         for mode, cfg in configs(a).items():
             print(f"[{rep + 1}/{a.repeats}] {mode}", file=sys.stderr)
-            runs.append({"mode": mode, "repeat": rep, **brief(run(cfg).summary)})
+            summary = run(cfg).summary
+            runs.append({"mode": mode, "repeat": rep, **brief(summary)})
+            histories.append((mode, rep, summary.get("history", [])))
     pairs = [(runs[i], runs[i + 1]) for i in range(0, len(runs), 2)]
     ratios = [asy["samples_per_s"] / syn["samples_per_s"] for syn, asy in pairs]
     # async drops groups past the staleness bound and trains first on what finishes first (shorter responses):
@@ -85,20 +95,23 @@ def main(argv=None) -> int:
         "benchmark": "reference loop, sync vs async, long-tailed response lengths",
         "command": " ".join(["python -m trainer.bench", *(sys.argv[1:] if argv is None else argv)]),
         "hardware": hw, "hardware_line": one_line(hw), "load_average": os.getloadavg(),
-        "date": dt.date.today().isoformat(), "args": vars(a) | {"out": str(a.out)},
+        "date": dt.date.today().isoformat(), "args": vars(a) | {"out": str(out_dir)},
         "samples_per_s_ratio_async_over_sync": ratios, "tokens_per_s_ratio_async_over_sync": token_ratios,
         "reward_last": {m: [r["reward_last"] for r in runs if r["mode"] == m] for m in ("sync", "async")},
         "runs": runs,
     }
-    a.out.mkdir(parents=True, exist_ok=True)
-    cpu = "xeon" if "xeon" in hw["cpu"].lower() else hw["cpu"].split()[0].lower()
-    path = a.out / f"{out['date']}-{cpu}-{hw['cores']}core-{'gpu' if hw['gpu'] else 'nogpu'}-loop.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem(hw, out['date'])}-loop.json"
     path.write_text(json.dumps(out, indent=1))
+    png = path.with_suffix(".png")
+    if not plot_runs([{"label": f"{m} #{r + 1}", "mode": m, "steps": h} for m, r, h in histories], png,
+                     title=f"sync vs async, {hw['cpu']}, {hw['cores']} cores"):
+        png = None
     for (syn, asy), r, rt in zip(pairs, ratios, token_ratios):
         print(f"sync {syn['samples_per_s']:.1f} samples/s reward {syn['reward_last']:.3f} | async "
               f"{asy['samples_per_s']:.1f} samples/s reward {asy['reward_last']:.3f} (dropped {asy['dropped_stale']}) "
               f"| x{r:.2f} samples/s, x{rt:.2f} tokens/s")
-    print(f"wrote {path}")
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 0
 
 

@@ -126,8 +126,40 @@ class Recorder:
         }
 
 
+def rolling_mean(xs: list[float], window: int) -> list[float]:
+    """Mean of each value and the window - 1 before it (fewer at the start): a noisy per-step reward made readable."""
+    out, total = [], 0.0
+    for i, x in enumerate(xs):
+        total += x
+        if i >= window:
+            total -= xs[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def mean_staleness(rec: dict) -> float:
+    """Mean versions behind of the samples one step trained on (from its histogram)."""
+    n = sum(rec["staleness"].values())
+    return sum(int(k) * v for k, v in rec["staleness"].items()) / n if n else 0.0
+
+
+COLORS = {"sync": "tab:blue", "async": "tab:orange"}
+
+
 def plot(steps: list[dict], path, title: str = "") -> bool:
-    """PNG of reward vs wall time; False (and nothing written) when matplotlib is not installed."""
+    """PNG of one run: reward, throughput and staleness over wall time; False (nothing written) without matplotlib."""
+    mode = "async" if any(mean_staleness(r) for r in steps) else "sync"
+    return plot_runs([{"label": title or mode, "mode": mode, "steps": steps}], path, title)
+
+
+def plot_runs(runs: list[dict], path, title: str = "") -> bool:
+    """Runs side by side ({"label", "mode", "steps"} each, e.g. sync beside async): three panels over wall time.
+
+    Reward per step is noisy (a batch of a few groups), so each run is drawn as
+    a rolling mean with the raw line faint behind it; throughput is the
+    cumulative samples/s the loop reports; staleness is the mean number of
+    versions the trained samples were behind (0 for sync).
+    """
     try:
         import matplotlib
 
@@ -135,12 +167,33 @@ def plot(steps: list[dict], path, title: str = "") -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["t"] for r in steps], [r["reward"] for r in steps], lw=1.2)
-    ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("mean reward")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
+    fig, (rw, tp, st) = plt.subplots(3, 1, figsize=(7, 7.5), sharex=True)
+    seen: dict[str, int] = {}
+    for run in runs:
+        steps = run["steps"]
+        if not steps:
+            continue
+        k = seen[run["mode"]] = seen.get(run["mode"], -1) + 1
+        color, ls = COLORS.get(run["mode"], "tab:gray"), ["-", "--", ":", "-."][k % 4]
+        t = [r["t"] for r in steps]
+        reward = [r["reward"] for r in steps]
+        window = max(3, len(steps) // 15)
+        rw.plot(t, reward, color=color, lw=0.8, alpha=0.25)
+        rw.plot(t, rolling_mean(reward, window), color=color, ls=ls, lw=1.8,
+                label=f"{run['label']} (mean of {window} steps)")
+        tp.plot(t, [r["samples_per_s"] for r in steps], color=color, ls=ls, lw=1.5, label=run["label"])
+        st.plot(t, rolling_mean([mean_staleness(r) for r in steps], window), color=color, ls=ls, lw=1.5,
+                label=run["label"])
+    rw.set_ylabel("mean reward")
+    rw.legend(fontsize=8, loc="lower right")
+    tp.set_ylabel("samples/s (since start)")
+    st.set_ylabel("staleness (versions)")
+    st.set_xlabel("wall time (s)")
+    for ax in (rw, tp, st):
+        ax.grid(alpha=0.3)
+    tp.set_ylim(bottom=0)
+    st.set_ylim(bottom=0)
+    rw.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

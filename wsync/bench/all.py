@@ -1,7 +1,7 @@
 """`wsync bench all`: every suite and every peer that installs here, in one run, one report.
 
     wsync bench all            # the full suite (tens of minutes on 2 cores)
-    wsync bench all --quick    # small sizes, a couple of minutes (what the slow test runs)
+    wsync bench all --quick    # small sizes, a couple of minutes: a smoke test, not numbers to compare
 
 Suites: codec (our delta tiers vs XOR+zstd-1, PULSE, zipnn on consecutive RL
 snapshots), transport (tcp, gloo = torch.distributed broadcast, local, ucx where
@@ -11,8 +11,9 @@ whole-checkpoint paths others use (safetensors save -> copy -> load, shardcast
 over HTTP) on the same weights as the sync suite, and LoRA (full vs delta vs
 adapter-only sync of a peft run). A suite that cannot run says why in the
 report instead of failing the rest. Writes `<out>/<date>-<host>.{json,md}` and
-PNG plots when matplotlib is installed; `python -m wsync.bench.report` turns
-the JSON into the README table.
+PNG plots when matplotlib is installed (out: --out, default
+~/.cache/wsync/results; `--out benchmarks/results` for a run to commit);
+`python -m wsync.bench.report` turns the JSON into the README table.
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .. import progress
+from .hardware import default_results_dir, stem
+from .report import QUICK_NOTE
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA_SCRIPT = ROOT / "benchmarks" / "bench_lora_sync.py"
@@ -64,20 +69,13 @@ class Options:
     quick: bool = False  # the preset used, recorded in the results
     wan: bool = True  # run the WAN rows when namespaces can be built
     ucx: bool = True  # run ucx when ucxx imports
-    out: Path = ROOT / "benchmarks" / "results"  # where the .json/.md/.png go
-
-
-def stem(hw: dict, today: str | None = None) -> str:
-    """`<date>-<host>`: the machine named the way the other results files are."""
-    cpu = hw["cpu"]
-    chip = "xeon" if "xeon" in cpu.lower() else "".join(c for c in cpu.lower().split("(")[0] if c.isalnum())[:12] or "cpu"
-    return f"{today or dt.date.today().isoformat()}-{chip}-{hw['cores']}core-{'gpu' if hw['gpu'] else 'nogpu'}"
+    out: Path = field(default_factory=default_results_dir)  # where the .json/.md/.png go (--out)
 
 
 def _guard(name: str, fn, *args, **kw) -> dict:
     """Run one suite; an exception becomes {'error': ...} in the results rather than ending the run."""
     t = time.perf_counter()
-    print(f"== {name}", file=sys.stderr, flush=True)
+    progress.write(f"== {name}", file=sys.stderr)
     try:
         res = fn(*args, **kw)
     except Exception as e:  # noqa: BLE001 - a broken suite is reported, the others still run
@@ -89,17 +87,28 @@ def _guard(name: str, fn, *args, **kw) -> dict:
 
 def codec_suite(s: Sizes) -> dict:
     from . import codec
-    from .snapshots import SnapshotConfig, default_cache_dir, ensure_snapshots, snapshot_pairs
+    from .snapshots import default_cache_dir, ensure_snapshots, snapshot_pairs
 
     runs = []
-    for lr in s.codec_lrs:
-        cfg = SnapshotConfig(size=s.snapshots, lr=lr, steps=max(s.codec_gaps))
-        paths = ensure_snapshots(default_cache_dir(cfg), cfg)
-        for g, b, n in snapshot_pairs(paths, gaps=s.codec_gaps):
-            run = codec.compare(b, n, repeats=s.codec_repeats, label=f"{s.snapshots} model, lr {lr:g}, gap {g}")
-            run["summary"] = codec.summary(run)
-            runs.append(run)
+    cfgs = _codec_series(s)
+    with progress.bar(len(cfgs) * len(s.codec_gaps) * len(codec.schemes({})), "codec", unit="scheme",
+                      leave=False) as bar:
+        for cfg in cfgs:
+            paths = ensure_snapshots(default_cache_dir(cfg), cfg)
+            for g, b, n in snapshot_pairs(paths, gaps=s.codec_gaps):
+                run = codec.compare(b, n, repeats=s.codec_repeats, label=f"{s.snapshots} model, lr {cfg.lr:g}, gap {g}",
+                                    bar=bar)
+                run["summary"] = codec.summary(run)
+                runs.append(run)
     return {"runs": runs}
+
+
+def _codec_series(s: Sizes) -> list:
+    """One snapshot series per lr, at least as long as the sync suite's, so both read the same folder."""
+    from .snapshots import SnapshotConfig
+
+    steps = max(max(s.codec_gaps), SnapshotConfig().steps)
+    return [SnapshotConfig(size=s.snapshots, lr=lr, steps=steps) for lr in s.codec_lrs]
 
 
 def ucx_unavailable() -> str | None:
@@ -114,8 +123,9 @@ def transport_suite(s: Sizes, ucx: bool = True) -> dict:
     from . import transport
 
     out = {}
-    for name in ("tcp", "gloo", "local", "ucx"):
-        why = ucx_unavailable() if name == "ucx" else None
+    for name in ("tcp", "gloo", "local", "ucx", "nccl"):
+        # nccl: the same line `bench transport --transport nccl` exits with
+        why = ucx_unavailable() if name == "ucx" else transport.nccl_unavailable() if name == "nccl" else None
         if name == "ucx" and not ucx:
             why = "left out (--no-ucx)"
         if why:
@@ -123,7 +133,6 @@ def transport_suite(s: Sizes, ucx: bool = True) -> dict:
             continue
         out[name] = _guard(f"transport {name}", transport.run, name, s.transport_bytes, repeats=s.transport_repeats)
         out[name].pop("hardware", None)  # named once for the whole run
-    out["nccl"] = {"skipped": "needs two CUDA GPUs"}
     return out
 
 
@@ -201,18 +210,23 @@ def run_all(o: Options) -> dict:
            "hardware_line": one_line(hw), "load_average_before": os.getloadavg(), "sizes": asdict(o.sizes),
            "suites": {}}
     s, suites = o.sizes, doc["suites"]
-    if "codec" in s.suites:
-        suites["codec"] = _guard("codec", codec_suite, s)
-    if "transport" in s.suites:
-        suites["transport"] = transport_suite(s, ucx=o.ucx)
-    if "sync" in s.suites:
-        suites["sync"] = _guard("sync", sync_suite, s, wan=o.wan)
-    if "peers" in s.suites:
-        suites["peers"] = _guard("peers (safetensors, shardcast)", peers_suite, s)
-    if "lora" in s.suites:
-        suites["lora"] = _guard("lora", lora_suite, s)
-    if "moe" in s.suites:
-        suites["moe"] = _guard("moe", moe_suite, s)
+    if {"codec", "sync", "peers"} & set(s.suites):
+        from .snapshots import SnapshotConfig, announce
+
+        # codec's lr series and the sync/peers series (lr 1e-6, 16 steps) share folders: said once, before any work
+        announce(_codec_series(s) + [SnapshotConfig(size=s.snapshots, lr=1e-6)])
+    runs = {"codec": lambda: _guard("codec", codec_suite, s),
+            "transport": lambda: transport_suite(s, ucx=o.ucx),
+            "sync": lambda: _guard("sync", sync_suite, s, wan=o.wan),
+            "peers": lambda: _guard("peers (safetensors, shardcast)", peers_suite, s),
+            "lora": lambda: _guard("lora", lora_suite, s),
+            "moe": lambda: _guard("moe", moe_suite, s)}
+    todo = [name for name in runs if name in s.suites]
+    with progress.bar(len(todo), "bench all", unit="suite") as bar:
+        for name in todo:
+            bar.set_postfix_str(name)
+            suites[name] = runs[name]()
+            bar.update()
     doc["load_average_after"] = os.getloadavg()
     return doc
 
@@ -234,9 +248,14 @@ def _cli(a) -> None:
     sizes = Sizes.quick() if a.quick else Sizes()
     if a.suites:
         sizes.suites = tuple(a.suites)
-    doc = run_all(Options(sizes=sizes, quick=a.quick, wan=not a.no_wan, ucx=not a.no_ucx, out=a.out))
-    for p in write(doc, a.out):
+    out = a.out or default_results_dir()
+    if a.quick:
+        print(f"note: {QUICK_NOTE}", file=sys.stderr, flush=True)
+    doc = run_all(Options(sizes=sizes, quick=a.quick, wan=not a.no_wan, ucx=not a.no_ucx, out=out))
+    for p in write(doc, out):
         print(f"wrote {p}")
+    if a.quick:  # again at the end, beside the numbers, where it is read
+        print(f"note: {QUICK_NOTE}")
     errors = [f"{k}: {v['error']}" for k, v in _flat(doc["suites"]) if "error" in v]
     if errors:
         from ..errors import WsyncError
@@ -253,8 +272,12 @@ def _flat(suites: dict):
 
 def add_parsers(bench) -> None:
     p = bench.add_parser("all", help="every benchmark suite and peer, one report (--quick: a couple of minutes)")
-    p.add_argument("--quick", action="store_true", help="small sizes, a couple of minutes")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="folder for .json/.md/.png")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, a couple of minutes: a smoke test of every suite, not numbers to compare")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for .json/.md/.png (default ~/.cache/wsync/results; benchmarks/results for a run "
+                        "to commit)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (they show only on a terminal anyway)")
     p.add_argument("--suites", nargs="+", choices=list(Sizes().suites), help="run only these suites")
     p.add_argument("--no-wan", action="store_true", help="skip the emulated WAN rows even where namespaces work")
     p.add_argument("--no-ucx", action="store_true", help="skip ucx even where ucxx imports")

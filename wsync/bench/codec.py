@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import api
+from .. import api, progress
 from ..checkpoint import read_checkpoint
 from ..snapshot import TensorBits
 from . import hardware
@@ -39,21 +39,28 @@ class WsyncPeer(Peer):
         return {n: tb.bits for n, tb in out.items()}
 
 
-def compare(base_path, new_path, *, repeats: int = 3, label: str = "") -> dict:
-    """All schemes on one pair of checkpoints."""
+def schemes(meta: dict) -> list[Peer]:
+    return [WsyncPeer("packed", meta), WsyncPeer("sparse", meta)] + list(PEERS.values())
+
+
+def compare(base_path, new_path, *, repeats: int = 3, label: str = "", bar=None) -> dict:
+    """All schemes on one pair of checkpoints; bar (from wsync.progress) advances once per scheme."""
     base, new = read_checkpoint(base_path).state, read_checkpoint(new_path).state
     meta = {n: (tb.dtype, tb.shape) for n, tb in new.items()}
     # Load into memory once so no scheme pays for page faults the others skip.
     b = {n: np.array(tb.bits) for n, tb in base.items()}
     w = {n: np.array(tb.bits) for n, tb in new.items()}
     bound = entropy_bound_bits(b, w)
-    schemes = [WsyncPeer("packed", meta), WsyncPeer("sparse", meta)] + [p for p in PEERS.values()]
     rows = []
-    for peer in schemes:
+    for peer in schemes(meta):
+        if bar is not None:
+            bar.set_postfix_str(peer.name)
         if not peer.available():
             rows.append({"name": peer.name, "skipped": peer.why_unavailable})
-            continue
-        rows.append(run_peer(peer, b, w, repeats))
+        else:
+            rows.append(run_peer(peer, b, w, repeats))
+        if bar is not None:
+            bar.update()
     return {"label": label, "base": str(base_path), "new": str(new_path), "bound": bound, "schemes": rows}
 
 
@@ -98,13 +105,14 @@ def _pairs(a) -> list[tuple[str, Path, Path]]:
         if not (a.base and a.new):
             raise ValueError("give both --base and --new, or neither")
         return [("given pair", a.base, a.new)]
-    from .snapshots import SnapshotConfig, default_cache_dir, ensure_snapshots, snapshot_pairs
+    from .snapshots import SnapshotConfig, announce, default_cache_dir, ensure_snapshots, snapshot_pairs
 
+    cfgs = [SnapshotConfig(size=a.size, lr=lr, steps=max(a.gaps)) for lr in a.lr]
+    announce(cfgs)  # the disk all of them take, said once before the first is generated
     out = []
-    for lr in a.lr:
-        cfg = SnapshotConfig(size=a.size, lr=lr, steps=max(a.gaps))
+    for cfg in cfgs:
         paths = ensure_snapshots(default_cache_dir(cfg), cfg)
-        out += [(f"{a.size} model, lr {lr:g}, gap {g}", b, n) for g, b, n in snapshot_pairs(paths, gaps=a.gaps)]
+        out += [(f"{a.size} model, lr {cfg.lr:g}, gap {g}", b, n) for g, b, n in snapshot_pairs(paths, gaps=a.gaps)]
     return out
 
 
@@ -112,11 +120,13 @@ def main(a) -> None:
     hw = hardware.describe()
     print(f"# wsync bench codec on {hardware.one_line(hw)}\n")
     runs = []
-    for label, b, n in _pairs(a):
-        run = compare(b, n, repeats=a.repeats, label=label)
-        run["summary"] = summary(run)
-        runs.append(run)
-        print(render(run), "\n", flush=True)
+    pairs = _pairs(a)
+    with progress.bar(len(pairs) * len(schemes({})), "bench codec", unit="scheme") as bar:
+        for label, b, n in pairs:
+            run = compare(b, n, repeats=a.repeats, label=label, bar=bar)
+            run["summary"] = summary(run)
+            runs.append(run)
+            progress.write(render(run) + "\n")
     if a.json:
         doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "hardware": hw, "runs": runs}
         Path(a.json).write_text(json.dumps(doc, indent=2, default=str))

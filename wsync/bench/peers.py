@@ -266,7 +266,8 @@ class ZipnnPeer(Peer):
         try:
             import zipnn  # noqa: F401
         except Exception as e:  # a broken wheel raises more than ImportError
-            return f"zipnn not importable ({type(e).__name__}: {e}); pip install torch==2.13.0 zipnn"
+            return (f"zipnn not importable ({type(e).__name__}: {e}); pip install -e '.[bench]' "
+                    "(zipnn builds from source: needs a C compiler)")
         return ""
 
     def _codec(self, itemsize: int):

@@ -7,8 +7,11 @@ steps. Random perturbations of a tensor do not have that structure, so the
 codec is benchmarked on snapshots of an actual (small) Qwen3 model trained
 with AdamW on real gradients, exported as bf16 after every optimizer step.
 
-Generation takes minutes on a CPU, so `ensure_snapshots` keeps the files in a
-cache directory and reuses them while `meta.json` matches the config.
+Generation takes minutes on a CPU (the bench model: about 15 min for 17
+snapshots on 2 busy cores) and writes about 2.2 GB per learning rate, so
+`ensure_snapshots` keeps the files in a cache directory (WSYNC_BENCH_DATA, else
+~/.cache/wsync/snapshots) and reuses them while `meta.json` matches the config;
+`announce` says what will be written where, and how big, before the work starts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import progress
 from ..codecs import delta_ref
 
 # Bump when the generated data would differ for the same config (model shapes,
@@ -90,6 +94,53 @@ def default_cache_dir(cfg: SnapshotConfig, root: str | Path | None = None) -> Pa
     if root is None:
         root = os.environ.get("WSYNC_BENCH_DATA") or Path.home() / ".cache" / "wsync" / "snapshots"
     return Path(root) / f"{cfg.size}-lr{cfg.lr:g}-s{cfg.seed}"
+
+
+def estimate_params(size: str) -> int:
+    """Parameters of a SIZES preset, counted from its shapes (no model is built: this runs before the work)."""
+    c = SIZES[size]
+    h, hd = c["hidden_size"], c["head_dim"]
+    attn = h * hd * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) + 2 * hd  # q, k, v, o, q/k norms
+    layer = attn + 3 * h * c["intermediate_size"] + 2 * h  # + gate/up/down + two RMSNorms
+    return 2 * c["vocab_size"] * h + c["num_hidden_layers"] * layer + h  # untied embed/lm_head + final norm
+
+
+def estimate_bytes(cfg: SnapshotConfig) -> int:
+    """Disk the snapshots of cfg take: steps + 1 bf16 copies of the model (safetensors headers aside)."""
+    return 2 * estimate_params(cfg.size) * (cfg.steps + 1)
+
+
+_announced: set[Path] = set()  # folders already announced in this process: say it once, up front
+
+
+def announce(cfgs: list[SnapshotConfig], root: str | Path | None = None) -> int:
+    """Say on stderr, before generating, which snapshots will be written where and how big; returns the bytes.
+
+    Callers that will generate several series (one per lr) call this first so the
+    total is said once; ensure_snapshots calls it too, for callers that do not.
+    Nothing is said for a series already cached or already announced.
+    """
+    return _announce([(c, default_cache_dir(c, root)) for c in cfgs])
+
+
+def _announce(series: list[tuple[SnapshotConfig, Path]]) -> int:
+    todo = {}  # one entry per folder: the codec and sync suites may name the same series twice
+    for c, d in series:
+        if Path(d) not in _announced and not _cache_valid(Path(d), c):
+            todo.setdefault(Path(d), c)
+    todo = [(c, d) for d, c in todo.items()]
+    if not todo:
+        return 0
+    _announced.update(d for _, d in todo)
+    total = sum(estimate_bytes(c) for c, _ in todo)
+    size = todo[0][0].size
+    _log(f"will generate {sum(c.steps + 1 for c, _ in todo)} snapshots of the {size} model "
+         f"({estimate_params(size) / 1e6:.1f}M params): {progress.human_bytes(total)} in "
+         + ", ".join(str(d) for _, d in todo))
+    smaller = {"bench": "; --size small writes about 1/9 of that, --size tiny a few MB",
+               "small": "; --size tiny writes a few MB"}.get(size, "")
+    _log(f"later runs reuse them; set WSYNC_BENCH_DATA=DIR to put them elsewhere{smaller}")
+    return total
 
 
 def snapshot_path(out_dir: Path, step: int) -> Path:
@@ -188,20 +239,29 @@ def make_snapshots(out_dir: str | Path, cfg: SnapshotConfig) -> list[Path]:
                             eps=cfg.eps, weight_decay=cfg.weight_decay)
     _log(f"{cfg.size}: {n_params:,} params, lr {cfg.lr:g}, {cfg.warmup_steps} warm-up + {cfg.steps} steps -> {out_dir}")
 
-    warmup_loss = [train_step(model, opt, table, cfg, gen) for _ in range(cfg.warmup_steps)]
-    if warmup_loss:
-        _log(f"warm-up done, loss {warmup_loss[0]:.4f} -> {warmup_loss[-1]:.4f}")
-    paths = [snapshot_path(out_dir, 0)]
-    export_bf16(model, paths[0], 0)
+    # one bar over warm-up and measured steps: both cost the same, and the ETA is for the whole job
+    with progress.bar(cfg.warmup_steps + cfg.steps, f"snapshots {cfg.size} lr {cfg.lr:g}", unit="step") as bar:
+        warmup_loss = []
+        for _ in range(cfg.warmup_steps):
+            warmup_loss.append(train_step(model, opt, table, cfg, gen))
+            bar.set_postfix_str(f"warm-up loss {warmup_loss[-1]:.3f}")
+            bar.update()
+        if warmup_loss and not progress.enabled():
+            _log(f"warm-up done, loss {warmup_loss[0]:.4f} -> {warmup_loss[-1]:.4f}")
+        paths = [snapshot_path(out_dir, 0)]
+        export_bf16(model, paths[0], 0)
 
-    loss, step_s = [], []
-    for k in range(1, cfg.steps + 1):
-        t0 = time.perf_counter()
-        loss.append(train_step(model, opt, table, cfg, gen))
-        step_s.append(time.perf_counter() - t0)
-        paths.append(snapshot_path(out_dir, k))
-        export_bf16(model, paths[-1], k)
-        _log(f"step {k}/{cfg.steps} loss {loss[-1]:.4f} {step_s[-1]:.2f}s")
+        loss, step_s = [], []
+        for k in range(1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            loss.append(train_step(model, opt, table, cfg, gen))
+            step_s.append(time.perf_counter() - t0)
+            paths.append(snapshot_path(out_dir, k))
+            export_bf16(model, paths[-1], k)
+            bar.set_postfix_str(f"loss {loss[-1]:.3f}")
+            bar.update()
+            if not progress.enabled():  # a log file gets a line per step instead of a bar
+                _log(f"step {k}/{cfg.steps} loss {loss[-1]:.4f} {step_s[-1]:.2f}s")
 
     meta = {"generator_version": GENERATOR_VERSION, "config": asdict(cfg),
             "model": SIZES[cfg.size], "param_count": n_params,
@@ -232,6 +292,7 @@ def ensure_snapshots(cache_dir: str | Path | None, cfg: SnapshotConfig) -> list[
     if _cache_valid(cache_dir, cfg):
         _log(f"reusing {cache_dir}")
         return [snapshot_path(cache_dir, k) for k in range(cfg.steps + 1)]
+    _announce([(cfg, cache_dir)])
     return make_snapshots(cache_dir, cfg)
 
 
