@@ -6,7 +6,9 @@ turns, ``repeats`` times each after a warm-up. The receiver times each move
 (from its "ready" byte on a side socket to the last byte in hand, checksum
 checks included for our Link, as a caller would see it) and checks every
 received buffer against the sender's xxh3-64. Results are ratios against the
-baseline of the same run, with the hardware named.
+baseline of the same run, with the hardware named. nccl needs two CUDA GPUs
+(one per worker); where they are missing, run() raises BackendUnavailable with
+the reason ``bench all`` prints beside its skipped row (the CLI exits 3).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ TRANSPORTS = ("tcp", "ucx", "gloo", "nccl", "local")
 
 def add_parsers(subparsers) -> None:
     p = subparsers.add_parser("transport", help="GB/s of one message through a transport vs a raw baseline")
-    p.add_argument("--transport", required=True, choices=TRANSPORTS)
+    p.add_argument("--transport", required=True, choices=TRANSPORTS,
+                   help="the link to measure (nccl needs two CUDA GPUs; without them this exits 3)")
     p.add_argument("--size", default="256M", help="message bytes, e.g. 1048576, 256M, 1G (default 256M)")
     p.add_argument("--streams", type=int, default=1, help="tcp: parallel streams (the baseline uses as many sockets)")
     p.add_argument("--chunk", default="64M", help="gloo/nccl: bytes per collective (default 64M)")
@@ -51,6 +54,10 @@ def run(transport: str, size: int, *, streams: int = 1, repeats: int = 5, chunk:
 
     if transport not in TRANSPORTS or size < 1 or repeats < 1 or streams < 1:
         raise ValueError(f"need --transport in {TRANSPORTS}, --size >= 1, --repeats >= 1 and --streams >= 1")
+    if transport == "nccl" and (why := nccl_unavailable()):
+        from ..errors import BackendUnavailable
+
+        raise BackendUnavailable(f"bench transport nccl skipped, {why}")
     with tempfile.TemporaryDirectory(prefix="wsync-bench-") as tmp:
         spec = {"transport": transport, "size": size, "streams": streams, "repeats": repeats, "chunk": chunk,
                 "side_port": _free_port(), "port": _free_port(), "raw_port": _free_port(), "seed": 7,
@@ -72,6 +79,21 @@ def run(transport: str, size: int, *, streams: int = 1, repeats: int = 5, chunk:
     rows = [json.loads(line) for line in outs["recv"][0].splitlines() if line.startswith("{")]
     _check_rows(rows)
     return _summarise(spec, rows, hardware.describe())
+
+
+def nccl_unavailable() -> str | None:
+    """Why the nccl bench cannot run here, in one line (None: it can). Checked before the workers start:
+    without NCCL or a second GPU they would fail deep in torch.distributed, with two tracebacks."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except Exception as e:  # noqa: BLE001 - any import failure means no nccl here
+        return f"needs two CUDA GPUs (torch does not import: {type(e).__name__})"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = dist.is_available() and dist.is_nccl_available()
+    if gpus >= 2 and nccl:
+        return None
+    return f"needs two CUDA GPUs (this machine: {gpus}" + ("" if nccl else ", and this torch has no NCCL") + ")"
 
 
 def _check_rows(rows: list[dict]) -> None:

@@ -163,9 +163,11 @@ class DistSide(Side):
         backend, rank = spec["transport"], 0 if role == "send" else 1
         import datetime
 
+        if backend == "nccl":  # one GPU per worker: NCCL refuses two ranks on one device
+            torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec['raw_port']}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=120))  # a lost peer fails the run, not hangs it
-        self.device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+        self.device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         self.tensor = torch.empty(spec["size"], dtype=torch.uint8, device=self.device)
         self.host = torch.empty(spec["size"], dtype=torch.uint8) if role == "recv" else None
         addr = f"{backend}://127.0.0.1:{spec['port']}?world_size=2&chunk={spec['chunk']}&join_timeout=120"
