@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from wsync import demo
 from wsync.cli import main as cli
 
 SMALL = ["demo", "--steps", "2", "--width", "32"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_syncs_every_version_bit_exact():
@@ -48,6 +50,18 @@ def test_demo_reports_a_mismatch_and_fails(monkeypatch, capsys):
 def test_demo_refuses_bad_arguments(arg, capsys):
     assert cli(["demo", *arg]) == 2
     assert "wsync demo needs" in capsys.readouterr().err
+
+
+def test_ci_runs_the_readme_commands():
+    """The set-up a newcomer copies is the one CI proves: both commands, the first ending in the demo."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Install and first run", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = block.strip().splitlines()
+    assert len(commands) == 2 and commands[0].endswith("&& wsync demo")
+    assert "torch==2.13.0" in commands[0] and "download.pytorch.org/whl/cpu" in commands[0]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    for command in commands:
+        assert command in ci
 
 
 def _bytes(text: str) -> float:

@@ -48,8 +48,9 @@ def main(args) -> None:
     try:
         import torch
     except ImportError as e:
-        raise BackendUnavailable("wsync demo trains a torch model: pip install torch==2.13.0 (see the README's "
-                                 "Install for the CPU wheel)") from e
+        raise BackendUnavailable("wsync demo trains a torch model: install torch 2.13.0 (the README's "
+                                 "'Install and first run' gives the command that keeps a CPU machine on the "
+                                 "CPU build)") from e
     torch.manual_seed(0)
     model, teacher = _mlp(args.width), _mlp(args.width)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
