@@ -27,6 +27,7 @@ acks come back as one gather per version, so that path runs in lockstep.
 from __future__ import annotations
 
 import copy
+import ipaddress
 import logging
 import queue
 import threading
@@ -41,7 +42,7 @@ from .sender import Sender
 from .layout import Bound, Members, bind, plan, segment_digest
 from .mirror import LiveDelta, Mirror
 from .snapshot import Copying, State, blank_like, off_host, plan_buckets, wait_copied
-from .transports import Message, listen
+from .transports import Message, listen, parse_address
 from .transports.base import with_token
 
 log = logging.getLogger("wsync.sync")
@@ -70,6 +71,21 @@ class PublisherConfig:
 MIN_HISTORY_BYTES = 256 << 20
 
 
+def _warn_if_open(address: str, token) -> None:
+    """Without a token anyone who reaches a tcp port can subscribe and take the weights: fine on loopback,
+    worth a warning anywhere else (0.0.0.0 included), since nothing else would say so."""
+    a = parse_address(address)
+    if a.scheme != "tcp" or token is not None:
+        return
+    try:
+        loopback = ipaddress.ip_address(a.host).is_loopback
+    except ValueError:
+        loopback = a.host == "localhost"
+    if not loopback:
+        log.warning("publisher at %s listens beyond this machine without a token: anyone who reaches the port "
+                    "can subscribe and read the weights; pass token=... (wsync serve --token)", address)
+
+
 class FlushTimeout(WsyncError, TimeoutError):
     """flush() ran out of time; the message names each subscriber left behind and the version it holds."""
 
@@ -84,6 +100,7 @@ class Publisher:
             raise ValueError(f"history_bytes must be a positive number of bytes, got {self.config.history_bytes!r}")
         self._listener = listen(address, **with_token(listen_opts, token))
         self.address = self._listener.address
+        _warn_if_open(address, token)
         self._history = History()
         self._model_bytes = 0  # bytes of the newest layout's tensors (for the default history_bytes)
         self._cv = threading.Condition()
