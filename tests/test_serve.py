@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from wsync.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from wsync.errors import TransportError
 from wsync.serve import replica_metadata
 from wsync.serve import find_versions, pull, read_replica, serve
 from wsync.snapshot import as_state, digest
@@ -92,8 +93,8 @@ def test_pull_with_wrong_token_gets_nothing(tmp_path, rng):
     _series(src, 1, rng)
     addr, stop, t = _serving(src)
     try:
-        with pytest.raises(TimeoutError):
-            pull(addr, tmp_path / "out", token="wrong", timeout=3, progress=False)
+        with pytest.raises(TransportError, match="token"):  # refused: said at once, not waited out
+            pull(addr, tmp_path / "out", token="wrong", timeout=30, progress=False)
         assert not (tmp_path / "out").exists()
     finally:
         stop.set()
@@ -109,11 +110,14 @@ def test_killed_pull_leaves_last_good_version(tmp_path, rng):
     write_checkpoint(out, Checkpoint(first, None, replica_metadata(first, 0)))
     addr, stop, t = _serving(src, codec="raw")  # raw: big enough to kill mid-flight
     try:
-        env = dict(os.environ, PYTHONPATH=os.getcwd())
+        env = dict(os.environ, PYTHONPATH=os.getcwd(), WSYNC_PROGRESS="1")  # the bar, though stderr is a pipe
         p = subprocess.Popen([sys.executable, "-m", "wsync.cli", "pull", addr, "-o", str(out), "--token", TOKEN],
                              stderr=subprocess.PIPE, text=True, env=env)
-        line = p.stderr.readline()  # the first progress line: bytes are flowing
-        assert "bucket" in line, line
+        seen = ""
+        while "bucket" not in seen:  # the progress bar is drawn: bytes are flowing (it ends no line until done)
+            ch = p.stderr.read(1)
+            assert ch, seen
+            seen += ch
         p.send_signal(signal.SIGKILL)
         p.wait(10)
         replica, layouts = read_replica(out)

@@ -25,33 +25,42 @@ def _from_wsync(a) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["sync", "async"], default="async")
-    p.add_argument("--max-staleness", type=int, default=2, help="eta: versions a sample may lag (async)")
-    p.add_argument("--seconds", type=float, default=0.0, help="wall-time budget (default: none if --steps)")
-    p.add_argument("--steps", type=int, default=0, help="trainer steps budget")
-    p.add_argument("--samplers", type=int, default=1, help="sampler processes")
-    p.add_argument("--slots", type=int, default=64, help="sequences each sampler decodes together")
+    p.add_argument("--mode", choices=["sync", "async"], default="async",
+                   help="sync: samplers wait for every step, every sample on-policy; async: sampling overlaps "
+                        "training, samples up to --max-staleness versions old (default async)")
+    p.add_argument("--max-staleness", type=int, default=2,
+                   help="eta: versions a sample may lag before it is dropped (async; default 2)")
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="wall-time budget in seconds, sampler start-up excluded (default: 60 if --steps is not "
+                        "given, else no time limit)")
+    p.add_argument("--steps", type=int, default=0, help="trainer steps to run (default 0: no step limit)")
+    p.add_argument("--samplers", type=int, default=1, help="sampler processes (default 1)")
+    p.add_argument("--slots", type=int, default=64, help="sequences each sampler decodes together (default 64)")
     p.add_argument("--refill-at", type=float, default=0.25,
-                   help="refill freed slots once this fraction of them is free (fewer, larger prefills)")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--batch-groups", type=int, default=16, help="groups per trainer step")
-    p.add_argument("--digits", type=int, default=3, help="digits of an ordinary prompt")
+                   help="refill freed slots once this fraction of them is free: fewer, larger prefills (default 0.25)")
+    p.add_argument("--group-size", type=int, default=8, help="samples per prompt, the GRPO group (default 8)")
+    p.add_argument("--batch-groups", type=int, default=16, help="groups per trainer step (default 16)")
+    p.add_argument("--digits", type=int, default=3, help="digits of an ordinary prompt (default 3)")
     p.add_argument("--max-digits", type=int, default=0, help="longest prompt of the long tail (default: --digits)")
-    p.add_argument("--long-tail", type=float, default=0.0, help="probability a prompt comes from the long tail")
-    p.add_argument("--tail-alpha", type=float, default=1.2, help="Pareto shape of the tail")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--is-cap", type=float, default=4.0, help="C: truncation of importance weights")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--long-tail", type=float, default=0.0,
+                   help="probability a prompt comes from the long tail (default 0: none)")
+    p.add_argument("--tail-alpha", type=float, default=1.2, help="Pareto shape of the tail (default 1.2)")
+    p.add_argument("--lr", type=float, default=1e-3, help="trainer learning rate (default 1e-3)")
+    p.add_argument("--is-cap", type=float, default=4.0, help="C: truncation of importance weights (default 4.0)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the likeliest tokens up to this probability mass (default 1.0: all)")
     p.add_argument("--kv-cache", choices=["keep", "recompute"], default="keep",
-                   help="in-flight sequences' KV cache after a weight update")
-    p.add_argument("--address", default="tcp://127.0.0.1:0", help="publisher address (tcp://..., local://name)")
-    p.add_argument("--codec", choices=["delta", "raw"], default="delta")
-    p.add_argument("--seed", type=int, default=0)
+                   help="in-flight sequences' KV cache after a weight update (default keep)")
+    p.add_argument("--address", default="tcp://127.0.0.1:0",
+                   help="publisher address, tcp://HOST:PORT or local://NAME (default tcp://127.0.0.1:0, a free port)")
+    p.add_argument("--codec", choices=["delta", "raw"], default="delta",
+                   help="delta: only what changed each step; raw: whole weights every step (default delta)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the model, prompts and sampling (default 0)")
     p.add_argument("--metrics-port", type=int,
-                   help="Prometheus metrics on 127.0.0.1: the trainer on PORT, sampler i on PORT+1+i")
+                   help="Prometheus metrics on 127.0.0.1: the trainer on PORT, sampler i on PORT+1+i (default: none)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
-    p.add_argument("--json", type=Path, help="write the summary (with per-step history) here")
+    p.add_argument("--json", type=Path, help="write the summary (with per-step history) to this file")
     p.add_argument("--png", type=Path, help="reward vs wall time plot (needs matplotlib; default: next to --json)")
 
 

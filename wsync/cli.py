@@ -5,9 +5,14 @@
     wsync inspect FILE [--json]
     wsync bench codec [--base B --new N] [--json OUT]
     wsync backend
+    wsync serve SRC --listen HOST:PORT / wsync pull ADDRESS -o OUT   (serve.py)
 
 BASE, NEW and OUT are .safetensors files or Hugging Face checkpoint folders.
-Errors print one line and exit 2; nothing is written unless every check passed.
+`wsync` (or `wsync bench`, ...) alone prints the list of commands.
+Exit status: 0 done; 2 an error, said in one line (also a usage error);
+3 this machine lacks what the command needs (BackendUnavailable: a GPU, NCCL,
+an optional package), said in one line; 130 interrupted (Ctrl-C).
+Nothing is written unless every check passed.
 An OUT folder must be new, empty, or one wsync wrote (it holds .wsync-output.json
 listing wsync's files, and nothing else): wsync never empties a folder of yours.
 """
@@ -19,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import WsyncError
+from .errors import BackendUnavailable, WsyncError
 
 
 def _delta_encode(a) -> None:
@@ -81,40 +86,49 @@ def _backend(a) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="wsync", description="Move trainer weights into rollout engines, bit-exact.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="wsync", description="Move trainer weights into rollout engines, bit-exact.",
+                                epilog="wsync COMMAND -h describes each command and its options.")
+    sub = p.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
 
-    delta = sub.add_parser("delta", help="encode or apply a delta between checkpoints").add_subparsers(dest="op", required=True)
+    delta = sub.add_parser("delta", help="encode or apply a delta between checkpoints").add_subparsers(
+        dest="op", title="commands", metavar="COMMAND")
     e = delta.add_parser("encode", help="encode NEW against BASE")
-    e.add_argument("base", type=Path)
-    e.add_argument("new", type=Path)
-    e.add_argument("-o", "--output", type=Path, required=True)
-    e.add_argument("--tier", choices=["sparse", "packed"], default="packed")
-    e.add_argument("--codec", choices=["delta", "raw"], default="delta")
-    e.add_argument("--version", type=int)
-    e.add_argument("--base-version", type=int)
+    e.add_argument("base", type=Path, help="the checkpoint the engine holds: a .safetensors file or a checkpoint folder")
+    e.add_argument("new", type=Path, help="the checkpoint to send, same tensor names, shapes and dtypes")
+    e.add_argument("-o", "--output", type=Path, required=True, help="payload file to write (.wsd)")
+    e.add_argument("--tier", choices=["sparse", "packed"], default="packed",
+                   help="packed: smallest, for TCP/WAN; sparse: fixed width, fastest to apply (default packed)")
+    e.add_argument("--codec", choices=["delta", "raw"], default="delta",
+                   help="delta: only what changed; raw: all of NEW, applies without BASE (default delta)")
+    e.add_argument("--version", type=int, help="version number recorded in the payload (default: none)")
+    e.add_argument("--base-version", type=int, help="version number of BASE recorded in the payload (default: none)")
     e.add_argument("--level", type=int, default=1, help="zstd level of the packed tier (default 1)")
     e.set_defaults(fn=_delta_encode)
     ap = delta.add_parser("apply", help="apply DELTA to BASE and write OUT")
-    ap.add_argument("base", type=Path)
-    ap.add_argument("delta", type=Path)
-    ap.add_argument("-o", "--output", type=Path, required=True)
+    ap.add_argument("base", type=Path, help="the checkpoint the delta was made against")
+    ap.add_argument("delta", type=Path, help="payload file from `wsync delta encode`")
+    ap.add_argument("-o", "--output", type=Path, required=True,
+                    help="checkpoint to write: a new or empty folder, one wsync wrote, or a .safetensors file")
     ap.set_defaults(fn=_delta_apply)
 
     i = sub.add_parser("inspect", help="describe a payload file")
-    i.add_argument("file", type=Path)
-    i.add_argument("--json", action="store_true")
+    i.add_argument("file", type=Path, help="payload file (.wsd)")
+    i.add_argument("--json", action="store_true", help="print the description as JSON on stdout instead of text")
     i.set_defaults(fn=_inspect)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="suite", required=True)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="suite", title="benchmarks",
+                                                                       metavar="BENCHMARK")
     bc = bench.add_parser("codec", help="our codec vs peer schemes on consecutive snapshots")
     bc.add_argument("--base", type=Path, help="base checkpoint (default: generated RL snapshots)")
     bc.add_argument("--new", type=Path, help="new checkpoint")
     bc.add_argument("--size", default="bench", choices=["tiny", "small", "bench"], help="generated model size")
-    bc.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
-    bc.add_argument("--gaps", type=int, nargs="+", default=[1, 4, 16])
+    bc.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5],
+                    help="learning rates of the generated snapshot series (default 1e-6 1e-5)")
+    bc.add_argument("--gaps", type=int, nargs="+", default=[1, 4, 16],
+                    help="steps between the two snapshots compared (default 1 4 16)")
     bc.add_argument("--repeats", type=int, default=None, help="timed rounds, best kept (default 3; --shape moe 31)")
-    bc.add_argument("--json", type=Path, help="also write results as JSON here")
+    bc.add_argument("--json", type=Path, help="also write results as JSON to this file")
+    bc.add_argument("--quiet", action="store_true", help="no progress bars (they show only on a terminal anyway)")
     bc.add_argument("--shape", default="dense", choices=["dense", "moe"],
                     help="moe: many small tensors vs one tensor of the same size, side by side (no snapshots)")
     bc.add_argument("--tensors", type=int, default=20_000, help="--shape moe: how many tensors")
@@ -129,7 +143,18 @@ def parser() -> argparse.ArgumentParser:
         import importlib
 
         importlib.import_module(mod).add_parsers(groups[parent])
+    _help_when_incomplete(p)
     return p
+
+
+def _help_when_incomplete(p: argparse.ArgumentParser) -> None:
+    """`wsync`, `wsync bench`, ... alone print their help (the commands they take), not a usage error."""
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            action.required = False
+            p.set_defaults(fn=None, help_of=p)  # a chosen command's own defaults override these
+            for child in action.choices.values():
+                _help_when_incomplete(child)
 
 
 # Modules that add their own subcommands with add_parsers(subparsers). They must
@@ -147,11 +172,24 @@ EXTENSIONS = [
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    if a.fn is None:
+        a.help_of.print_help()
+        return 0
+    from . import progress
+
+    # bars off with --quiet, and with a --json flag that puts JSON on stdout (a --json FILE leaves them on)
+    progress.configure(quiet=getattr(a, "quiet", False) or getattr(a, "json", None) is True)
     try:
         a.fn(a)
-    except (WsyncError, FileNotFoundError, TypeError, ValueError) as e:
+    except BackendUnavailable as e:
+        print(f"wsync: unavailable here: {e}", file=sys.stderr)
+        return 3
+    except (WsyncError, OSError, TypeError, ValueError) as e:
         print(f"wsync: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("wsync: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -3,9 +3,11 @@
     wsync serve ./ckpts --listen 127.0.0.1:7070 --token T    # every checkpoint in ./ckpts, and new ones as they appear
     wsync pull tcp://127.0.0.1:7070 -o ./replica --token T   # newest version, resumable
 
-serve publishes SRC: a .safetensors file or a checkpoint folder is one version;
-a folder of checkpoints (files or sub-folders whose names end in a number, like
-step_0004) is a series, published in numeric order, and watched for new ones.
+serve publishes SRC: a .safetensors file or a checkpoint folder is one version
+(version 0); a folder of checkpoints (files or sub-folders whose names end in a
+number, like step_0004 or step_0004.safetensors) is a series, published in
+numeric order as versions 4, ..., and watched for new ones. Anything else in it
+is ignored; serve says so once while it finds nothing to send.
 A checkpoint is taken only once it parses and has not changed for
 ``settle_s`` seconds, so a half-written one is never sent; one whose files are
 symlinks out of SRC is skipped unless follow_symlinks (``--follow-symlinks``).
@@ -19,6 +21,7 @@ it starts from what OUT holds and fetches only the deltas since.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -46,8 +49,12 @@ def find_versions(src: Path) -> list[tuple[int, Path]]:
     src = Path(src)
     if not src.exists():
         raise FileNotFoundError(f"{src} does not exist")
-    if _is_checkpoint(src) and not any(_NUMBER.search(c.name) and _is_checkpoint(c) for c in src.iterdir()
-                                       if src.is_dir()):
+    if src.is_file():
+        if src.suffix != ".safetensors":
+            raise ValueError(f"{src} is not a .safetensors file; serve takes one, a checkpoint folder, "
+                             "or a folder of them named like step_0004")
+        return [(0, src)]
+    if _is_checkpoint(src) and not any(_NUMBER.search(c.name) and _is_checkpoint(c) for c in src.iterdir()):
         return [(0, src)]
     found = []
     for child in src.iterdir():
@@ -76,9 +83,15 @@ def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1
     if pub.metrics is not None:
         log(f"metrics at {pub.metrics.url}")
     done: set[int] = set()
+    said_empty = False
     try:
         while True:
-            for version, path in find_versions(src):
+            found = find_versions(src)
+            if not found and not said_empty:
+                said_empty = True
+                log(f"nothing to serve in {src} yet: it takes .safetensors files or checkpoint folders "
+                    "whose names end in their step number (step_0004), or SRC itself as one checkpoint")
+            for version, path in found:
                 if version in done or (pub._last is not None and version <= pub._last):
                     continue
                 if not _settled(path, settle_s):
@@ -134,20 +147,30 @@ def replica_metadata(state, version: int, served: list | None = None) -> dict[st
 
 
 def pull(address: str, out, *, token=None, timeout: float | None = None, version: int | None = None,
-         progress: bool = True) -> int:
-    """Fetch the newest version (or at least `version`) into out; returns the version written."""
+         progress: bool = True, connect_timeout: float | None = None) -> int:
+    """Fetch the newest version (or at least `version`) into out; returns the version written.
+
+    timeout: seconds for the whole pull (None: no limit); connect_timeout: seconds, within that, for the
+    publisher to answer at all, so a wrong address or a stopped publisher fails soon while a large version
+    may take long. Both raise WaitTimeout naming why the publisher could not be reached; a refused token
+    raises the refusal (a TransportError) without waiting them out."""
+    from .progress import pull_bar
     from .subscriber import Subscriber
 
     out = Path(out)
     prepare_output(out)  # before fetching anything: a folder wsync did not write is never replaced
     engine, served = read_replica(out)
-    bar = _Progress() if progress else None
+    if version is not None and engine.version is not None and engine.version >= version:
+        return engine.version
+    bar = pull_bar() if progress else None  # a bar per version on a terminal; None (silent) in a pipe or log
     sub = Subscriber(address, engine=engine, token=token, apply="poll", progress=bar, served=served)
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        target = version if version is not None else sub.wait_announced(timeout)
+        newest = sub.wait_announced(min(t for t in (connect_timeout, timeout, math.inf) if t is not None))
+        target = version if version is not None else newest
         if engine.version is not None and engine.version >= target:
             return engine.version
-        got = sub.wait_for(target, timeout=timeout)
+        got = sub.wait_for(target, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
     finally:
         sub.close()
         if bar:
@@ -159,51 +182,38 @@ def pull(address: str, out, *, token=None, timeout: float | None = None, version
     return got
 
 
-class _Progress:
-    """One status line on stderr: version, bucket, bytes, rate."""
-
-    def __init__(self):
-        self.t0 = time.monotonic()
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
-
-    def __call__(self, version, bucket, count, nbytes) -> None:
-        now = time.monotonic()
-        if bucket < count and now - self.last < 0.2:
-            return
-        self.last = now
-        rate = nbytes / max(now - self.t0, 1e-9) / 1e6
-        line = f"version {version}: bucket {bucket}/{count}, {nbytes / 1e6:,.1f} MB, {rate:,.1f} MB/s"
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-        self.t0 = self.t0 if bucket < count else now
-
-    def close(self) -> None:
-        if self.tty:
-            print(file=sys.stderr)
-
-
 def add_parsers(sub) -> None:
     s = sub.add_parser("serve", help="publish a checkpoint (or a folder of them, watched) to subscribers")
-    s.add_argument("src", type=Path)
-    s.add_argument("--listen", required=True, help="HOST:PORT or a full address (tcp://, ucx://, local://)")
-    s.add_argument("--token", help="shared secret subscribers must prove (HMAC)")
+    s.add_argument("src", type=Path, help="a .safetensors file or checkpoint folder (one version, 0), or a folder "
+                                          "of them named by step, like step_0004: the number is the version")
+    s.add_argument("--listen", required=True,
+                   help="HOST:PORT or a full address (tcp://, ucx://, local://); 127.0.0.1 keeps it on this machine")
+    s.add_argument("--token", help="shared secret subscribers must prove (HMAC); without one, anyone who reaches "
+                                   "the port can read the weights (default: none, warned off loopback)")
     s.add_argument("--no-watch", action="store_true", help="serve what is there and exit once sent")
-    s.add_argument("--codec", choices=["delta", "raw"], default="delta")
-    s.add_argument("--tier", choices=["sparse", "packed"], default="packed")
-    s.add_argument("--keyframe-every", type=int, default=50)
+    s.add_argument("--codec", choices=["delta", "raw"], default="delta",
+                   help="delta: only what changed between versions; raw: every version whole (default delta)")
+    s.add_argument("--tier", choices=["sparse", "packed"], default="packed",
+                   help="packed: smallest, for TCP/WAN; sparse: fixed width, fastest to apply (default packed)")
+    s.add_argument("--keyframe-every", type=int, default=50,
+                   help="a whole version every N versions, deltas between; 0: only the first (default 50)")
     s.add_argument("--follow-symlinks", action="store_true",
                    help="also serve checkpoint files that are symlinks to outside SRC (skipped by default)")
     s.add_argument("--flush-timeout", type=float, default=300.0,
                    help="--no-watch: seconds to wait for subscribers to take the newest version before giving up "
                         "and naming those left behind")
-    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT (default: none)")
     s.set_defaults(fn=_serve_cmd)
     p = sub.add_parser("pull", help="fetch the newest version from a publisher into a folder (resumable)")
-    p.add_argument("address")
-    p.add_argument("-o", "--output", type=Path, required=True)
-    p.add_argument("--token")
+    p.add_argument("address", help="the publisher: HOST:PORT or a full address (tcp://HOST:PORT, ...)")
+    p.add_argument("-o", "--output", type=Path, required=True,
+                   help="replica folder: new, empty, or one an earlier pull wrote (then only deltas are fetched)")
+    p.add_argument("--token", help="the publisher's shared secret (serve --token)")
     p.add_argument("--version", type=int, help="wait for at least this version instead of the newest announced")
-    p.add_argument("--timeout", type=float)
+    p.add_argument("--connect-timeout", type=float, default=60.0,
+                   help="seconds for the publisher to answer before giving up; inf waits (default 60)")
+    p.add_argument("--timeout", type=float, help="seconds for the whole pull, transfer included (default: no limit)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
     p.set_defaults(fn=_pull_cmd)
 
 
@@ -218,5 +228,6 @@ def _serve_cmd(a) -> None:
 
 
 def _pull_cmd(a) -> None:
-    v = pull(_address(a.address), a.output, token=a.token, timeout=a.timeout, version=a.version)
+    v = pull(_address(a.address), a.output, token=a.token, timeout=a.timeout, version=a.version,
+             connect_timeout=a.connect_timeout)
     print(f"{a.output} holds version {v} (digest verified)")

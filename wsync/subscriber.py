@@ -9,7 +9,10 @@ every checksum, write the new weights, verify the digest of what the engine
 then holds, and commit the version number. Any failure puts back every element
 written, so the engine serves version N or still N-1, never something between;
 the subscriber then asks the publisher for a keyframe. A dropped connection is
-redialled, and the hello tells the publisher where to resume.
+redialled, and the hello tells the publisher where to resume. Why the last dial
+failed is kept in ``error`` and named by wait_for's timeout; a listener that
+refuses us (token, protocol version) is dialled less and less often, and after
+GIVE_UP refusals in a row wait_for raises the refusal instead of waiting on.
 
 Threads: the receiver thread stages versions; applying happens there
 (apply="background") or in whoever calls poll(), one caller at a time
@@ -35,9 +38,15 @@ from .snapshot import TensorBits, aliases, as_state, to_torch
 from .tables import Table, as_array
 from .transports import Message, TransportTimeout, connect, parse_address
 from .transports.base import with_token
+from .transports.tcp.auth import Refused
 
 log = logging.getLogger("wsync.sync")
-GIVE_UP = 3  # wait_for raises the apply error after this many failures in a row (the subscriber keeps trying)
+GIVE_UP = 3  # wait_for raises the apply error (or refusal) after this many in a row (the subscriber keeps trying)
+MAX_PAUSE = 30.0  # seconds between dials at most, once a listener keeps refusing us
+
+
+class WaitTimeout(WsyncError, TimeoutError):
+    """wait_for / wait_announced ran out of time; the message says why when the publisher could not be reached."""
 
 
 class Staged:
@@ -87,7 +96,12 @@ class Subscriber:
         for m in self._served or []:
             self._layouts[m.hash] = m
         self._bound: Bound | None = None  # the engine's tensors, bound once (segment tables reused every version)
-        self.error: WsyncError | None = None  # the last apply failure, kept for callers to inspect
+        # the last failure, kept for callers to inspect: an apply refused, or while no link is up, why the last dial failed
+        self.error: WsyncError | None = None
+        self._apply_error: WsyncError | None = None  # the last apply failure (what wait_for raises at GIVE_UP)
+        self._refusals = 0  # dials refused in a row by the listener (not: nothing listening)
+        self._said: str | None = None  # the last dial failure logged: a repeat is not logged again
+        self._bye = False  # the publisher said goodbye: its absence now is expected, not a failure
         self._stats: dict = {"versions": 0, "bytes": 0, "failures": 0, "reconnects": 0, "last": None}  # under _cv
         self.metrics = None
         if metrics_port is not None:
@@ -124,12 +138,12 @@ class Subscriber:
                 if self.version is not None and self.version >= version:
                     return self.version
                 if self._streak >= GIVE_UP:
-                    raise self.error
-                if self._closed:
-                    raise WsyncError("subscriber is closed")
+                    raise self._apply_error
+                self._check_reachable()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"engine still at version {self.version}, waited for {version}")
+                    raise self._timeout(f"engine still at version {self.version} after {timeout:g}s, "
+                                        f"waited for {version}")
                 if not self._staged or self.mode == "background":
                     self._cv.wait(min(left, 0.5) if left is not None else 0.5)
 
@@ -138,11 +152,25 @@ class Subscriber:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self.newest_seen is None:
+                self._check_reachable()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError("the publisher did not announce a version in time")
+                    raise self._timeout(f"{self.address} announced no version within {timeout:g}s")
                 self._cv.wait(min(left, 0.5) if left is not None else 0.5)
             return self.newest_seen
+
+    def _check_reachable(self) -> None:
+        """Under _cv: raise if closed, or if the listener refused us GIVE_UP times in a row (waiting will not help)."""
+        if self._closed:
+            raise WsyncError("subscriber is closed")
+        if self._refusals >= GIVE_UP:
+            raise self.error
+
+    def _timeout(self, what: str) -> WaitTimeout:
+        """Under _cv: a timeout that names why the publisher could not be reached, if it could not."""
+        if self._link is None and self.error is not None and self.error is not self._apply_error:
+            what += f"; no link to the publisher: {self.error}"
+        return WaitTimeout(what)
 
     def stats_snapshot(self) -> dict:
         """A consistent copy of the counters (versions, bytes, failures, reconnects, the last version's numbers)."""
@@ -189,21 +217,57 @@ class Subscriber:
                     self.metrics.reconnects.inc()
             dialled = True
             try:
-                self._link = connect(self.address, **with_token(self._opts, self._token))
-                # without the layout of what it serves it cannot take deltas: it asks for a keyframe
-                known = self._served is not None
-                self._send(Message("hello", {"protocol": PROTOCOL, "version": self.version if known else None,
-                                             "checksum": self._served_checksum() if known else None}))
-                self._receive(self._link)
+                link = connect(self.address, **with_token(self._opts, self._token))
             except WsyncError as e:
-                if self._closed:
-                    return
-                log.warning("subscriber link to %s lost (%s); redialling", self.address, e)
-            finally:
-                if self._link is not None:
-                    self._link.close()
+                pause = self._dial_failed(e)
+            else:
+                pause = self._retry_s
+                self._linked(link)
+                try:
+                    # without the layout of what it serves it cannot take deltas: it asks for a keyframe
+                    known = self._served is not None
+                    self._send(Message("hello", {"protocol": PROTOCOL, "version": self.version if known else None,
+                                                 "checksum": self._served_checksum() if known else None}))
+                    self._receive(link)
+                except WsyncError as e:
+                    if not self._closed:
+                        self._link_lost(link, e)
+                finally:
                     self._link = None
-            time.sleep(self._retry_s)
+                    link.close()
+            with self._cv:  # close() wakes this at once
+                self._cv.wait_for(lambda: self._closed, timeout=pause)
+
+    def _linked(self, link) -> None:
+        with self._cv:
+            self._link, self._refusals, self._said, self._bye = link, 0, None, False
+            self.error = self._apply_error  # the dial failure is over
+            self._cv.notify_all()
+
+    def _dial_failed(self, e: WsyncError) -> float:
+        """Keep why the dial failed, say it once (not on every retry); returns the pause before the next dial.
+
+        A refusal (wrong token, another protocol version) will not cure itself, so the pause doubles, up to
+        MAX_PAUSE; nothing listening may be a publisher still starting, so that is dialled every retry_s."""
+        refused = isinstance(e, Refused)
+        with self._cv:
+            self.error = e
+            self._refusals = self._refusals + 1 if refused else 0
+            self._cv.notify_all()
+        if str(e) != self._said:
+            self._said = str(e)
+            level = logging.ERROR if refused else logging.INFO if self._bye else logging.WARNING
+            log.log(level, "cannot reach the publisher %s: %s; %s", self.address, e,
+                    "retrying less often" if refused else "retrying")
+        return min(self._retry_s * 2 ** (self._refusals - 1), MAX_PAUSE) if refused else self._retry_s
+
+    def _link_lost(self, link, e: WsyncError) -> None:
+        # an orderly end (a tcp link's state "closed", not "failed") is the publisher closing, bye or not
+        if self._bye or getattr(link, "state", None) == "closed":
+            self._bye = True  # so its absence now is not reported as a failure either
+            log.info("publisher %s closed the link (%s); waiting for it to come back", self.address, e)
+        else:
+            log.warning("subscriber link to %s lost (%s); redialling", self.address, e)
 
     def _served_checksum(self) -> str | None:
         if self.version is None or self._served is None:
@@ -220,7 +284,8 @@ class Subscriber:
             except TransportTimeout:
                 continue
             if msg.kind == "bye":
-                log.info("publisher %s closed", self.address)
+                log.info("publisher %s closed; waiting for it to come back", self.address)
+                self._bye = True
                 return
             if msg.kind == "welcome":
                 self._saw(msg.meta.get("newest"))
@@ -342,7 +407,7 @@ class Subscriber:
         except WsyncError as e:
             self._bound = None  # bound again on the next try, in case the engine's tensors moved
             with self._cv:
-                self.error = e
+                self.error = self._apply_error = e
                 self._streak += 1
                 self._stats["failures"] += 1
             if self.metrics is not None:
