@@ -170,11 +170,14 @@ def main(a) -> None:
 def add_parsers(bench) -> None:
     p = bench.add_parser("sync", help="end-to-end publish -> live on a subscriber, full vs delta")
     p.add_argument("--src", type=Path, help="folder of checkpoints (default: generated RL snapshots)")
-    p.add_argument("--size", default="small", choices=["tiny", "small", "bench"])
-    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--size", default="small", choices=["tiny", "small", "bench"],
+                   help="generated snapshot model size (default: small)")
+    p.add_argument("--lr", type=float, default=1e-6, help="learning rate of the generated snapshots (default: 1e-6)")
     p.add_argument("--versions", type=int, default=12, help="timed versions after the warm-up keyframe")
-    p.add_argument("--modes", nargs="+", default=["full", "delta"], choices=list(MODES))
-    p.add_argument("--bucket-bytes", type=int, default=16 << 20)
+    p.add_argument("--modes", nargs="+", default=["full", "delta"], choices=list(MODES),
+                   help="what to move per version, side by side (default: full delta)")
+    p.add_argument("--bucket-bytes", type=int, default=16 << 20,
+                   help="publisher bucket size in bytes (default: 16 MiB)")
     p.add_argument("--wan", help="RATE_MBIT,RTT_MS,LOSS: run across an emulated WAN between network namespaces")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     p.set_defaults(fn=main)

@@ -33,7 +33,7 @@ def add_parsers(sub) -> None:
     ps = plan.add_subparsers(dest="plan_cmd", required=True)
 
     m = ps.add_parser("models", help="catalog models: parameters and bytes from their configs")
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--json", action="store_true", help="print JSON instead of a table")
     m.set_defaults(fn=cmd_models)
 
     t = ps.add_parser("transfer", help="weight-update time per model, link and codec")
@@ -42,8 +42,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--codec", action="append", choices=["full", "delta", "lora"], help="repeatable; default all three")
     t.add_argument("--delta-saving", type=float, default=0.98, help="fraction of bytes a delta removes (default 0.98)")
     t.add_argument("--tier", choices=["packed", "sparse"], default="packed", help="delta tier whose speed is used")
-    t.add_argument("--lora-rank", type=int, default=32)
-    t.add_argument("--lora-layout", default="shared-outer", choices=["shared-outer", "per-expert", "dense"])
+    t.add_argument("--lora-rank", type=int, default=32, help="LoRA rank, for the adapter-only row (default: 32)")
+    t.add_argument("--lora-layout", default="shared-outer", choices=["shared-outer", "per-expert", "dense"],
+                   help="how MoE experts carry LoRA factors (default: shared-outer)")
     t.add_argument("--dtype", help="count every weight in this dtype (default: the checkpoint as published)")
     t.add_argument("--backend", default="fastest",
                    help="codec speeds to price with: fastest (the fastest measured backend), ref, cpu, cuda[:GPU] "
@@ -57,36 +58,37 @@ def add_parsers(sub) -> None:
     t.add_argument("--usd-per-gpu-s", type=float, default=0.01, help="price of an idle GPU-second")
     t.add_argument("--gpus", type=int, default=1, help="GPUs idle during a sync (prices the whole fleet)")
     t.add_argument("--published", action="store_true", help="reproduce the published tables and say what does not add up")
-    t.add_argument("--json", action="store_true")
+    t.add_argument("--json", action="store_true", help="print JSON instead of a table")
     t.add_argument("--per-tensor-us", type=float, default=None,
                    help="seconds per tensor at each end, in microseconds (default: the newest `wsync bench codec "
                         "--shape moe` run; wsync 0.1's per-tensor format measured ~100)")
     t.set_defaults(fn=cmd_transfer)
 
     lo = ps.add_parser("lora", help="LoRA adapter bytes for a model, rank and layout")
-    lo.add_argument("--model", required=True)
-    lo.add_argument("--rank", type=int, default=32)
-    lo.add_argument("--layout", default="shared-outer", choices=["shared-outer", "per-expert", "dense"])
+    lo.add_argument("--model", required=True, help="model name (see `wsync plan models`)")
+    lo.add_argument("--rank", type=int, default=32, help="LoRA rank (default: 32)")
+    lo.add_argument("--layout", default="shared-outer", choices=["shared-outer", "per-expert", "dense"],
+                    help="how MoE experts carry LoRA factors (default: shared-outer)")
     lo.add_argument("--targets", nargs="+", default=["all-linear"],
                     help="all-linear, attention, mlp, experts, dense_mlp, shared_experts, or module names")
-    lo.add_argument("--dtype", default="bf16")
+    lo.add_argument("--dtype", default="bf16", help="adapter dtype (default: bf16)")
     lo.add_argument("--no-mtp", action="store_true", help="leave MTP layers out of the adapter")
-    lo.add_argument("--json", action="store_true")
+    lo.add_argument("--json", action="store_true", help="print JSON instead of a table")
     lo.set_defaults(fn=cmd_lora)
 
     lp = ps.add_parser("loop", help="decode roofline and a simulated RL loop, sync vs async")
     _loop_flags(lp)
-    lp.add_argument("--json", action="store_true")
+    lp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     lp.set_defaults(fn=cmd_loop)
 
     sw = ps.add_parser("sweep", help="GPU split x batch x staleness cap: throughput-staleness Pareto table")
     _loop_flags(sw)
-    sw.add_argument("--total-gpus", type=int, default=16)
+    sw.add_argument("--total-gpus", type=int, default=16, help="GPUs to split between trainer and samplers (default: 16)")
     sw.add_argument("--train-splits", type=int, nargs="+", default=[2, 4, 8], help="trainer GPUs to try")
-    sw.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128])
+    sw.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128], help="rollout batch sizes to try (default: 32 64 128)")
     sw.add_argument("--caps", type=int, nargs="+", default=[0, 1, 2, 4], help="staleness caps (0 = sync)")
     sw.add_argument("--png", help="write a plot here (needs matplotlib)")
-    sw.add_argument("--json", action="store_true")
+    sw.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sw.set_defaults(fn=cmd_sweep, steps=8)
 
     sb = ps.add_parser("sandboxes", help="sandbox pool size for a rollout rate")
@@ -95,13 +97,13 @@ def add_parsers(sub) -> None:
     sb.add_argument("--action-latency", type=float, default=2.0, help="seconds per action in the sandbox")
     sb.add_argument("--think", type=float, default=0.0, help="model seconds between actions (sandbox held)")
     sb.add_argument("--startup", type=float, default=30.0, help="sandbox start-up seconds")
-    sb.add_argument("--failure-rate", type=float, default=0.02)
-    sb.add_argument("--quantile", type=float, default=0.99)
-    sb.add_argument("--json", action="store_true")
+    sb.add_argument("--failure-rate", type=float, default=0.02, help="fraction of sandboxes that fail and restart (default: 0.02)")
+    sb.add_argument("--quantile", type=float, default=0.99, help="size the pool for this quantile of demand (default: 0.99)")
+    sb.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sb.set_defaults(fn=cmd_sandboxes)
 
     va = ps.add_parser("validate", help="predict the reference loop's measured samples/s from its measured costs")
     va.add_argument("results", nargs="?", help="a `python -m trainer.bench` JSON (default: the newest *-loop.json)")
     va.add_argument("--seeds", type=int, default=3, help="simulated runs averaged per prediction")
-    va.add_argument("--json", action="store_true")
+    va.add_argument("--json", action="store_true", help="print JSON instead of a table")
     va.set_defaults(fn=cmd_validate)
