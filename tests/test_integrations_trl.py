@@ -1,8 +1,10 @@
 """TRL: the real VLLMGeneration (trl 1.16, server mode) syncs a tiny Qwen3 through WsyncVLLMClient.
 
 TRL installs on CPU with --no-deps (its generation modules need only transformers and accelerate);
-the test skips without it. The vLLM server is a stand-in speaking the HTTP routes TRL calls, whose
-update_weights does what wsync's vLLM weight-transfer backend does: Subscriber.wait_for(version).
+the test skips without it. The vLLM server is a stand-in serving only the routes `vllm serve` has
+with VLLM_SERVER_DEV_MODE=1 (404 for any other), whose update_weights does what wsync's vLLM
+weight-transfer backend does: Subscriber.wait_for(version). tests/test_trl_real.py runs
+GRPOTrainer.train() against a real `vllm serve` instead.
 """
 import json
 import threading
@@ -17,22 +19,27 @@ pytest.importorskip("trl.generation.vllm_generation", reason="pip install torch=
 accelerate = pytest.importorskip("accelerate")
 
 TOKEN = "cd" * 16
+# vLLM 0.32's routes that TRL's client reaches (the RL and server-info ones only with VLLM_SERVER_DEV_MODE=1)
+GET_ROUTES = {"/health", "/v1/models", "/server_info", "/get_world_size", "/weight_info"}
+POST_ROUTES = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+               "/reset_prefix_cache", "/v1/completions"}
 
 
 class Server:
     """vLLM's HTTP routes as TRL uses them, over a wsync Subscriber into an HF model."""
 
-    def __init__(self, model):
+    def __init__(self, model, backend="wsync"):
         self.model, self.sub, self.calls, self.bodies = model, None, [], []
+        self.backend, self.weight_version = backend, None
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
 
-            def _reply(self, body):
+            def _reply(self, body, status=200):
                 data = json.dumps(body).encode()
-                self.send_response(200)
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -40,7 +47,10 @@ class Server:
 
             def do_GET(self):
                 server.calls.append(self.path)
-                self._reply({"data": [{"id": "tiny"}]} if self.path.startswith("/v1/models") else {"world_size": 1})
+                path = self.path.partition("?")[0]
+                if path not in GET_ROUTES:
+                    return self._reply({"detail": "Not Found"}, 404)
+                self._reply(server.get(path))
 
             def do_POST(self):
                 n = int(self.headers.get("Content-Length") or 0)
@@ -48,11 +58,23 @@ class Server:
                 server.bodies.append(raw.decode())
                 body = json.loads(raw)
                 server.calls.append(self.path)
+                if self.path not in POST_ROUTES:
+                    return self._reply({"detail": "Not Found"}, 404)
                 self._reply(server.handle(self.path, body))
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def get(self, path):
+        if path == "/v1/models":
+            return {"data": [{"id": "tiny"}]}
+        if path == "/server_info":
+            wt = {"backend": self.backend} if self.backend else None
+            return {"vllm_config": {"weight_transfer_config": wt}}
+        if path == "/weight_info":
+            return {"weight_version": self.weight_version}
+        return {"world_size": 1}
 
     def handle(self, path, body):
         from wsync import Subscriber, engines
@@ -64,6 +86,8 @@ class Server:
                                   token=engine_token(info.get("token_id")), apply="poll")
         elif path == "/update_weights":
             self.sub.wait_for(body["update_info"]["version"], timeout=30)
+        elif path == "/finish_weight_update":
+            self.weight_version = body.get("weight_version")
         return {}
 
     def close(self):
@@ -108,6 +132,7 @@ def test_grpo_server_sync_through_wsync(trl_cpu, monkeypatch, caplog):
             vgen.sync_weights()  # exactly what GRPOTrainer calls
             assert same_bytes(trainer.state_dict(), served.state_dict())
         assert server.sub.version == 3
+        assert server.get("/weight_info") == {"weight_version": "3"}  # what vLLM reports as live
         assert server.calls.count("/update_weights") == 4 and "/reset_prefix_cache" in server.calls
         sizes = vgen.vllm_client.wsync_pub.stats["bytes"]
         full = sum(t.nbytes for t in trainer.state_dict().values())
@@ -120,6 +145,21 @@ def test_grpo_server_sync_through_wsync(trl_cpu, monkeypatch, caplog):
     finally:
         if vgen is not None:
             vgen.vllm_client.close_communicator()
+        server.close()
+
+
+@pytest.mark.parametrize("backend", [None, "nccl"])
+def test_a_server_without_the_wsync_backend_is_refused_at_init(trl_cpu, backend):
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    server = Server(tiny_qwen(1, tie=False), backend=backend)
+    trl_cpu.patch(address="tcp://127.0.0.1:0", token=TOKEN)
+    try:
+        with pytest.raises(RuntimeError, match="VLLM_SERVER_DEV_MODE=1.*weight-transfer-config"):
+            VLLMGeneration(tiny_qwen(0, tie=False), accelerate.Accelerator(cpu=True), None, mode="server",
+                           server_base_url=server.url, server_timeout=5)
+        assert "/init_weight_transfer_engine" not in server.calls
+    finally:
         server.close()
 
 

