@@ -83,43 +83,112 @@ def register() -> None:
 
 
 class LoadWeights(Staged):
-    """A wsync engine over any module with vLLM's ``load_weights(iterable of (name, tensor))``."""
+    """A wsync engine over any module with vLLM's ``load_weights(iterable of (name, tensor))``.
 
-    def __init__(self, get_model, *, whole: bool = False):
+    layerwise: True: every push is one of vLLM's layerwise reloads (the model's layers restored to
+    checkpoint format on ``meta``, fed the whole version, re-processed into kernel format: quantization,
+    repacking); False: only the changed tensors, written in place through ``load_weights``; "auto": in
+    place unless the model keeps its weights in a kernel format ``load_weights`` cannot write into (vLLM's
+    CPU backend prepacks every linear weight for oneDNN and empties the parameter), then layerwise.
+    device: where the model's weights live (vLLM's worker device). Never read from the model itself:
+    during a layerwise reload its parameters sit on ``meta``.
+    model_config: a callable returning vLLM's ModelConfig for the reload's last step (attention layers);
+    None: the current vLLM config's.
+    """
+
+    def __init__(self, get_model, *, whole: bool = False, layerwise: bool | str = "auto", device=None,
+                 model_config=None):
         super().__init__()
+        if layerwise not in (True, False, "auto"):
+            raise ValueError(f"layerwise must be True, False or 'auto', got {layerwise!r}")
         self.whole = whole  # push every tensor each version (for loaders that need whole layers)
+        self.layerwise, self.device, self._model_config = layerwise, device, model_config
         self._get_model = get_model if callable(get_model) and not hasattr(get_model, "load_weights") \
             else (lambda: get_model)
 
     def push(self, named: dict, *, whole: bool) -> None:
         model = self._get_model()
-        device = next(model.parameters()).device
-        named = current_tensors(self, named, whole) if self.whole else named
-        model.load_weights([(n, t.to(device)) for n, t in named.items()])
+        device = self.device if self.device is not None else _device_of(model)
+        layerwise = self.layerwise if self.layerwise != "auto" else kernel_format(model)
+        if layerwise or self.whole:
+            named = current_tensors(self, named, whole)  # a layer is re-processed once all of it arrived
+        weights = [(n, t.to(device)) for n, t in named.items()]
+        if not layerwise:
+            model.load_weights(weights)
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        # one whole reload per version, as vLLM's own reload_weights does: a second version applied in the
+        # same start/finish window would otherwise be dropped as "excessive loading", and so would a rollback
+        initialize_layerwise_reload(model)
+        try:
+            model.load_weights(weights)
+        finally:
+            finalize_layerwise_reload(model, self.model_config())
+
+    def model_config(self):
+        if self._model_config is not None:
+            return self._model_config()
+        from vllm.config import get_current_vllm_config
+
+        return get_current_vllm_config().model_config
+
+
+def kernel_format(model) -> bool:
+    """True when some layer computes with a prepacked copy of its weight that load_weights cannot reach
+    (vLLM's CPU GEMM dispatch: ``cpu_linear`` holds a oneDNN/packed weight, the parameter is emptied)."""
+    return any(getattr(m, "cpu_linear", None) is not None for m in model.modules())
+
+
+def _device_of(model):
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return "cpu"
 
 
 class WsyncWorkerExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); methods are called by ``collective_rpc``."""
 
-    def wsync_subscribe(self, address: str, token_id: str | None = None) -> None:
+    def wsync_subscribe(self, address: str, token_id: str | None = None, layerwise: bool | str = "auto") -> None:
         """token_id: the token's fingerprint (wsync.integrations.common.token_id); RPC arguments get logged,
-        so the token itself comes from WSYNC_TOKEN / WSYNC_TOKEN_FILE in each worker's environment."""
+        so the token itself comes from WSYNC_TOKEN / WSYNC_TOKEN_FILE in each worker's environment.
+        layerwise: as LoadWeights (on vLLM's CPU backend "auto" reloads layerwise)."""
         from ..integrations.common import engine_token
         from ..subscriber import Subscriber
 
-        self.wsync_engine = LoadWeights(self.get_model)
+        self.wsync_engine = LoadWeights(self.get_model, layerwise=layerwise, device=getattr(self, "device", None),
+                                        model_config=lambda: self.vllm_config.model_config)
         self.wsync_sub = Subscriber(address, engine=self.wsync_engine, token=engine_token(token_id),
                                     apply="poll")  # applied only inside wsync_update, between generate() calls
 
     def wsync_update(self, version: int, timeout: float | None = 600.0) -> int:
-        return self.wsync_sub.wait_for(version, timeout=timeout)
+        with _vllm_config(self):  # vLLM's loaders and layer post-processing read the current config
+            return self.wsync_sub.wait_for(version, timeout=timeout)
 
     def wsync_status(self) -> dict:
-        return {"version": self.wsync_sub.version, "digest": self.wsync_engine.digest(),
-                "failures": self.wsync_sub.stats["failures"]}
+        """This worker's wsync state: through this extension, else through the "wsync" transfer backend."""
+        sub, engine = getattr(self, "wsync_sub", None), getattr(self, "wsync_engine", None)
+        if sub is None:  # the weight-transfer backend, if that is what this worker runs
+            backend = getattr(self, "weight_transfer_engine", None)
+            sub, engine = getattr(backend, "sub", None), getattr(backend, "engine", None)
+        if sub is None:
+            return {"version": None, "digest": None, "failures": 0}
+        return {"version": sub.version, "digest": engine.digest(), "failures": sub.stats["failures"]}
 
     def wsync_close(self) -> None:
         self.wsync_sub.close()
+
+
+def _vllm_config(worker):
+    from contextlib import nullcontext
+
+    config = getattr(worker, "vllm_config", None)
+    if config is None:
+        return nullcontext()
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(config)
 
 
 class VLLMLoRA(Staged):
