@@ -149,3 +149,25 @@ def host_state(named) -> dict:
             t = t.full_tensor()
         out[name] = t.detach().to("cpu", copy=True).contiguous()
     return out
+
+
+def env_config(name: str, extra: tuple = ()) -> tuple[SyncConfig, dict]:
+    """SyncConfig (and `extra` fields) from the JSON in environment variable `name`, for a framework's own processes.
+
+    Frameworks start their trainers themselves (Ray actors, torchrun): a config made in the launcher never
+    reaches them, an environment variable does. The token is never in it (WSYNC_TOKEN / WSYNC_TOKEN_FILE).
+    """
+    import json
+
+    raw = os.environ.get(name)
+    try:
+        fields = json.loads(raw) if raw else {}
+        if not isinstance(fields, dict):
+            raise ValueError("not a JSON object")
+        if fields.get("token"):
+            raise ValueError("the token goes in WSYNC_TOKEN or WSYNC_TOKEN_FILE, not here")
+        rest = {k: fields.pop(k) for k in extra if k in fields}
+        return SyncConfig(**fields), rest
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name} must be a JSON object of SyncConfig fields{' and ' + ', '.join(extra) if extra else ''}"
+                         f" (e.g. '{{\"address\": \"tcp://0.0.0.0:7070\"}}'), got {raw!r}: {e}") from None

@@ -20,21 +20,36 @@ only NCCL/gloo groups exist, so this module patches four methods and routes
 - vLLM worker: ``WorkerWrap.init_process_group`` subscribes, and
   ``WorkerWrap.update_weight`` applies that version through ``load_weights``.
 
-The worker patch has to run inside every vLLM worker process: ``vllm_plugin``
-does it from vLLM's ``vllm.general_plugins`` entry point; ``patch_trainer`` runs
-in the trainer's driver script before the actors are created.
+Where the patches run. OpenRLHF's driver only creates Ray actors: the trainer
+(``ActorPPOTrainer``) lives in each ``PolicyModelActor`` process, which imports
+``openrlhf.trainer.ray.ppo_actor`` afresh, so a patch made in the driver never
+reaches it. ``runtime_env(...)`` gives the Ray job a ``worker_process_setup_hook``
+(``ray_setup``) and the config as an environment variable (``WSYNC_OPENRLHF``,
+JSON of SyncConfig fields, never the token); in every Ray worker process of the
+job the hook arranges for the two trainer methods to be patched the moment
+``ppo_actor`` is imported (and the worker methods when ``vllm_worker_wrap`` is),
+and imports nothing else. vLLM's engine-core processes are not Ray workers:
+there ``vllm_plugin`` (a ``vllm.general_plugins`` entry point) patches
+``WorkerWrap`` and reads the same inherited variable. ``patch_trainer`` patches
+this process only: for a trainer built here, not through Ray.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import json
+import os
+import sys
 from contextlib import nullcontext
 
-from .common import SyncConfig, engine_token, host_state
+from .common import TOKEN_FILE_ENV, SyncConfig, engine_token, env_config, host_state
 
 SYNC_BACKEND = "wsync"
 PREFIX = "wsync:"
 TRAINER = ("openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer")
 WORKER = ("openrlhf.trainer.ray.vllm_worker_wrap", "WorkerWrap")
+CONFIG_ENV = "WSYNC_OPENRLHF"  # SyncConfig fields as JSON, for every process of the Ray job
+SETUP_HOOK = "wsync.integrations.openrlhf.ray_setup"
 # OpenRLHF names patched or called, checked against its published source
 OVERRIDES = [(TRAINER[0], "ActorPPOTrainer._init_vllm_sync_group"), (TRAINER[0], "ActorPPOTrainer.broadcast_to_vllm"),
              (WORKER[0], "WorkerWrap.init_process_group"), (WORKER[0], "WorkerWrap.update_weight")]
@@ -101,6 +116,8 @@ def broadcast_to_vllm(self):
         self._wsync_pub.publish(state, version=self._wsync_version)
         _resolve([engine.update_weight.remote(f"{PREFIX}{self._wsync_version}", dtype=None, shape=None)
                   for engine in self.vllm_engines])
+        if getattr(self.strategy.args.vllm, "enable_prefix_caching", False):  # cached KV is of the old weights
+            _resolve([engine.reset_prefix_cache.remote() for engine in self.vllm_engines])
     if dist.is_initialized():
         dist.barrier()
 
@@ -119,11 +136,96 @@ def _gather(self, model, param):
 
 
 def patch_trainer(**config) -> None:
-    """In the driver, before the actors start: route sync_backend=wsync through wsync (config: SyncConfig fields)."""
+    """Route sync_backend=wsync through wsync for a trainer built in this process (config: SyncConfig fields).
+
+    Not in OpenRLHF's Ray driver: its trainer lives in ``PolicyModelActor`` processes. Use ``runtime_env``.
+    """
     global _CONFIG
     _CONFIG = SyncConfig(**config)
+    _patch_trainer_class()
+
+
+def _patch_trainer_class(module=None) -> None:
     _swap(TRAINER, "_init_vllm_sync_group", init_vllm_sync_group)
     _swap(TRAINER, "broadcast_to_vllm", broadcast_to_vllm)
+
+
+# -- inside OpenRLHF's Ray actors ------------------------------------------------------------------
+
+def runtime_env(token_file: str | None = None, **config) -> dict:
+    """The Ray job's runtime_env entries that patch OpenRLHF inside its actors (config: SyncConfig fields).
+
+    For ``ray.init(runtime_env=...)`` before OpenRLHF's ``train(args)``, or ``ray job submit
+    --runtime-env-json``: Ray merges it with the env_vars OpenRLHF's own ``ray.init`` sets. The token
+    stays out (the job's runtime_env is stored and shown by Ray's dashboard): each process reads
+    WSYNC_TOKEN, or the file ``token_file`` names (WSYNC_TOKEN_FILE, a path on every node).
+    """
+    if config.get("token"):
+        raise ValueError("runtime_env would store the token in the Ray job's config, which Ray's dashboard shows: "
+                         "give every node the token in a file (token_file=PATH) or in WSYNC_TOKEN")
+    SyncConfig(**config)  # a wrong field fails here, in the driver, not in every actor
+    env = {CONFIG_ENV: json.dumps(config)}
+    if token_file:
+        env[TOKEN_FILE_ENV] = str(token_file)
+    return {"worker_process_setup_hook": SETUP_HOOK, "env_vars": env}
+
+
+def ray_setup() -> None:
+    """Ray's worker_process_setup_hook, in every worker process of the job: patch OpenRLHF's classes on import."""
+    global _CONFIG
+    _CONFIG = _env_config()
+    _after_import(TRAINER[0], _patch_trainer_class)
+    _after_import(WORKER[0], lambda module: patch_worker())
+
+
+def _env_config() -> SyncConfig:
+    return env_config(CONFIG_ENV)[0]
+
+
+def _after_import(name: str, then) -> None:
+    """Run then(module) once module `name` is imported: now if it already is, else right after its code runs."""
+    if name in sys.modules:
+        then(sys.modules[name])
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport)), None)
+    if finder is None:
+        finder = _AfterImport()
+        sys.meta_path.insert(0, finder)
+    finder.waiting.setdefault(name, []).append(then)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader the other finders return for a watched module."""
+
+    def __init__(self):
+        self.waiting: dict[str, list] = {}
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.waiting:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self or not hasattr(finder, "find_spec") else finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Then(spec.loader, self.waiting.pop(name))
+                return spec
+        return None
+
+
+class _Then(importlib.abc.Loader):
+    def __init__(self, loader, callbacks):
+        self.loader, self.callbacks = loader, callbacks
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = self.loader  # the module keeps its real loader (resources, source)
+        self.loader.exec_module(module)
+        for then in self.callbacks:
+            then(module)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
 
 
 # -- vLLM worker side ---------------------------------------------------------------------------
@@ -155,10 +257,13 @@ def patch_worker() -> None:
 
 def vllm_plugin() -> None:
     """vLLM general plugin: patch OpenRLHF's worker extension when OpenRLHF is installed (else nothing)."""
+    global _CONFIG
     try:
         importlib.import_module(WORKER[0])
     except ImportError:
         return
+    if os.environ.get(CONFIG_ENV):  # inherited from the rollout actor's Ray runtime_env
+        _CONFIG = _env_config()
     patch_worker()
 
 
@@ -166,3 +271,34 @@ def unpatch() -> None:
     for (where, name), fn in list(_ORIGINAL.items()):
         setattr(_cls(where), name, fn)
         del _ORIGINAL[(where, name)]
+
+
+def main(argv=None) -> None:
+    """python -m wsync.integrations.openrlhf [--token-file PATH] [FIELD=VALUE ...]: runtime_env as JSON.
+
+    For ``ray job submit --runtime-env-json``; FIELD is a SyncConfig field, VALUE JSON or a plain string.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m wsync.integrations.openrlhf", description=main.__doc__)
+    parser.add_argument("--token-file", help="path of the hex token on every node (WSYNC_TOKEN_FILE)")
+    parser.add_argument("fields", nargs="*", metavar="FIELD=VALUE", help="SyncConfig fields, e.g. "
+                        "address=tcp://0.0.0.0:7070 keyframe_every=50")
+    ns = parser.parse_args(argv)
+    config = {}
+    for item in ns.fields:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"expected FIELD=VALUE, got {item!r}")
+        try:
+            config[key] = json.loads(value)
+        except ValueError:
+            config[key] = value
+    try:
+        print(json.dumps(runtime_env(token_file=ns.token_file, **config)))
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+
+
+if __name__ == "__main__":
+    main()

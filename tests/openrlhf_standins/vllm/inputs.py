@@ -1,0 +1,1 @@
+TokensPrompt = dict
