@@ -14,13 +14,24 @@ orchestrator looks, so orchestrator and vLLM run unchanged. The type is a
 closed choice in prime-rl's config, so ``patch()`` replaces
 ``setup_weight_broadcast`` in the trainer modules: with ``type = "filesystem"``
 it returns ``WsyncWeightBroadcast``. LoRA adapters are not routed (full weights only).
+
+Where the patch runs: prime-rl's trainer is its own torchrun job
+(``torchrun ... -m prime_rl.trainer.rl.train @ trainer.toml``, started by the
+``rl`` launcher or by hand) and has no plugin or hook of its own: its
+``vllm.general_plugins`` entry point serves the inference server only. So the
+trainer is started through this module instead:
+``torchrun ... -m wsync.integrations.prime_rl @ trainer.toml`` patches every
+rank with the config in ``WSYNC_PRIME_RL`` (JSON of SyncConfig fields plus
+``sidecars``), then runs prime-rl's own ``prime_rl.trainer.rl.train.main``.
+The ``rl`` launcher names its trainer module in code, so a run through wsync
+starts the trainer itself (prime-rl's multi-node layout does that anyway).
 """
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
 
-from .common import SyncConfig
+from .common import SyncConfig, env_config
 
 BASE = ("prime_rl.transports.weights.base", "WeightBroadcast")
 TRAINERS = ("prime_rl.trainer.rl.train", "prime_rl.trainer.sft.train")  # modules that import setup_weight_broadcast
@@ -29,6 +40,7 @@ CALLS = [("prime_rl.transports.weights.__init__", "setup_weight_broadcast", 2, (
          ("prime_rl.utils.weights", "gather_weights_parallel", 1, (), False),
          ("prime_rl.utils.weights", "convert_state_dict_to_hf", 2, (), False)]
 
+CONFIG_ENV = "WSYNC_PRIME_RL"  # JSON: SyncConfig fields and "sidecars", in the trainer's environment
 _CONFIG = SyncConfig()
 _SIDECARS = 1  # inference hosts each step must reach before broadcast_weights returns
 
@@ -96,3 +108,16 @@ def sidecar(address: str, output_dir, *, token: str | None = None, keep: int = 2
     from .disk import sidecar as start
 
     return start(address, lambda v: step_dir(output_dir, v), token=token, marker="STABLE", keep=keep)
+
+
+def main() -> None:
+    """torchrun ... -m wsync.integrations.prime_rl @ trainer.toml: prime-rl's RL trainer, patched on every rank."""
+    from dataclasses import fields
+
+    config, extra = env_config(CONFIG_ENV, ("sidecars",))
+    patch(sidecars=int(extra.get("sidecars", 1)), **{f.name: getattr(config, f.name) for f in fields(config)})
+    importlib.import_module(TRAINERS[0]).main()  # parses sys.argv[1:] as prime-rl's trainer does
+
+
+if __name__ == "__main__":
+    main()

@@ -13,15 +13,27 @@ every sidecar (``wsync.integrations.disk.sidecar`` on each engine host, writing
 ``<update_weight_disk_dir>/weight_v{N:06d}``) holds it; slime's own
 SGLang disk reload then runs unchanged. Only the delta crosses the network,
 where ``UpdateWeightFromDisk`` writes the full model to shared storage each step.
+
+Where the patch runs: slime's training actors are Ray actors (``RayTrainGroup``),
+so a patch in the launcher never reaches them. slime's own hook does: at the end
+of ``slime.backends.megatron_utils.initialize.init(args)``, which
+``MegatronTrainRayActor.init`` calls before it picks its update-weight class,
+it calls the function named by ``--custom-megatron-init-path``. So:
+``--custom-megatron-init-path wsync.integrations.slime.megatron_init`` and the
+config in the actors' environment through slime's ``--train-env-vars``
+(``WSYNC_SLIME``: JSON of SyncConfig fields plus ``sidecars``; the token from
+``WSYNC_TOKEN`` / ``WSYNC_TOKEN_FILE``). With ``--update-weight-mode delta``
+slime uses its own ``UpdateWeightFromDiskDelta`` and this patch stays out.
 """
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
 
-from .common import SyncConfig, host_state
+from .common import SyncConfig, env_config, host_state
 
 ACTOR = "slime.backends.megatron_utils.actor"
+CONFIG_ENV = "WSYNC_SLIME"  # JSON: SyncConfig fields and "sidecars", in the training actors' environment
 PATCHED = "UpdateWeightFromDisk"
 UPDATER = "slime.backends.megatron_utils.update_weight.update_weight_from_disk"
 OVERRIDES = [(UPDATER, f"UpdateWeightFromDisk.{m}") for m in
@@ -110,6 +122,18 @@ def patch(sidecars: int = 1, **config) -> None:
     global _CONFIG, _SIDECARS
     _CONFIG, _SIDECARS = SyncConfig(**config), sidecars
     setattr(importlib.import_module(ACTOR), PATCHED, WsyncUpdateWeight)
+
+
+def megatron_init(args) -> None:
+    """slime's --custom-megatron-init-path hook, in every training actor: patch with the config in WSYNC_SLIME."""
+    config, extra = env_config(CONFIG_ENV, ("sidecars",))
+    patch(sidecars=int(extra.get("sidecars", 1)), **_fields(config))
+
+
+def _fields(config: SyncConfig) -> dict:
+    from dataclasses import fields
+
+    return {f.name: getattr(config, f.name) for f in fields(config)}
 
 
 def sidecar(address: str, disk_dir, *, token: str | None = None, keep: int = 2):
