@@ -1,12 +1,15 @@
 """verl checkpoint-engine backend: verl's call order (prepare, build_topology, init_process_group,
 send/receive, finalize) over wsync tcp, a tiny Qwen3 on both ends, bytes compared after every update.
 
-verl itself needs ray and cannot be imported here, so the protocol is driven by this test the way
-verl's CheckpointEngineManager drives it; the class verl registers is built from the real
-CheckpointEngineWithCache when verl imports (test_real_verl_registry), and our overrides are checked
-against verl's published source in test_integrations_signatures.py.
+These tests drive the protocol the way verl's CheckpointEngineManager does, in one process, so they
+run without verl. verl itself (0.9.1: its Hydra config, workers as Ray actors, the real
+CheckpointEngineManager.update_weights) drives the backend in tests/test_verl_real.py, which CI's verl
+stage runs; test_real_verl_registry here needs verl too, and with WSYNC_REQUIRE_VERL=1 fails instead
+of skipping where verl does not import. Our overrides are also checked against verl's published source
+in test_integrations_signatures.py.
 """
 import asyncio
+import os
 
 import pytest
 import torch
@@ -51,15 +54,18 @@ def test_verl_protocol_bit_exact_over_updates():
     engines = [tiny_qwen(1, tie=False), tiny_qwen(2, tie=False)]
     gen = torch.Generator().manual_seed(3)
     actors, rollouts = _engines(keyframe_every=3)
+    keyframes = []
     try:
         for step in range(1, 6):
             rl_step(trainer, gen)
             metrics, counts = asyncio.run(_update(actors, rollouts, trainer, engines, step))
             assert metrics["wsync/version"] == step
-            assert step == 1 or metrics["wsync/wire_bytes"] > 0  # version 1 has no base: a keyframe
+            assert metrics["wsync/wire_bytes"] > 0
+            keyframes.append(metrics["wsync/keyframe"])
             for m in engines:
                 assert same_bytes(trainer.state_dict(), m.state_dict())
             assert all(c > 0 for c in counts)
+        assert keyframes[:2] == [1.0, 0.0]  # version 1 has no base: a keyframe; then deltas
         # the cached path: the whole newest version from the host copy, no network
         async def cached(ce):
             return {n: t async for n, t in ce.get_weights()}
@@ -78,7 +84,7 @@ def test_verl_delta_ships_less_than_keyframe():
         for step in (10, 10, 12):  # a repeated step count still gets a new, increasing version
             rl_step(trainer, gen, density=0.01)
             metrics, _ = asyncio.run(_update(actors, rollouts, trainer, [engine], step))
-            sizes.append(metrics["wsync/wire_bytes"] or sum(t.nbytes for t in trainer.state_dict().values()))
+            sizes.append(metrics["wsync/wire_bytes"])
             assert same_bytes(trainer.state_dict(), engine.state_dict())
         assert actors[0]._last == 12 and sizes[1] < sizes[0] / 5
     finally:
@@ -92,12 +98,17 @@ def test_verl_topology_needs_master_address():
 
 
 def test_real_verl_registry():
-    pytest.importorskip("verl.checkpoint_engine.base", reason="verl needs ray; checked against its source instead")
-    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    try:
+        from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    except ImportError as e:
+        if os.environ.get("WSYNC_REQUIRE_VERL") == "1":
+            raise
+        pytest.skip(f"verl is not installed ({e}); CI's verl stage runs this with WSYNC_REQUIRE_VERL=1")
 
     import wsync.integrations.verl as wv
 
     cls = wv.register()
     assert CheckpointEngineRegistry.get("wsync") is cls
+    assert issubclass(cls, wv.engine_class()) and cls.__mro__[1] is wv.WsyncCheckpointEngineCore
     engine = CheckpointEngineRegistry.new("wsync", bucket_size=1 << 20, is_master=False, token=TOKEN)
     assert engine.prepare() == {}

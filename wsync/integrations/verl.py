@@ -18,10 +18,10 @@ checksums. ``get_weights`` is the cached variant verl asks of
 ``CheckpointEngineWithCache``: the newest version from the worker's host copy,
 without touching the network.
 
-verl config::
+verl config (Hydra overrides; verl 0.9.1 has ``custom_backend_module`` in its config, so no ``+``)::
 
     actor_rollout_ref.rollout.checkpoint_engine.backend=wsync
-    +actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=wsync.integrations.verl
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=wsync.integrations.verl
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.wsync.address=tcp://0.0.0.0:7070
 
 with the token in every worker's environment (``WSYNC_TOKEN=<hex>``, e.g. through
@@ -114,8 +114,7 @@ class WsyncCheckpointEngineCore:
         self.pub.publish(state, version=version)
         self._last = version
         await asyncio.to_thread(self.pub.flush, self.config.timeout_s)
-        return {"wsync/version": version, "wsync/wire_bytes": self.pub.stats["bytes"].get(version),
-                "wsync/encode_s": self.pub.stats["encode_s"].get(version)}
+        return sync_metrics(self.pub.stats, version, state)
 
     async def receive_weights(self, global_steps: int | None = None):
         if self.sub is None:
@@ -134,6 +133,15 @@ class WsyncCheckpointEngineCore:
         """The newest version from this worker's host copy (verl's cached path: no network)."""
         for name, tensor in _whole(self.engine).items():
             yield name, tensor
+
+
+def sync_metrics(stats: dict, version: int, state: dict) -> dict:
+    """What send_weights hands verl's trainer, which logs every value as a number (tensorboard, wandb)."""
+    wire = stats["bytes"].get(version)
+    keyframe = wire is None  # a keyframe ships the raw tensors, not an encoded delta
+    return {"wsync/version": version, "wsync/keyframe": float(keyframe),
+            "wsync/wire_bytes": sum(t.nbytes for t in state.values()) if keyframe else wire,
+            "wsync/encode_s": stats["encode_s"].get(version) or 0.0}
 
 
 def _whole(engine: Staged) -> dict:
