@@ -240,7 +240,8 @@ def worker_init_process_group(self, master_address, master_port, rank_offset, wo
 
     wanted = group_name[len(PREFIX):] if group_name.startswith(PREFIX) else ""
     token = engine_token(wanted or None)  # this worker's own token (environment), checked against the id
-    self._wsync_engine = LoadWeights(lambda: self.model_runner.model)
+    # the worker's own device: a layerwise reload moves the model's parameters to meta first
+    self._wsync_engine = LoadWeights(lambda: self.model_runner.model, device=getattr(self, "device", None))
     self._wsync_sub = Subscriber(master_address, engine=self._wsync_engine, token=token, apply="poll")
 
 
