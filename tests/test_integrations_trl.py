@@ -28,9 +28,9 @@ POST_ROUTES = {"/init_weight_transfer_engine", "/start_weight_update", "/update_
 class Server:
     """vLLM's HTTP routes as TRL uses them, over a wsync Subscriber into an HF model."""
 
-    def __init__(self, model, backend="wsync"):
+    def __init__(self, model, backend="wsync", fail_update=None):
         self.model, self.sub, self.calls, self.bodies = model, None, [], []
-        self.backend, self.weight_version = backend, None
+        self.backend, self.weight_version, self.fail_update = backend, None, fail_update
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,6 +60,8 @@ class Server:
                 server.calls.append(self.path)
                 if self.path not in POST_ROUTES:
                     return self._reply({"detail": "Not Found"}, 404)
+                if self.path == "/update_weights" and server.fail_update:
+                    return self._reply({"error": {"message": server.fail_update}}, 500)
                 self._reply(server.handle(self.path, body))
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -160,6 +162,27 @@ def test_a_server_without_the_wsync_backend_is_refused_at_init(trl_cpu, backend)
                            server_base_url=server.url, server_timeout=5)
         assert "/init_weight_transfer_engine" not in server.calls
     finally:
+        server.close()
+
+
+def test_a_failed_update_reaches_the_trainer_with_the_servers_reason(trl_cpu, monkeypatch):
+    # vLLM ends its update session when an update fails, so TRL's retry of a 500 would fail again with
+    # another message and bury this one: the update is posted once
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    monkeypatch.setenv("WSYNC_TOKEN", TOKEN)
+    server = Server(tiny_qwen(1, tie=False), fail_update="EngineError: LoadWeights could not load 25 tensors")
+    trl_cpu.patch(address="tcp://127.0.0.1:0", token=TOKEN)
+    vgen = None
+    try:
+        vgen = VLLMGeneration(tiny_qwen(0, tie=False), accelerate.Accelerator(cpu=True), None, mode="server",
+                              server_base_url=server.url, server_timeout=5)
+        with pytest.raises(RuntimeError, match="500.*could not load 25 tensors"):
+            vgen.sync_weights()
+        assert server.calls.count("/update_weights") == 1
+    finally:
+        if vgen is not None:
+            vgen.vllm_client.close_communicator()
         server.close()
 
 

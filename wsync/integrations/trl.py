@@ -82,10 +82,21 @@ def client_class(config: SyncConfig | None = None) -> type:
             if not self._updating_weights:
                 self._start_weight_update()
             # the server blocks until the version is live; the publisher streams it meanwhile
-            self._post(f"{self.base_url}/update_weights", json={"update_info": {"version": version}})
+            self._post_once(f"{self.base_url}/update_weights", {"update_info": {"version": version}})
             if not self._updating_weights:
                 # vLLM then reports the live wsync version at GET /weight_info
                 self._post(f"{self.base_url}/finish_weight_update", json={"weight_version": str(version)})
+
+        def _post_once(self, url, body):
+            # not TRL's session, which retries a 500: vLLM ends the update session when an update fails, so
+            # a retry only fails again ("start_weight_update must be called before update_weights") and the
+            # first error, the one that says what went wrong, would be lost in a RetryError
+            import requests
+
+            response = requests.post(url, json=body)
+            if response.status_code != 200:
+                raise RuntimeError(f"{url} failed ({response.status_code}): {response.text}")
+            return response.json()
 
         def close_communicator(self):
             pub = getattr(self, "wsync_pub", None)
