@@ -243,6 +243,7 @@ def test_update_weights_bit_exact(cluster):
     manager = CheckpointEngineManager(config=rollout_config.checkpoint_engine, actor_wg=actor_wg, replicas=replicas)
     served = rollout_wg.weight_digests()
     assert served[0] == served[1] == actor_wg.weight_digests()[0]  # the same checkpoint on both sides to start
+    keyframes = []
     for step in range(1, STEPS + 1):
         actor_wg.train_step(seed=step)
         trainer = actor_wg.weight_digests()
@@ -251,8 +252,10 @@ def test_update_weights_bit_exact(cluster):
         assert changed, "the training step left every weight as it was"
         metrics = manager.update_weights(global_steps=step)
         assert metrics["wsync/version"] == step and metrics["wsync/wire_bytes"] > 0
+        keyframes.append(metrics["wsync/keyframe"])
         served = rollout_wg.weight_digests()
         for rank, worker in enumerate(served):
             wrong = [n for n in trainer[0] if worker[n] != trainer[0][n]]
             assert not wrong, f"step {step}: rollout worker {rank} differs from the trainer in {wrong}"
+    assert keyframes[0] == 1.0 and 0.0 in keyframes  # the first version whole, later ones as deltas
     assert all(n > 0 for n in rollout_wg.loaded())
