@@ -197,10 +197,10 @@ def as_vllm(trainer_state: dict, vllm_names) -> dict[str, bytes]:
 
 def check_bit_exact(srv: Server, model) -> str:
     """Compare everything; returns a sha256 over the trainer's bytes (to tell versions apart)."""
-    state = {n: p.detach() for n, p in model.named_parameters()}
-    live, checksums, through_kernel = server_weights(srv)
     from vllm.platforms import current_platform
 
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    live, checksums, through_kernel = server_weights(srv)
     if current_platform.is_cpu():  # where the read-back through the kernels is the point
         packed = {n for n in live if n.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight",
                                                   "down_proj.weight"))}
