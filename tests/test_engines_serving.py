@@ -18,7 +18,7 @@ from wsync import engines  # noqa: E402
 from wsync.engines.sglang import SGLang  # noqa: E402
 from wsync.engines.staged import EngineError  # noqa: E402
 from wsync.integrations.common import token_id  # noqa: E402
-from wsync.engines.vllm import LoadWeights, WsyncWorkerExtension, write_adapter  # noqa: E402
+from wsync.engines.vllm import LoadWeights, WsyncWorkerExtension, kernel_format, write_adapter  # noqa: E402
 from wsync.errors import MismatchError  # noqa: E402
 
 STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -87,6 +87,33 @@ def test_failed_push_rolls_back_then_recovers(gen):
         sub.wait_for(1, timeout=30)  # the delta fails mid-load and is undone; a keyframe of version 1 follows
         assert sub.stats["failures"] == 1 and isinstance(sub.error, EngineError) and "mid-load" in str(sub.error)
         assert live_digest(served) == engines.HF(trainer).digest() != at0
+
+
+def test_load_weights_device_is_given_not_read_from_the_model():
+    """vLLM's layerwise reload leaves the model's parameters on meta: the device comes from the worker."""
+    class OnMeta(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(4, device="meta"))
+            self.got = []
+
+        def load_weights(self, weights):
+            self.got += [(n, t.device) for n, t in weights]
+
+    model = OnMeta()
+    LoadWeights(model, device=torch.device("cpu"), layerwise=False).load({"w": torch.ones(4)})
+    assert model.got == [("w", torch.device("cpu"))]
+    with pytest.raises(ValueError, match="layerwise must be"):
+        LoadWeights(model, layerwise="sometimes")
+
+
+def test_kernel_format_is_what_vllm_cpu_leaves():
+    """vLLM's CPU GEMM dispatch gives a linear layer cpu_linear (a packed copy) and empties its weight:
+    load_weights cannot write there, so "auto" reloads layerwise."""
+    served = vllm_like(1)
+    assert not kernel_format(served)
+    served.model.layers[0].mlp.down_proj.cpu_linear = lambda x, weight, bias: x
+    assert kernel_format(served)
 
 
 def test_worker_extension_rpc_methods(gen, monkeypatch):
