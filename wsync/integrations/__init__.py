@@ -6,7 +6,8 @@ verl nor ray):
 
 - ``verl``: a ``wsync`` checkpoint-engine backend (``checkpoint_engine.backend=wsync``).
 - ``trl``: a ``VLLMClient`` that pushes weights to ``trl vllm-serve`` / ``vllm serve`` through wsync.
-- ``openrlhf``: ``broadcast_to_vllm`` over wsync (a two-method patch: OpenRLHF has no transport hook).
+- ``openrlhf``: ``broadcast_to_vllm`` over wsync (OpenRLHF has no transport hook: a patch that reaches its Ray
+  actors through the job's runtime_env).
 - ``slime``: an update-weight class for slime's actor, with a sidecar that writes the reload folders.
 - ``prime_rl``: a ``WeightBroadcast`` for prime-rl's trainer, with the same sidecar for its broadcast folders.
 
