@@ -73,3 +73,16 @@ def fuse(model) -> None:
             for p, w in zip(parts, ws):
                 setattr(mod, p, Rows(big, off, w.shape[0]))
                 off += w.shape[0]
+
+
+class Served(torch.nn.Module):
+    """vLLM's model as the worker sees it: load_weights over (name, tensor) pairs."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def load_weights(self, weights):
+        params = dict(self.inner.named_parameters())
+        for name, t in weights:
+            params[name].data.copy_(t)

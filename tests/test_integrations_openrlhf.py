@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine_helpers import rl_step, same_bytes, tiny_qwen
+from engine_helpers import Served, rl_step, same_bytes, tiny_qwen
 
 HERE = Path(__file__).parent
 TOKEN = "ef" * 16
@@ -100,19 +100,6 @@ def test_patch_takes_effect_inside_ray_actors(tmp_path):
 
 
 # -- in this process ------------------------------------------------------------------------------
-
-class Served(torch.nn.Module):
-    """vLLM's model as the worker sees it: load_weights over (name, tensor) pairs."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.inner = model
-
-    def load_weights(self, weights):
-        params = dict(self.inner.named_parameters())
-        for name, t in weights:
-            params[name].data.copy_(t)
-
 
 class Handle:
     """A Ray actor handle stand-in: .method.remote(...) runs the worker's method now."""

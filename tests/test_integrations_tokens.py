@@ -72,23 +72,13 @@ def test_engine_checks_its_token_against_the_id(monkeypatch):
 def test_openrlhf_group_name_carries_no_token(monkeypatch, caplog):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from engine_helpers import rl_step, same_bytes, tiny_qwen
+    from engine_helpers import Served, rl_step, same_bytes, tiny_qwen
 
     import wsync.integrations.openrlhf as wo
 
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv("WSYNC_TOKEN", TOKEN)  # the vLLM workers' environment (Ray runtime_env)
     trainer, served = tiny_qwen(0, tie=False), tiny_qwen(1, tie=False)
-
-    class Served(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.inner = model
-
-        def load_weights(self, weights):
-            params = dict(self.inner.named_parameters())
-            for name, t in weights:
-                params[name].data.copy_(t)
 
     worker = SimpleNamespace(model_runner=SimpleNamespace(model=Served(served)))
     rpc = []  # every argument that crossed the stand-in Ray RPC
