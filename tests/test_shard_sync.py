@@ -1,0 +1,168 @@
+"""Sharded sync (issue 19): trainer ranks publish only their pieces, engine ranks commit a version all or none.
+
+Engine ranks run as spawned processes (their own sockets, killable); trainer ranks are ShardPublishers in
+this process, each with its own Publishers and coordinator link, as a rank process would have (they share
+nothing but the coordinator, which trainer rank 0 hosts). After every outcome each engine rank compares
+every local tensor, as uint16 bit patterns, with the unsharded reference sliced by the layout, at the version
+it serves; tcp on 127.0.0.1 only.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+
+import pytest
+
+from shard_helpers import TOKEN, Reference, engine_worker, make_plan, piece_bytes, qwen_params, trainer_local
+
+torch = pytest.importorskip("torch")
+
+from wsync.shard.layout import box_numel  # noqa: E402
+from wsync.shard.sync import ShardPublisher  # noqa: E402
+
+OVERHEAD = 64 << 10  # per (trainer, engine) pair and version: manifests, message headers, a layout table
+
+
+class Group:
+    """m trainer ranks in this process, n engine-rank processes, the coordinator on trainer rank 0."""
+
+    def __init__(self, m: int, n: int, hooks: dict | None = None, timeout: float = 30.0, **config):
+        # a killed engine rank's links give up after 3 s, not 30: closing the Publishers waits for them
+        config.setdefault("listen_opts", {"resume_window": 3.0})
+        self.spec = {"m": m, "n": n}
+        self.plan = make_plan(m, n)
+        self.ref = Reference(qwen_params())
+        self.pubs = [ShardPublisher(self.plan, 0, coordinator="tcp://127.0.0.1:0", host_coordinator=True,
+                                    token=TOKEN, timeout=timeout, **config)]
+        self.address = self.pubs[0].coordinator_address
+        self.pubs += [ShardPublisher(self.plan, t, coordinator=self.address, token=TOKEN, **config)
+                      for t in range(1, m)]
+        self.ctx = mp.get_context("spawn")
+        self.out = self.ctx.Queue()
+        self.procs = {}
+        self.log: list[tuple] = []
+        for r in range(n):
+            self.start(r, (hooks or {}).get(r, {}))
+        self.expect("joined", None, range(n))
+
+    def start(self, rank: int, hooks: dict) -> None:
+        p = self.ctx.Process(target=engine_worker, args=(rank, self.spec, self.address, self.out, hooks), daemon=True)
+        p.start()
+        self.procs[rank] = p
+
+    def publish(self, v: int) -> None:
+        state = self.ref.torch_state(v)
+        for t, pub in enumerate(self.pubs):
+            pub.publish(trainer_local(self.plan, t, state), v)
+
+    def outcome(self, v: int, timeout: float = 60.0) -> dict:
+        return self.pubs[0].wait(v, timeout=timeout)
+
+    def expect(self, kind: str, v, ranks, timeout: float = 60.0) -> dict:
+        """Each rank's (version served, bytes ok) at its `kind` event for version v."""
+        got, deadline = {}, time.monotonic() + timeout
+        while set(got) != set(ranks):
+            for rank, ev, served, ok, ev_v in self.log:
+                if ev == kind and ev_v == v and rank in ranks:
+                    got[rank] = (served, ok)
+            if set(got) == set(ranks):
+                break
+            try:
+                self.log.append(self.out.get(timeout=max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError(f"no {kind} {v} from ranks {sorted(set(ranks) - set(got))}; log {self.log}")
+        return got
+
+    def close(self) -> None:
+        for pub in reversed(self.pubs):  # first, while the engine ranks are there to say goodbye to
+            pub.close()
+        for p in self.procs.values():
+            p.kill()
+            p.join(5)
+
+
+@pytest.fixture
+def groups():
+    made = []
+    yield lambda *a, **k: made.append(Group(*a, **k)) or made[-1]
+    for g in made:
+        g.close()
+
+
+def _commit(g: Group, v: int) -> None:
+    g.publish(v)
+    res = g.outcome(v)
+    assert res["outcome"] == "committed" and res["version"] == v, res
+    assert res["digest"] == res["expected"] is not None, res  # what engine ranks hold = what trainers announced
+    got = g.expect("committed", v, range(g.spec["n"]))
+    assert all(served == v and ok for served, ok in got.values()), got
+
+
+@pytest.mark.parametrize("m,n", [(2, 2), (4, 3)])
+def test_versions_commit_bit_exact_on_every_engine_rank(groups, m, n):
+    g = groups(m, n)
+    for v in range(6):  # a keyframe, then deltas moving ~1% of the values
+        _commit(g, v)
+    # (e) a trainer rank allocates and sends only its pieces: never a parameter it does not own
+    for t, pub in enumerate(g.pubs):
+        mine = piece_bytes(g.plan.for_trainer(t))
+        stats = pub.stats()
+        held = {h.name: h.box for h in g.plan.trainer.held if h.rank == t}
+        assert stats["buffer_bytes"] == stats["piece_bytes"] == mine
+        for r, pieces in pub.sends.items():  # to any one engine rank, at most what it holds (norms go to all)
+            assert piece_bytes(pieces) <= sum(2 * box_numel(b) for b in held.values())
+            assert all(p.src_name in held and all(a >= 0 and b <= h1 - h0 for (a, b), (h0, h1)
+                                                  in zip(p.local, held[p.src_name])) for p in pieces)
+        pairs = len(pub.sends)
+        assert stats["bytes"][0] <= mine + pairs * OVERHEAD, stats  # the keyframe: its pieces, raw
+        for v in range(1, 6):  # the deltas: a fraction of that
+            assert stats["bytes"][v] <= 0.25 * mine + pairs * OVERHEAD, (v, stats)
+    assert sum(piece_bytes(g.plan.for_trainer(t)) for t in range(m)) == \
+        sum(piece_bytes(g.plan.for_engine(r)) for r in range(n))
+
+
+def test_corrupt_piece_on_one_rank_aborts_every_rank(groups):
+    g = groups(2, 2, hooks={1: {"corrupt_at": 2}})
+    _commit(g, 0)
+    _commit(g, 1)
+    g.publish(2)
+    res = g.outcome(2)
+    assert res["outcome"] == "aborted" and "engine rank 1 from trainer ranks" in res["reason"], res
+    got = g.expect("aborted", 2, range(2))
+    assert all(served == 1 and ok for served, ok in got.values()), got  # both still serve version 1's bytes
+    _commit(g, 3)  # the bad source took a keyframe; the group commits the next version together
+
+
+def test_killed_engine_rank_commits_nothing_and_catches_up(groups):
+    g = groups(2, 3, hooks={1: {"die_at": (2, 0)}})
+    _commit(g, 0)
+    _commit(g, 1)
+    g.publish(2)  # rank 1 dies once a bucket of version 2 arrived, before it could be ready
+    res = g.outcome(2)
+    assert res["outcome"] == "aborted" and "engine rank 1 lost" in res["reason"], res
+    g.procs[1].join(10)
+    assert g.procs[1].exitcode == -9
+    got = g.expect("aborted", 2, [0, 2])
+    assert all(served == 1 and ok for served, ok in got.values()), got
+    g.log = [e for e in g.log if e[0] != 1]
+    g.start(1, {})  # restarted with nothing: it takes a keyframe from every source
+    g.expect("joined", None, [1])
+    _commit(g, 3)
+
+
+def test_rank_that_never_gets_ready_aborts_at_the_timeout(groups):
+    stall = 5.0
+    g = groups(2, 2, hooks={1: {"stall_at": (2, 1), "stall_s": stall}}, timeout=2.0)
+    _commit(g, 0)
+    _commit(g, 1)
+    t0 = time.monotonic()
+    g.publish(2)
+    res = g.outcome(2)
+    took = time.monotonic() - t0
+    assert res["outcome"] == "aborted" and "timeout" in res["reason"] and "[1]" in res["reason"], res
+    assert 1.5 < took < 4.5, took
+    got = g.expect("aborted", 2, range(2))
+    assert all(served == 1 and ok for served, ok in got.values()), got
+    time.sleep(max(0.0, stall - (time.monotonic() - t0)) + 0.3)  # the stalled source delivers version 2 late
+    _commit(g, 3)

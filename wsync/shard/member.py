@@ -1,0 +1,145 @@
+"""The links of the commit protocol: a rank's link to the coordinator, and the checks on what arrives over one.
+
+Every rank (trainer and engine) holds one ``Member`` link to the coordinator
+(commit.py). It rides the tcp transport, so the token authenticates both
+ends and every record is MAC'd; messages are JSON meta with no blobs (never
+pickle). One stream is enough for a few hundred bytes per version, and a short
+resume window lets the coordinator see a dead rank within seconds instead of
+the transport's default 30 s: a round waiting on a rank that is gone would
+otherwise hold every engine rank's version for that long.
+
+A Member redials when its link drops and joins again (the coordinator then
+sends it what it needs: the address book, the round in progress), so a
+coordinator hiccup costs a round, not the ranks.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from ..errors import TransportError, WsyncError
+from ..transports import Message, TransportTimeout, connect
+from ..transports.base import with_token
+
+log = logging.getLogger("wsync.shard")
+
+# a coordinator link: one stream (a few hundred bytes a version), and a dead peer noticed in seconds
+LINK_OPTS = {"streams": 1, "resume_window": 2.0}
+
+
+class CoordinatorError(WsyncError):
+    """The coordinator refused this rank (another plan, a rank out of range), or could not be reached."""
+
+
+def check_int(meta: dict, key: str, lo: int = 0, hi: int | None = None) -> int:
+    """meta[key] as an int in [lo, hi): a peer's message is untrusted."""
+    v = meta.get(key)
+    if type(v) is not int or v < lo or (hi is not None and v >= hi):
+        raise TransportError(f"coordinator message: {key!r} must be an int in [{lo}, {hi}), got {v!r:.40}")
+    return v
+
+
+def check_digests(meta: dict, key: str, hi: int, maxlen: int = 64) -> dict[int, str]:
+    """meta[key] as {rank: string} (digests, or addresses): JSON object keys are strings, so ranks travel as
+    decimal strings."""
+    d = meta.get(key)
+    if not isinstance(d, dict) or len(d) > hi:
+        raise TransportError(f"coordinator message: {key!r} must be an object of at most {hi} digests")
+    out = {}
+    for k, v in d.items():
+        if not (isinstance(k, str) and k.isdigit() and int(k) < hi and isinstance(v, str) and len(v) <= maxlen):
+            raise TransportError(f"coordinator message: {key!r} holds {k!r:.20}: {v!r:.70}, not rank: string")
+        out[int(k)] = v
+    return out
+
+
+def digests_doc(d: dict[int, str]) -> dict[str, str]:
+    return {str(k): v for k, v in d.items()}
+
+
+class Member:
+    """One rank's link to the coordinator. on_message(msg) runs on this link's reader thread."""
+
+    def __init__(self, address: str, join: dict, on_message, *, token=None, link_opts: dict | None = None,
+                 retry_s: float = 0.5):
+        self.address, self.join = address, join
+        self._on_message, self._retry_s = on_message, retry_s
+        self._opts = with_token({**LINK_OPTS, **(link_opts or {})}, token)
+        self._cv = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._link = None
+        self._closed = False
+        self.error: WsyncError | None = None  # why the last dial failed, or the coordinator's refusal
+        self.refused = False
+        self._thread = threading.Thread(target=self._run, name="wsync-shard-member", daemon=True)
+        self._thread.start()
+
+    def send(self, kind: str, meta: dict) -> bool:
+        """Send now if the link is up; False (and a log line) if it is not: the coordinator's round then times
+        out, which is what a lost message must cost."""
+        link = self._link
+        if link is None:
+            log.warning("no link to the coordinator %s: %s %s not sent", self.address, kind, meta.get("version"))
+            return False
+        with self._send_lock:
+            try:
+                link.send(Message(kind, meta))
+                return True
+            except WsyncError as e:
+                log.warning("could not send %s to the coordinator: %s", kind, e)
+                return False
+
+    def wait_up(self, timeout: float) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._link is not None or self.refused or self._closed, timeout):
+                raise CoordinatorError(f"no link to the coordinator {self.address} within {timeout:g}s: {self.error}")
+            if self.refused:
+                raise self.error
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        link = self._link
+        if link is not None:
+            link.close()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._closed and not self.refused:
+            try:
+                link = connect(self.address, **self._opts)
+            except WsyncError as e:
+                self.error = e
+            else:
+                self._serve(link)
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed, timeout=self._retry_s)
+
+    def _serve(self, link) -> None:
+        try:
+            link.send(Message("join", self.join))
+            with self._cv:
+                self._link, self.error = link, None
+                self._cv.notify_all()
+            while not self._closed:
+                try:
+                    msg = link.recv(timeout=0.5)
+                except TransportTimeout:
+                    continue
+                if msg.kind == "refused":
+                    self.error = CoordinatorError(f"the coordinator refused rank {self.join}: "
+                                                  f"{msg.meta.get('reason')}")
+                    self.refused = True
+                    log.error("%s", self.error)
+                    return
+                self._on_message(msg)
+        except WsyncError as e:
+            self.error = e
+            if not self._closed:
+                log.warning("link to the coordinator %s lost (%s); redialling", self.address, e)
+        finally:
+            with self._cv:
+                self._link = None
+                self._cv.notify_all()
+            link.close()

@@ -1,0 +1,155 @@
+"""Sharded trainer ranks into sharded engine ranks: each trainer rank sends only its pieces, point to point.
+
+    plan = route(trainer_layout, engine_layout)                   # once per layout pair
+    # trainer rank t (rank 0 may host the coordinator; or run a Coordinator anywhere)
+    pub = ShardPublisher(plan, t, coordinator="tcp://trainer0:7071", host_coordinator=(t == 0), token=...)
+    pub.publish({name: p.to_local() for name, p in model.named_parameters()}, version=step)
+    # engine rank r
+    sub = ShardSubscriber(plan, r, {name: p for name, p in tp_model.named_parameters()},
+                          coordinator="tcp://trainer0:7071", token=...)
+    sub.wait_for(step)                                            # every engine rank serves step, or none does
+
+Trainer side: one wsync Publisher per engine rank this trainer rank sends to,
+whose state is that engine rank's pieces (piece key -> the slice of this
+rank's local tensor, copied into a buffer of its own, allocated once). A
+Publisher per destination rather than one per trainer rank because a
+Publisher sends its whole state to every subscriber: per destination, each
+engine rank gets exactly its pieces, and deltas, keyframes, catch-up and
+per-version checksums come from the existing protocol per (trainer, engine)
+pair. So a trainer rank never holds or sends bytes of a parameter it does not
+own: its buffers are its pieces, and its Publishers' states are those buffers.
+
+Engine side: see stage.py (staging per source) and commit.py (the rounds).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .. import backends
+from ..errors import WsyncError
+from ..layout import bind
+from ..sync import Publisher
+from .commit import Coordinator
+from .engine import ShardSubscriber  # the engine side: one module to import
+from .member import Member, digests_doc
+from .rounds import partial_digest
+from .stage import _slices
+from .tensors import buffers_for, trainer_locals
+
+__all__ = ["ShardPublisher", "ShardSubscriber", "SettleTimeout"]
+log = logging.getLogger("wsync.shard")
+
+
+class ShardPublisher:
+    """Trainer rank `rank` of `plan`: publishes its pieces to the engine ranks that need them.
+
+    coordinator: the coordinator's address; with host_coordinator=True this rank runs it there (port 0: any
+    free port, then read ``coordinator_address``). host: where this rank's Publishers listen, one per engine
+    rank it sends to, on free ports (engine ranks learn them from the coordinator). timeout: seconds a round
+    may wait for every engine rank to be ready. publisher_config: wsync.Publisher's (codec, keyframe_every, ...).
+    """
+
+    def __init__(self, plan, rank: int, *, coordinator: str, host_coordinator: bool = False, token=None,
+                 host: str = "127.0.0.1", timeout: float = 60.0, backend: str | None = None,
+                 listen_opts: dict | None = None, link_opts: dict | None = None, **publisher_config):
+        if not (isinstance(rank, int) and 0 <= rank < plan.trainer.ranks):
+            raise ValueError(f"trainer rank must be in [0, {plan.trainer.ranks}), got {rank!r}")
+        self.plan, self.rank = plan, rank
+        self.sends = plan.sends(rank)  # engine rank -> this rank's pieces for it
+        self.kernels = backends.kernels(backend)
+        self.coordinator = Coordinator(plan, coordinator, token=token, timeout=timeout, link_opts=link_opts) \
+            if host_coordinator else None
+        self.coordinator_address = self.coordinator.address if self.coordinator else coordinator
+        self.buffers = {r: buffers_for(plan, pieces) for r, pieces in self.sends.items()}
+        self._names = sorted({p.src_name for pieces in self.sends.values() for p in pieces})
+        self._bound = {r: bind(bufs) for r, bufs in self.buffers.items()}
+        self.publishers: dict[int, Publisher] = {}
+        self._cv = threading.Condition()
+        self.settled: list[dict] = []  # the coordinator's outcomes, oldest first
+        try:
+            for r in self.sends:
+                self.publishers[r] = Publisher(f"tcp://{host}:0", token=token, listen_opts=listen_opts,
+                                               backend=backend, **publisher_config)
+            self.addresses = {r: pub.address for r, pub in self.publishers.items()}
+            join = {"role": "trainer", "rank": rank, "plan": plan.hash, "addresses": digests_doc(self.addresses)}
+            self.member = Member(self.coordinator_address, join, self._on_message, token=token, link_opts=link_opts)
+        except BaseException:
+            self._close_parts()
+            raise
+
+    def publish(self, local_tensors: dict, version: int) -> None:
+        """Send this rank's pieces of `version` (every trainer rank calls it with the same version).
+
+        local_tensors: parameter name -> this rank's local tensor of it (a DTensor is taken by its local
+        tensor); only names this rank sends pieces of are read."""
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        import torch
+
+        partials, local = {}, trainer_locals(self.plan, self.rank, local_tensors, self._names)
+        for r, pieces in self.sends.items():
+            bound, bufs, sums = self._bound[r], self.buffers[r], {}
+            with torch.no_grad():  # the trainer's parameters require grad; a copy of them need not
+                for p in pieces:
+                    bufs[p.key].copy_(local[p.src_name][_slices(p.local)])
+                    sums[p.key] = self.kernels.checksum(bound[p.key].bits)
+            partials[r] = partial_digest(sums)
+            self.publishers[r].publish(bound, version)
+        self.member.send("published", {"version": version, "partials": digests_doc(partials)})
+
+    def wait(self, version: int, timeout: float | None = None) -> dict:
+        """The coordinator's outcome for `version` or the newer version its round was for: a dict with
+        version, outcome ("committed" or "aborted"), reason, digest (the engine's) and expected (the trainer's)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                hit = next((s for s in self.settled if s["version"] >= version), None)
+                if hit is not None:
+                    return hit
+                if self.member.refused:
+                    raise self.member.error
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise SettleTimeout(f"no round for version {version} settled within {timeout:g}s "
+                                        f"(last settled: {self.settled[-1] if self.settled else None})")
+                self._cv.wait(0.5 if left is None else min(left, 0.5))
+
+    def stats(self) -> dict:
+        """piece_bytes: what this rank sends per version at most (its pieces); buffer_bytes: what it allocated
+        for them; bytes: version -> encoded bytes its Publishers made for it (every destination)."""
+        piece_bytes = sum(b.numel() * b.element_size() for bufs in self.buffers.values() for b in bufs.values())
+        sent: dict[int, int] = {}
+        for pub in self.publishers.values():
+            for v, n in pub.stats_snapshot()["bytes"].items():
+                sent[v] = sent.get(v, 0) + (n or 0)
+        return {"pieces": sum(len(p) for p in self.sends.values()), "piece_bytes": piece_bytes,
+                "buffer_bytes": piece_bytes, "bytes": sent}
+
+    def close(self) -> None:
+        self.member.close()
+        self._close_parts()
+
+    def _close_parts(self) -> None:
+        for pub in self.publishers.values():
+            pub.close()
+        if self.coordinator is not None:
+            self.coordinator.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _on_message(self, msg) -> None:
+        if msg.kind == "settled" and isinstance(msg.meta.get("version"), int):
+            with self._cv:
+                self.settled.append(dict(msg.meta))
+                del self.settled[:-1000]
+                self._cv.notify_all()
+
+
+class SettleTimeout(WsyncError, TimeoutError):
+    """No round for the version settled in time (the message says the last one that did)."""
