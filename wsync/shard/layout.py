@@ -46,6 +46,26 @@ def shift(box: Box, frm: Box, to: Box) -> Box:
     return tuple((a - f0 + t0, b - f0 + t0) for (a, b), (f0, _), (t0, _) in zip(box, frm, to, strict=True))
 
 
+def same_elements(x: Box, y: Box) -> bool:
+    """Whether boxes x and y hold as many elements in the same C order: equal shapes once dimensions of size 1
+    are dropped (a 2-D expert weight copied into one slot of a 3-D fused expert tensor)."""
+    return [n for n in box_shape(x) if n != 1] == [n for n in box_shape(y) if n != 1]
+
+
+def map_box(box: Box, frm: Box, to: Box) -> Box:
+    """`box` (inside `frm`) moved to the same elements inside `to`, where frm and to hold the same elements
+    (same_elements): `shift` when they have the same shape, else matched dimension by dimension past the
+    dimensions of size 1, which `box` cannot cut."""
+    if box_shape(frm) == box_shape(to):
+        return shift(box, frm, to)
+    out = list(to)
+    src = [i for i, (a, b) in enumerate(frm) if b - a != 1]
+    dst = [j for j, (a, b) in enumerate(to) if b - a != 1]
+    for i, j in zip(src, dst, strict=True):
+        out[j] = (box[i][0] - frm[i][0] + to[j][0], box[i][1] - frm[i][0] + to[j][0])
+    return tuple(out)
+
+
 def check_box(box: Box, shape, what: str) -> None:
     if len(box) != len(shape) or any(not (0 <= a <= b <= d) for (a, b), d in zip(box, shape)):
         raise ValueError(f"{what}: box {box} does not lie in shape {tuple(shape)}")
@@ -71,7 +91,7 @@ class Held:
 @dataclass(frozen=True)
 class Need:
     """Engine rank `rank` needs global box `src` of trainer parameter `src_name`, written at box `dst` of its local
-    tensor `name` (src and dst have the same shape)."""
+    tensor `name` (src and dst have the same shape, up to dimensions of size 1: see same_elements)."""
 
     rank: int
     name: str
@@ -106,7 +126,7 @@ class EngineLayout:
             src = trainer.params.get(n.src_name)
             if local is None or src is None:
                 raise ValueError(f"engine layout: {n} names a tensor neither side declares")
-            if box_shape(n.dst) != box_shape(n.src):
+            if not same_elements(n.dst, n.src):
                 raise ValueError(f"engine layout: {n} copies a box into one of another shape")
             check_box(n.dst, local.shape, f"engine rank {n.rank} {n.name}")
             check_box(n.src, src.shape, f"engine rank {n.rank} {n.name} <- {n.src_name}")
