@@ -97,3 +97,37 @@ def test_plan_cli_imports_nothing_heavy():
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_route_prints_the_plan(capsys):
+    out = run_json(capsys, "route", "--model", "qwen3-8b", "--trainer", "fsdp:4", "--engine", "vllm:tp=2")
+    assert (out["trainer_ranks"], out["engine_ranks"]) == (4, 2) and len(out["hash"]) == 32
+    assert out["total_bytes"] == sum(out["bytes_by_engine"]) == sum(out["bytes_by_trainer"])
+    assert out["busiest_bytes"] <= out["ideal_bytes"] * 1.1
+    assert main(["plan", "route", "--model", "qwen3-8b", "--trainer", "hsdp:2x2", "--engine", "hf:tp=3,replicas=2"]) == 0
+    text = capsys.readouterr().out
+    assert "4 trainer ranks -> 6 engine ranks" in text and "busiest:" in text and "x ideal" in text
+
+
+def test_route_refuses_what_the_engine_refuses(capsys):
+    assert main(["plan", "route", "--model", "qwen3-8b", "--engine", "vllm:tp=3"]) == 2
+    assert "num_attention_heads = 32" in capsys.readouterr().err
+    assert main(["plan", "route", "--model", "kimi-k2", "--engine", "vllm:tp=8"]) == 2
+    assert "multi-head latent attention" in capsys.readouterr().err
+    assert main(["plan", "route", "--model", "qwen3-8b", "--trainer", "zero3:4"]) == 2
+    assert "fsdp:N" in capsys.readouterr().err
+
+
+def test_transfer_sharded(capsys):
+    rows = run_json(capsys, "transfer", "--model", "kimi-k2", "--trainer-ranks", "256", "--engine-ranks", "128",
+                    "--link", "ib-400g", "--codec", "full")
+    assert rows[0]["wire_bytes"] == pytest.approx(rows[0]["total_bytes"] / 128)
+    assert rows[0]["wire_s"] == pytest.approx(0.321, abs=0.001)
+    rows = run_json(capsys, "transfer", "--model", "qwen3-8b", "--trainer-ranks", "8", "--engine-ranks", "4",
+                    "--from-plan", "--link", "ib-400g", "--codec", "full")
+    assert rows[0]["busiest_basis"].startswith("plan fsdp:8 -> vllm:tp=4")
+    assert main(["plan", "transfer", "--model", "kimi-k2", "--trainer-ranks", "256", "--engine-ranks", "128",
+                 "--link", "ib-400g", "--codec", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "Perplexity: 1.3 s" in out and "vLLM sharded RDT: 7.53 s" in out
+    assert main(["plan", "transfer", "--trainer-ranks", "8"]) == 2

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from wsync.plan import published as pub
@@ -170,3 +171,47 @@ def test_per_tensor_cost_adds_to_both_ends(tmp_path):
                              "per_tensor_s": {"encode_s": -4e-8, "apply_s": 3e-8, "publish_live_s": 1e-7}}))
     got = tensor_cost(f)
     assert (got.encode_s, got.apply_s) == (0.0, 3e-8) and "x-moe.json" in got.source
+
+
+def test_sharded_sync_busiest_link_is_total_over_min_ranks():
+    from wsync.plan.transfer import reshard_cost
+
+    m, ib = get_model("qwen3-8b"), LINKS["ib-400g"]
+    speed = CodecSpeed(encode_gbps=2.0, apply_gbps=4.0)
+    full = payload_bytes(m, Codec())[0]
+    s = reshard_cost(m, ib, Codec(), 8, 4, speed=speed, per_tensor=NO_TENSOR_COST)
+    assert s.total_bytes == full and s.wire_bytes == pytest.approx(full / 4) and s.busiest_basis == "total / min(M, N)"
+    assert s.wire_s == pytest.approx(full / 4 * 8 / 400e9)
+    assert s.encode_s == pytest.approx(full / 8 / 2e9) and s.apply_s == pytest.approx(full / 4 / 4e9)
+    assert reshard_cost(m, ib, Codec(), 2, 16, speed=speed).wire_bytes == pytest.approx(full / 2)  # the trainer side
+    # a plan's busiest bytes (full) scale with a delta's saving
+    d = reshard_cost(m, ib, parse_codec("delta", saving=0.98), 8, 4, speed=speed, busiest_full_bytes=5e9, basis="plan")
+    assert d.wire_bytes == pytest.approx(5e9 * 0.02) and d.busiest_basis == "plan"
+    with pytest.raises(PlanError):
+        reshard_cost(m, ib, Codec(), 0, 4)
+
+
+def test_kimi_k2_256_to_128_beside_the_published_figures():
+    p = pub.reshard_prediction("kimi-k2")
+    assert p["total_gb"] == pytest.approx(2052.8, rel=1e-3)  # 1.026T parameters in bf16
+    assert p["busiest_gb"] == pytest.approx(p["total_gb"] / 128)
+    assert p["wire_s"] == pytest.approx(p["busiest_gb"] * 8 / 400, rel=1e-9) and 0.3 < p["wire_s"] < 0.35
+    lines = pub.reshard_lines("kimi-k2")
+    assert len(lines) == 3 and "predicted 0.321 s" in lines[0]
+    assert "Perplexity: 1.3 s" in lines[1] and "4.1x the floor" in lines[1]
+    assert "vLLM sharded RDT: 7.53 s" in lines[2] and "7.9 TB = 3.8 BF16 copies" in lines[2]
+    assert [r[4] for r in pub.RESHARD_TABLE] == [1.3, 7.53]
+
+
+def test_model_params_enumerate_the_decoder():
+    """The trainer's parameters built from a config add up to the model's count, MTP layers and vision left out."""
+    from wsync.plan.params import breakdown, total_params
+    from wsync.plan.reshard import model_params
+
+    for name in ("qwen3-8b", "qwen3-30b-a3b", "llama-3.1-8b", "glm-4.7", "kimi-k2"):
+        m = get_model(name)
+        params = model_params(m)
+        n = sum(int(np.prod(p.shape)) for p in params.values())
+        parts = breakdown(m)
+        assert n == total_params(m) - parts["mtp"] - parts["vision"], name
+    assert len(model_params(get_model("qwen3-30b-a3b"))) == 18_867  # the published index's tensors, one by one

@@ -82,6 +82,11 @@ _KIMI_K26 = {
     },
 }
 
+# Kimi K2 (moonshotai/Kimi-K2-Instruct, DeepseekV3ForCausalLM): the text model K2.6 keeps, key for key. The
+# repository ships it FP8 block-quantized (e4m3, 128x128 blocks), a quantization the systems model does not price;
+# it is counted here in bf16, the dtype the published sharded-transfer figures (256 -> 128 GPUs) move from the trainer.
+_KIMI_K2 = {**_KIMI_K26["text_config"], "model_type": "kimi_k2"}
+
 CATALOG: dict[str, dict] = {
     "qwen3-8b": {"source": HF.format("Qwen/Qwen3-8B"), "config": _QWEN3_8B},
     "qwen3-30b-a3b": {"source": HF.format("Qwen/Qwen3-30B-A3B"), "config": _QWEN3_30B_A3B},
@@ -91,6 +96,10 @@ CATALOG: dict[str, dict] = {
     "glm-4.7": {
         "source": HF.format("zai-org/GLM-4.7"), "config": _GLM47,
         "notes": "355B main model + one MTP layer with its own embedding/head copies = 358.3B in the checkpoint.",
+    },
+    "kimi-k2": {
+        "source": HF.format("moonshotai/Kimi-K2-Instruct"), "config": _KIMI_K2,
+        "notes": "The 1T text model of K2.x in bf16 (2.05 TB); the repository's checkpoint is FP8 (half that).",
     },
     "kimi-k2.6": {
         "source": HF.format("moonshotai/Kimi-K2.6"), "config": _KIMI_K26,
@@ -104,5 +113,6 @@ ALIASES = {
     "qwen/qwen3-30b-a3b": "qwen3-30b-a3b", "qwen/qwen3-235b-a22b": "qwen3-235b-a22b",
     "meta-llama/llama-3.1-8b": "llama-3.1-8b", "meta-llama/llama-3.1-70b": "llama-3.1-70b",
     "zai-org/glm-4.7": "glm-4.7", "glm4.7": "glm-4.7",
+    "moonshotai/kimi-k2-instruct": "kimi-k2", "kimi-k2-instruct": "kimi-k2",
     "moonshotai/kimi-k2.6": "kimi-k2.6", "kimi-2.6": "kimi-k2.6", "kimi2.6": "kimi-k2.6", "kimi-k26": "kimi-k2.6",
 }

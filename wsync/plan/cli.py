@@ -2,6 +2,7 @@
 
     wsync plan models                         catalog: parameters, active, checkpoint bytes
     wsync plan transfer [--published]         sync time per model, link and codec, and the idle cost
+    wsync plan route --model M --trainer fsdp:4 --engine vllm:tp=2   the routing plan: per-rank bytes, busiest rank
     wsync plan lora --model M --rank R --layout L [--targets ...]
     wsync plan loop [--mode sync|async ...]   decode roofline and one simulated loop (sync vs async)
     wsync plan sweep [--png out.png]          trainer/sampler splits x batch x staleness cap, Pareto table
@@ -26,6 +27,12 @@ def _loop_flags(p) -> None:
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default,
                        help=f"(default {default})")
     p.add_argument("--decode-curve", default="", help="measured decode curve 'batch:seconds,...' (replaces the roofline)")
+
+
+def _cmd_route(a) -> None:
+    from .reshard import cmd_route  # imports nothing heavy either, but only when asked
+
+    return cmd_route(a)
 
 
 def add_parsers(sub) -> None:
@@ -57,12 +64,25 @@ def add_parsers(sub) -> None:
     t.add_argument("--buckets", type=int, default=16, help="buckets the sync is pipelined over")
     t.add_argument("--usd-per-gpu-s", type=float, default=0.01, help="price of an idle GPU-second")
     t.add_argument("--gpus", type=int, default=1, help="GPUs idle during a sync (prices the whole fleet)")
+    t.add_argument("--trainer-ranks", type=int, help="sharded sync: trainer ranks sending their own slices, each over "
+                   "its own --link (with --engine-ranks)")
+    t.add_argument("--engine-ranks", type=int, help="sharded sync: ranks of the one engine receiving")
+    t.add_argument("--from-plan", action="store_true", help="sharded sync: the busiest link's bytes from the routing "
+                   "plan of fsdp:M -> vllm:tp=N (standard attention; else total / min(M, N))")
     t.add_argument("--published", action="store_true", help="reproduce the published tables and say what does not add up")
     t.add_argument("--json", action="store_true", help="print JSON instead of a table")
     t.add_argument("--per-tensor-us", type=float, default=None,
                    help="seconds per tensor at each end, in microseconds (default: the newest `wsync bench codec "
                         "--shape moe` run; wsync 0.1's per-tensor format measured ~100)")
     t.set_defaults(fn=cmd_transfer)
+
+    ro = ps.add_parser("route", help="routing plan of sharded trainer ranks into sharded engine ranks (issue 19)")
+    ro.add_argument("--model", required=True, help="catalog name or a Hugging Face config.json (or its directory)")
+    ro.add_argument("--trainer", default="fsdp:4", help="fsdp:N, hsdp:RxS or tp:N (default: fsdp:4)")
+    ro.add_argument("--engine", default="vllm:tp=2",
+                    help="vllm:tp=N[,ep=0][,replicas=R] or hf:tp=N[,pad=P][,replicas=R] (default: vllm:tp=2)")
+    ro.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ro.set_defaults(fn=_cmd_route)
 
     lo = ps.add_parser("lora", help="LoRA adapter bytes for a model, rank and layout")
     lo.add_argument("--model", required=True, help="model name (see `wsync plan models`)")

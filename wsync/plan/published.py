@@ -137,3 +137,52 @@ def _lora_checks() -> list[Check]:
 def audit() -> list[Check]:
     """Every published figure, recomputed from its own numbers and from the model."""
     return _transfer_checks() + _wan_checks() + _lora_checks()
+
+
+# Sharded trainers into sharded engines (issue 19): (who, model, trainer GPUs, engine GPUs, seconds, source, setup
+# as stated). Not in audit(): they are end-to-end times of other systems, set beside the model's wire-time floor.
+RESHARD_TABLE = [
+    ("Perplexity", "kimi-k2", 256, 128, 1.3,
+     "https://research.perplexity.ai/articles/weight-transfer-for-rl-post-training-in-under-2-seconds",
+     "BF16 trainer -> FP8 engines over RDMA WRITE; full_tensor(), projection fusion and FP8 quantization in the pipeline"),
+    ("vLLM sharded RDT", "kimi-k2", None, None, 7.53, "as quoted in issue 19",
+     "BF16 on 48x8 H100, 1,049 GB/s"),
+]
+RESHARD_RANKS = (256, 128)  # the layout the prediction is made for: Perplexity's
+GPU_NIC_GBIT = 400.0  # one 400 Gbit/s NIC per H100 (eight per node: the catalog's rdma-3.2t)
+RDT_GB_PER_S, RDT_GPUS = 1049.0, 48 * 8
+
+
+def reshard_prediction(name: str = "kimi-k2") -> dict:
+    """The model's BF16 sync from 256 trainer to 128 engine GPUs: the busiest link's bytes and their wire time."""
+    from .models import get_model
+    from .params import weight_bytes
+
+    m_ranks, n_ranks = RESHARD_RANKS
+    total = weight_bytes(get_model(name), "bf16")
+    busiest = total / min(m_ranks, n_ranks)
+    return {"model": name, "trainer_ranks": m_ranks, "engine_ranks": n_ranks, "total_gb": total / 1e9,
+            "busiest_gb": busiest / 1e9, "wire_s": seconds(busiest / 1e9, GPU_NIC_GBIT), "nic_gbit": GPU_NIC_GBIT}
+
+
+def reshard_lines(name: str = "kimi-k2") -> list[str]:
+    """The prediction beside the published figures, one line each saying why they differ."""
+    p = reshard_prediction(name)
+    w = p["wire_s"]
+    out = [f"{name} BF16, {p['trainer_ranks']} trainer -> {p['engine_ranks']} engine GPUs, one {GPU_NIC_GBIT:.0f} "
+           f"Gbit/s NIC each: predicted {w:.3f} s on the wire ({p['busiest_gb']:.2f} GB through the busiest link = "
+           f"{p['total_gb']:.1f} GB / min(M, N))"]
+    for who, model, _m, _n, sec, source, setup in RESHARD_TABLE:
+        if model != name:
+            continue
+        if who == "Perplexity":
+            why = (f"{sec / w:.1f}x the floor although FP8 engines halve the bytes ({w / 2:.3f} s): the rest is the "
+                   "full_tensor() gathers, fusion and quantization on the GPUs, and, if the 128 GPUs are several engine "
+                   "replicas, each replica taking the whole model")
+        else:
+            moved = sec * RDT_GB_PER_S / 1e3
+            why = (f"its own numbers move {moved:.1f} TB = {moved * 1e3 / p['total_gb']:.1f} BF16 copies (several "
+                   f"engine replicas, or bytes counted more than once) at {RDT_GB_PER_S / RDT_GPUS:.2f} GB/s per GPU, "
+                   f"{RDT_GB_PER_S / RDT_GPUS / (GPU_NIC_GBIT / 8):.0%} of one NIC")
+        out.append(f"  {who}: {sec} s ({setup}; {source}): {why}")
+    return out

@@ -40,7 +40,8 @@ def cmd_models(a) -> None:
 
 
 def _published(a) -> None:
-    from .published import LORA_TABLE, RDMA_GBIT, TCP_GBIT, TRANSFER_TABLE, WAN_TABLE, audit, seconds, wan_row
+    from .published import (LORA_TABLE, RDMA_GBIT, TCP_GBIT, TRANSFER_TABLE, WAN_TABLE, audit, reshard_lines, seconds,
+                            wan_row)
     from .lora import LoraConfig, lora_size
     from .models import get_model
     from .params import checkpoint_bytes
@@ -68,6 +69,8 @@ def _published(a) -> None:
           "LoRA sizes 3%. Notes:")
     for note in dict.fromkeys(c.note for c in checks if c.note):
         print(" -", note)
+    print("\nSharded trainers into sharded engines (busiest link = total / min(M, N)):")
+    print("\n".join(reshard_lines()))
 
 
 def _speed_label(speed) -> str:
@@ -82,7 +85,7 @@ def cmd_transfer(a) -> None:
     from .gpu_speeds import codec_speed
     from .lora import LoraConfig
     from .models import get_model
-    from .transfer import parse_codec, parse_link, sync_cost
+    from .transfer import parse_codec, parse_link, reshard_cost, sync_cost
 
     models = [get_model(n) for n in (a.model or PUBLISHED_MODELS)]
     links = [parse_link(s) for s in (a.link or ["tcp-50g", "rdma-3.2t", "wan-10g"])]
@@ -94,6 +97,7 @@ def cmd_transfer(a) -> None:
 
         per_tensor = TensorCost(encode_s=a.per_tensor_us * 1e-6, apply_s=a.per_tensor_us * 1e-6,
                                 source=f"{a.per_tensor_us} us per tensor at each end, given on the command line")
+    sharded = _sharded(a, models)
     rows, speeds = [], {}
     for c in codecs:
         c = dataclasses.replace(c, tier=a.tier)
@@ -105,14 +109,20 @@ def cmd_transfer(a) -> None:
         speeds[c.label] = speed
         for m in models:
             for link in links:
-                s = sync_cost(m, link, c, speed=speed, dtype=a.dtype, buckets=a.buckets, encode_workers=a.encode_workers,
-                              apply_workers=a.apply_workers, usd_per_gpu_s=a.usd_per_gpu_s, per_tensor=per_tensor)
-                rows.append(dict(dataclasses.asdict(s), gb=s.wire_bytes / 1e9, idle_usd=s.idle_usd_per_gpu * a.gpus,
+                kw = dict(speed=speed, dtype=a.dtype, buckets=a.buckets, usd_per_gpu_s=a.usd_per_gpu_s,
+                          per_tensor=per_tensor)
+                if sharded:
+                    s = reshard_cost(m, link, c, a.trainer_ranks, a.engine_ranks, **sharded[m.name], **kw)
+                else:
+                    s = sync_cost(m, link, c, encode_workers=a.encode_workers, apply_workers=a.apply_workers, **kw)
+                rows.append(dict(dataclasses.asdict(s), gb=s.wire_bytes / 1e9, total_gb=s.total_bytes / 1e9, idle_usd=s.idle_usd_per_gpu * a.gpus,
                                  wire_usd=s.wire_s * a.usd_per_gpu_s * a.gpus, speeds=_speed_label(speed),
                                  speed_basis=speed.basis, encode_gbps=speed.encode_gbps, apply_gbps=speed.apply_gbps))
     rows.sort(key=lambda r: [m.name for m in models].index(r["model"]))  # one model's rows together
     if a.json:
         return _json(rows)
+    if sharded:
+        return _print_sharded(a, rows)
     print(_table(rows, [("model", ""), ("codec", ""), ("link", ""), ("gb", ".3f"), ("wire_s", ".3f"), ("encode_s", ".2f"),
                         ("apply_s", ".2f"), ("tensors", ","), ("tensor_s", ".3f"), ("pipelined_s", ".2f"),
                         ("dominant", ""), ("wire_usd", ".4f"), ("idle_usd", ".4f"), ("speeds", "")]))
@@ -130,6 +140,45 @@ def cmd_transfer(a) -> None:
               "the H100 bandwidth bound) or --backend gpu-bound:h200")
     for src in dict.fromkeys(r["tensor_source"] for r in rows):
         print("per-tensor cost:", src)
+
+
+def _sharded(a, models) -> dict:
+    """--trainer-ranks/--engine-ranks: per model, where the busiest link's bytes come from ({} when not sharded)."""
+    if a.trainer_ranks is None and a.engine_ranks is None:
+        return {}
+    if not (a.trainer_ranks and a.engine_ranks) or a.trainer_ranks < 1 or a.engine_ranks < 1:
+        from .models import PlanError
+
+        raise PlanError("a sharded sync needs both --trainer-ranks and --engine-ranks, each >= 1")
+    out = {m.name: {} for m in models}
+    if a.from_plan:
+        from .models import PlanError
+        from .reshard import plan_for
+
+        for m in models:
+            trainer, engine = f"fsdp:{a.trainer_ranks}", f"vllm:tp={a.engine_ranks}"
+            try:
+                p = plan_for(m, trainer, engine)
+            except PlanError as e:
+                out[m.name] = {"basis": f"total / min(M, N) (no plan: {str(e).split(': ', 1)[-1][:80]})"}
+                continue
+            out[m.name] = {"busiest_full_bytes": max(p.bytes_by_trainer() + p.bytes_by_engine()),
+                           "basis": f"plan {trainer} -> {engine} ({p.hash[:12]})"}
+    return out
+
+
+def _print_sharded(a, rows) -> None:
+    print(_table(rows, [("model", ""), ("codec", ""), ("link", ""), ("total_gb", ".3f"), ("gb", ".3f"),
+                        ("wire_s", ".3f"), ("encode_s", ".3f"), ("apply_s", ".3f"), ("pipelined_s", ".3f"),
+                        ("dominant", ""), ("busiest_basis", "")]))
+    print(f"{a.trainer_ranks} trainer ranks -> {a.engine_ranks} engine ranks, each rank over its own link: gb / wire_s "
+          "= the busiest rank's bytes and their time; encode/apply on all ranks at once (per rank: total / M, "
+          "total / N).")
+    from .published import RESHARD_RANKS, RESHARD_TABLE, reshard_lines
+
+    for name in dict.fromkeys(r["model"] for r in rows):
+        if (a.trainer_ranks, a.engine_ranks) == RESHARD_RANKS and any(t[1] == name for t in RESHARD_TABLE):
+            print("\n".join(reshard_lines(name)))
 
 
 def cmd_lora(a) -> None:

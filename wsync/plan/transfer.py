@@ -8,6 +8,7 @@ Units: GB = 1e9 bytes, Gbit/s = 1e9 bit/s.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -109,19 +110,27 @@ class SyncCost:
     tensors: int = 0  # tensors in the state (experts named one by one)
     tensor_s: float = 0.0  # seconds of encode + apply that are per-tensor overhead, not bytes
     tensor_source: str = ""  # where the per-tensor cost comes from
+    trainer_ranks: int = 1  # sharded sync (reshard_cost): ranks sending, each over its own link
+    engine_ranks: int = 1  # and ranks receiving
+    total_bytes: float = 0.0  # sharded sync: all ranks' bytes on the wire; wire_bytes is then the busiest link's
+    busiest_basis: str = ""  # where the busiest link's bytes come from: total / min(M, N), or a routing plan
 
 
 def sync_cost(m: ModelConfig, link: Link, codec: Codec, *, speed: CodecSpeed | None = None,
               dtype: str | None = None, buckets: int = 16, encode_workers: int = 1, apply_workers: int = 1,
-              usd_per_gpu_s: float = IDLE_USD_PER_GPU_S, per_tensor: TensorCost | None = None) -> SyncCost:
+              usd_per_gpu_s: float = IDLE_USD_PER_GPU_S, per_tensor: TensorCost | None = None,
+              wire_bytes: float | None = None) -> SyncCost:
     """The whole sync of one model version, with its wire-only floor.
 
     per_tensor: seconds each tensor adds at each end beyond its bytes (default: the newest
     `wsync bench codec --shape moe` run); a LoRA sync moves only adapter tensors and pays none here.
+    wire_bytes: the bytes through the one link that bounds the sync (default: the whole payload; a sharded
+    sync passes its busiest rank's, see reshard_cost).
     """
     if buckets < 1 or encode_workers < 1 or apply_workers < 1:
         raise PlanError("buckets, encode_workers and apply_workers must be >= 1")
     wire, coded = payload_bytes(m, codec, dtype)
+    wire = wire if wire_bytes is None else wire_bytes
     speed = speed or measured_speed(codec.kind, saving=codec.saving, tier=codec.tier)
     per_tensor = per_tensor or tensor_cost()
     tensors = tensor_count(m) if codec.kind != "lora" else 0
@@ -144,3 +153,23 @@ def sync_cost(m: ModelConfig, link: Link, codec: Codec, *, speed: CodecSpeed | N
 def wire_seconds(m: ModelConfig, link: Link, codec: Codec | None = None, dtype: str | None = None) -> float:
     """The published tables' number: payload bytes over the line rate, nothing else."""
     return link.seconds(payload_bytes(m, codec or Codec(), dtype)[0])
+
+
+def reshard_cost(m: ModelConfig, link: Link, codec: Codec, trainer_ranks: int, engine_ranks: int, *,
+                 busiest_full_bytes: float | None = None, basis: str = "", **kw) -> SyncCost:
+    """A sharded sync: M trainer ranks send only their own slices, point to point, to N engine ranks of one engine,
+    each rank over its own `link` (one NIC per GPU). With a balanced plan every engine rank receives total / N and
+    every trainer rank sends total / M, so the busiest link carries total / min(M, N); encode and apply run on all
+    M and N ranks at once. busiest_full_bytes: the busiest rank's bytes from a routing plan instead (full codec
+    bytes; a delta scales them by its saving). kw: sync_cost's (speed, dtype, buckets, per_tensor, ...).
+    """
+    if trainer_ranks < 1 or engine_ranks < 1:
+        raise PlanError(f"trainer and engine ranks must be >= 1, got {trainer_ranks} and {engine_ranks}")
+    wire, coded = payload_bytes(m, codec, kw.get("dtype"))
+    if busiest_full_bytes is None:
+        busiest, basis = wire / min(trainer_ranks, engine_ranks), "total / min(M, N)"
+    else:
+        busiest = busiest_full_bytes * (wire / coded if coded else 1.0)
+    s = sync_cost(m, link, codec, encode_workers=trainer_ranks, apply_workers=engine_ranks, wire_bytes=busiest, **kw)
+    return dataclasses.replace(s, trainer_ranks=trainer_ranks, engine_ranks=engine_ranks, total_bytes=wire,
+                               busiest_basis=basis)
