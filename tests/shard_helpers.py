@@ -1,22 +1,17 @@
 """Helpers for the sharded sync tests: a tiny Qwen3-like state, FSDP and TP layouts of it, a versioned reference,
 and the engine-rank worker process.
 
-The layouts are built here by hand (FSDP2's Shard(0) with torch.chunk's uneven split on the trainer side; on
-the engine side vLLM's conventions: fused qkv and gate_up split by output rows per rank, o/down split by input
-columns, vocab-parallel embedding and lm_head, replicated norms), and `make_plan` routes them when
-wsync.shard.route is not there yet: box intersection, which is all a plan is.
+The layouts come from wsync.shard.conventions (FSDP2's Shard(0) with torch's uneven chunks on the trainer
+side; vLLM's fused, padded layout or torch TP's uneven one on the engine side), routed by wsync.shard.route.
 """
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
 
 import numpy as np
-import xxhash
-
-from wsync.shard.layout import EngineLayout, Held, Need, Param, Piece, TrainerLayout, box_numel, intersect, full_box
+from wsync.shard.layout import Param, box_numel
 
 DT = "bfloat16"
 TOKEN = "shard-test-token"
@@ -40,102 +35,22 @@ def qwen_params(layers: int = 2, hidden: int = 48, inter: int = 100, vocab: int 
     return {n: Param(tuple(s), DT) for n, s in p.items()}
 
 
-def chunks(n: int, k: int) -> list[tuple[int, int]]:
-    """torch.chunk's split of n into k (FSDP2 Shard(0)): ceil-sized chunks, the last ones short or empty."""
-    size = math.ceil(n / k)
-    return [(min(i * size, n), min((i + 1) * size, n)) for i in range(k)]
+def make_plan(m: int, n: int, engine: str = "vllm", **dims):
+    """FSDP2 over m trainer ranks -> one engine of n tensor-parallel ranks: "vllm" (fused qkv / gate_up, padded
+    vocabulary; sizes must divide) or "hf" (torch TP on a transformers model, names unchanged, uneven splits)."""
+    from wsync.shard.conventions import VllmConfig, fsdp_placements, hf_tp_layout, trainer_layout_for, vllm_layout
+    from wsync.shard.route import route
 
-
-def even(n: int, k: int) -> list[tuple[int, int]]:
-    """A TP split of n into k: sizes differ by at most one (vLLM pads instead; the boxes are what matter)."""
-    cuts = [round(i * n / k) for i in range(k + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-def fsdp_layout(params: dict[str, Param], ranks: int) -> TrainerLayout:
-    held = []
-    for name, p in params.items():
-        for r, (a, b) in enumerate(chunks(p.shape[0], ranks)):
-            if b > a:
-                held.append(Held(r, name, ((a, b),) + full_box(p.shape[1:])))
-    return TrainerLayout(ranks, params, tuple(held))
-
-
-def tp_layout(params: dict[str, Param], ranks: int) -> EngineLayout:
-    """vLLM-style: fused qkv / gate_up (rows per rank, stacked), row-parallel o/down, vocab-parallel ends."""
-    locals_, needs = {}, []
-    fused = {"self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
-             "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
-             "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
-             "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
-             "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1)}
-    for r in range(ranks):
-        rows: dict[str, int] = {}  # fused local tensor -> rows so far
-        for name, p in params.items():
-            shape = p.shape
-            suffix = next((k for k in fused if name.endswith(k)), None)
-            if suffix is not None:
-                a, b = even(shape[0], ranks)[r]
-                local = name[: -len(suffix)] + fused[suffix][0]
-                at = rows.get(local, 0)
-                rows[local] = at + b - a
-                needs.append(Need(r, local, ((at, at + b - a), (0, shape[1])), name, ((a, b), (0, shape[1]))))
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                a, b = even(shape[1], ranks)[r]
-                locals_[(r, name)] = Param((shape[0], b - a), DT)
-                needs.append(Need(r, name, ((0, shape[0]), (0, b - a)), name, ((0, shape[0]), (a, b))))
-            elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
-                a, b = even(shape[0], ranks)[r]
-                locals_[(r, name)] = Param((b - a, shape[1]), DT)
-                needs.append(Need(r, name, ((0, b - a), (0, shape[1])), name, ((a, b), (0, shape[1]))))
-            else:
-                locals_[(r, name)] = Param(shape, DT)
-                needs.append(Need(r, name, full_box(shape), name, full_box(shape)))
-        hidden = params["model.norm.weight"].shape[0]
-        for local, n in rows.items():
-            locals_[(r, local)] = Param((n, hidden), DT)
-    return EngineLayout(ranks, locals_, tuple(needs))
-
-
-class Plan:
-    """A stand-in with route.Plan's interface, routed by box intersection (tests only, until route.py lands)."""
-
-    def __init__(self, trainer: TrainerLayout, engine: EngineLayout):
-        self.trainer, self.engine = trainer, engine
-        pieces = []
-        for n in engine.needs:
-            for h in trainer.held:
-                if h.name != n.src_name:
-                    continue
-                box = intersect(n.src, h.box)
-                if box is not None:
-                    local = tuple((a - h0, b - h0) for (a, b), (h0, _) in zip(box, h.box))
-                    dst = tuple((a - s0 + d0, b - s0 + d0) for (a, b), (s0, _), (d0, _) in zip(box, n.src, n.dst))
-                    pieces.append(Piece(h.rank, n.src_name, box, local, n.rank, n.name, dst))
-        self.pieces = tuple(pieces)
-        self.hash = xxhash.xxh3_64_hexdigest(repr(self.pieces).encode())
-
-    def for_trainer(self, rank):
-        return tuple(p for p in self.pieces if p.src_rank == rank)
-
-    def for_engine(self, rank):
-        return tuple(p for p in self.pieces if p.dst_rank == rank)
-
-    def sends(self, rank):
-        out: dict[int, list] = {}
-        for p in self.for_trainer(rank):
-            out.setdefault(p.dst_rank, []).append(p)
-        return {r: tuple(v) for r, v in out.items()}
-
-
-def make_plan(m: int, n: int, **dims):
     params = qwen_params(**dims)
-    trainer, engine = fsdp_layout(params, m), tp_layout(params, n)
-    try:
-        from wsync.shard.route import route
-    except ImportError:
-        return Plan(trainer, engine)
-    return route(trainer, engine)
+    trainer = trainer_layout_for(params, fsdp_placements(params), m)
+    if engine == "vllm":
+        d = {"heads": 4, "kv_heads": 2, "head_dim": 12} | {k: v for k, v in dims.items() if k.endswith("head_dim")
+                                                           or k.endswith("heads")}
+        eng = vllm_layout(params, n, VllmConfig(num_heads=d["heads"], num_kv_heads=d["kv_heads"],
+                                                 head_dim=d["head_dim"]))
+    else:
+        eng = hf_tp_layout(params, n)
+    return route(trainer, eng)
 
 
 class Reference:
@@ -202,7 +117,7 @@ def engine_worker(rank: int, spec: dict, coordinator: str, out, hooks: dict) -> 
 
     from wsync.shard.sync import ShardSubscriber
 
-    plan = make_plan(spec["m"], spec["n"], **spec.get("dims", {}))
+    plan = make_plan(spec["m"], spec["n"], spec["engine"], **spec.get("dims", {}))
     ref = Reference(qwen_params(**spec.get("dims", {})))
     tensors = {name: torch.zeros(p.shape, dtype=torch.bfloat16) for (r, name), p in plan.engine.locals.items()
                if r == rank}

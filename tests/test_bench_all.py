@@ -171,7 +171,8 @@ def test_bench_all_quick_for_real(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(next(tmp_path.glob("*-quick.json")).read_text())
     su = doc["suites"]
-    assert set(su) == {"codec", "transport", "sync", "peers", "lora", "moe"}
+    assert set(su) == {"codec", "transport", "sync", "peers", "lora", "moe", "reshard"}
+    assert all(m["same_bytes_on_every_engine_rank"] for m in su["reshard"]["modes"].values())
     moe = su["moe"]["results"]  # many small tensors beside one of the same size: every path bit-exact
     assert moe["one"]["exact"] and moe["many"]["exact"] and moe["many"]["payload_bytes"] > 0
     assert all(row["exact"] for row in su["codec"]["runs"][0]["schemes"] if "exact" in row)

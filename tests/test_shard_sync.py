@@ -27,11 +27,12 @@ OVERHEAD = 64 << 10  # per (trainer, engine) pair and version: manifests, messag
 class Group:
     """m trainer ranks in this process, n engine-rank processes, the coordinator on trainer rank 0."""
 
-    def __init__(self, m: int, n: int, hooks: dict | None = None, timeout: float = 30.0, **config):
+    def __init__(self, m: int, n: int, hooks: dict | None = None, timeout: float = 30.0, engine: str = "vllm",
+                 **config):
         # a killed engine rank's links give up after 3 s, not 30: closing the Publishers waits for them
         config.setdefault("listen_opts", {"resume_window": 3.0})
-        self.spec = {"m": m, "n": n}
-        self.plan = make_plan(m, n)
+        self.spec = {"m": m, "n": n, "engine": engine}
+        self.plan = make_plan(m, n, engine)
         self.ref = Reference(qwen_params())
         self.pubs = [ShardPublisher(self.plan, 0, coordinator="tcp://127.0.0.1:0", host_coordinator=True,
                                     token=TOKEN, timeout=timeout, **config)]
@@ -99,9 +100,9 @@ def _commit(g: Group, v: int) -> None:
     assert all(served == v and ok for served, ok in got.values()), got
 
 
-@pytest.mark.parametrize("m,n", [(2, 2), (4, 3)])
-def test_versions_commit_bit_exact_on_every_engine_rank(groups, m, n):
-    g = groups(m, n)
+@pytest.mark.parametrize("m,n,engine", [(2, 2, "vllm"), (4, 3, "hf")])
+def test_versions_commit_bit_exact_on_every_engine_rank(groups, m, n, engine):
+    g = groups(m, n, engine=engine)
     for v in range(6):  # a keyframe, then deltas moving ~1% of the values
         _commit(g, v)
     # (e) a trainer rank allocates and sends only its pieces: never a parameter it does not own
@@ -135,7 +136,7 @@ def test_corrupt_piece_on_one_rank_aborts_every_rank(groups):
 
 
 def test_killed_engine_rank_commits_nothing_and_catches_up(groups):
-    g = groups(2, 3, hooks={1: {"die_at": (2, 0)}})
+    g = groups(2, 3, hooks={1: {"die_at": (2, 0)}}, engine="hf")
     _commit(g, 0)
     _commit(g, 1)
     g.publish(2)  # rank 1 dies once a bucket of version 2 arrived, before it could be ready

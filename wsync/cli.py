@@ -164,6 +164,7 @@ EXTENSIONS = [
     ("", "wsync.demo"),
     ("bench", "wsync.bench.transport"),
     ("bench", "wsync.bench.sync"),
+    ("bench", "wsync.bench.reshard"),
     ("bench", "wsync.bench.all"),
     ("", "wsync.plan.cli"),
     ("", "trainer.cli"),

@@ -53,13 +53,14 @@ class Sizes:
     lora_args: tuple = ()  # extra arguments of benchmarks/bench_lora_sync.py (its defaults when empty)
     moe_tensors: int = 20_000  # many small tensors vs one tensor of the same size (x 1,024 bf16 elements each)
     moe_repeats: int = 15  # interleaved rounds of one and many tensors (best kept)
-    suites: tuple = ("codec", "transport", "sync", "peers", "lora", "moe")
+    reshard_quick: bool = False  # 4 trainer ranks -> 2 engine ranks on a tiny model instead of a 100 MB one
+    suites: tuple = ("codec", "transport", "sync", "peers", "lora", "moe", "reshard")
 
     @classmethod
     def quick(cls) -> "Sizes":
         return cls(snapshots="tiny", codec_lrs=(1e-6,), codec_gaps=(1,), codec_repeats=1, transport_bytes=4 << 20,
                    transport_repeats=2, sync_versions=2, sync_modes=("full", "delta"), wan="200,10,0.0",
-                   peer_repeats=2, moe_tensors=2_000, moe_repeats=1, lora_args=("--steps", "2", "--hidden", "64", "--layers", "2", "--vocab", "512",
+                   peer_repeats=2, moe_tensors=2_000, moe_repeats=1, reshard_quick=True, lora_args=("--steps", "2", "--hidden", "64", "--layers", "2", "--vocab", "512",
                                               "--seq", "16"))
 
 
@@ -200,6 +201,15 @@ def moe_suite(s: Sizes) -> dict:
     return many.run(tensors=s.moe_tensors, repeats=s.moe_repeats)
 
 
+def reshard_suite(s: Sizes) -> dict:
+    """Sharded trainer ranks into TP engine ranks, point to point beside the gather-to-rank-0 path."""
+    from . import reshard
+
+    if s.reshard_quick:
+        return reshard.run(dims=reshard.QUICK, full_versions=1, delta_versions=2)
+    return reshard.run()
+
+
 def run_all(o: Options) -> dict:
     """Every suite in `o.sizes.suites`; returns the results document (also what `report` renders)."""
     from .hardware import describe, one_line
@@ -220,7 +230,8 @@ def run_all(o: Options) -> dict:
             "sync": lambda: _guard("sync", sync_suite, s, wan=o.wan),
             "peers": lambda: _guard("peers (safetensors, shardcast)", peers_suite, s),
             "lora": lambda: _guard("lora", lora_suite, s),
-            "moe": lambda: _guard("moe", moe_suite, s)}
+            "moe": lambda: _guard("moe", moe_suite, s),
+            "reshard": lambda: _guard("reshard", reshard_suite, s)}
     todo = [name for name in runs if name in s.suites]
     with progress.bar(len(todo), "bench all", unit="suite") as bar:
         for name in todo:

@@ -147,6 +147,12 @@ def _moe_table(res: dict) -> str:
     return render(res)
 
 
+def _reshard_table(res: dict) -> str:
+    from .reshard import render
+
+    return render(res)
+
+
 def all_tables(doc: dict) -> str:
     """The README block for a `wsync bench all` run: one table per suite, the hardware named once."""
     su = doc["suites"]
@@ -163,7 +169,9 @@ def all_tables(doc: dict) -> str:
                  lambda r: sync_table(r, su.get("peers"))),
                 ("LoRA: full vs delta vs adapter-only", "lora", lora_table),
                 ("Many tensors (MoE scale) vs one tensor of the same size, bound once, tcp loopback", "moe",
-                 _moe_table)]
+                 _moe_table),
+                ("Sharded trainer ranks into TP engine ranks: point to point vs gather to rank 0", "reshard",
+                 _reshard_table)]
     for title, key, render in sections:
         if key not in su:
             continue

@@ -30,6 +30,9 @@ from .tensors import engine_locals
 log = logging.getLogger("wsync.shard")
 
 
+_WAKE = object()  # in the rank's inbox: look at the staging again
+
+
 class CommitTimeout(WsyncError, TimeoutError):
     """wait_for ran out of time; the message says what this rank serves and the last outcomes it saw."""
 
@@ -50,7 +53,8 @@ class ShardSubscriber:
         self.plan, self.rank = plan, rank
         self.tensors = engine_locals(plan, rank, tensors)
         self.pieces = plan.for_engine(rank)
-        self._stage_args = dict(token=token, backend=backend, connect_opts=connect_opts, progress=progress)
+        self._stage_args = dict(token=token, backend=backend, connect_opts=connect_opts, progress=progress,
+                                on_staged=lambda: self._inbox.put(_WAKE))
         self.stage: Stage | None = None
         self.lock = threading.RLock()  # the stage copies under it; hold it around a forward pass
         self.version: int | None = None  # the version every engine rank committed, which this one serves
@@ -111,11 +115,13 @@ class ShardSubscriber:
     def _run(self) -> None:
         while not self._closed:
             try:
-                msg = self._inbox.get(timeout=0.02)
+                msg = self._inbox.get(timeout=0.05)  # a staged version or a message wakes it at once
             except queue.Empty:
-                msg = None
+                msg = _WAKE
+            if msg is None:
+                return
             try:
-                if msg is not None:
+                if msg is not _WAKE:
                     self._handle(msg)
                 self._advance()
             except WsyncError as e:  # a bad message or a failed copy: said, and the round fails

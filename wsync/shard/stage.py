@@ -31,6 +31,13 @@ log = logging.getLogger("wsync.shard")
 class Source(Subscriber):
     """A Subscriber that applies staged versions only as far as it is told (always in poll mode)."""
 
+    on_staged = None  # called (on the receiver thread) once a whole version is staged: the rank's thread wakes
+
+    def _stage(self, st) -> None:
+        super()._stage(st)
+        if self.on_staged is not None:
+            self.on_staged()
+
     def apply_through(self, version: int) -> str | None:
         """Apply every staged version up to `version`, in order; returns why one failed, or None."""
         failed = None
@@ -69,7 +76,7 @@ class Stage:
     """The staging of one engine rank: a Source per trainer rank, and the copy into the live tensors."""
 
     def __init__(self, pieces, tensors: dict, addresses: dict[int, str], *, token=None, backend: str | None = None,
-                 connect_opts: dict | None = None, progress=None):
+                 connect_opts: dict | None = None, progress=None, on_staged=None):
         self.tensors = tensors
         self.by_src: dict[int, list] = {}
         for p in pieces:
@@ -85,6 +92,7 @@ class Stage:
             tell = None if progress is None else (lambda *a, s=s: progress(s, *a))
             self.sources[s] = Source(addresses[s], engine=Shadow(), token=token, apply="poll", backend=backend,
                                      connect_opts=connect_opts, progress=tell)
+            self.sources[s].on_staged = on_staged
 
     def advance(self, version: int) -> tuple[str, str | None]:
         """Apply what has arrived up to `version`: ("ready", None) once every source holds exactly it,

@@ -48,12 +48,14 @@ class ShardPublisher:
     coordinator: the coordinator's address; with host_coordinator=True this rank runs it there (port 0: any
     free port, then read ``coordinator_address``). host: where this rank's Publishers listen, one per engine
     rank it sends to, on free ports (engine ranks learn them from the coordinator). timeout: seconds a round
-    may wait for every engine rank to be ready. publisher_config: wsync.Publisher's (codec, keyframe_every, ...).
+    may wait for every engine rank to be ready; connect_timeout: seconds to reach the coordinator (the constructor
+    waits: a version published before would get no round). publisher_config: wsync.Publisher's (codec, ...).
     """
 
     def __init__(self, plan, rank: int, *, coordinator: str, host_coordinator: bool = False, token=None,
                  host: str = "127.0.0.1", timeout: float = 60.0, backend: str | None = None,
-                 listen_opts: dict | None = None, link_opts: dict | None = None, **publisher_config):
+                 listen_opts: dict | None = None, link_opts: dict | None = None, connect_timeout: float = 60.0,
+                 **publisher_config):
         if not (isinstance(rank, int) and 0 <= rank < plan.trainer.ranks):
             raise ValueError(f"trainer rank must be in [0, {plan.trainer.ranks}), got {rank!r}")
         self.plan, self.rank = plan, rank
@@ -75,7 +77,10 @@ class ShardPublisher:
             self.addresses = {r: pub.address for r, pub in self.publishers.items()}
             join = {"role": "trainer", "rank": rank, "plan": plan.hash, "addresses": digests_doc(self.addresses)}
             self.member = Member(self.coordinator_address, join, self._on_message, token=token, link_opts=link_opts)
+            self.member.wait_up(connect_timeout)  # a version published before the link is up would get no round
         except BaseException:
+            if hasattr(self, "member"):
+                self.member.close()
             self._close_parts()
             raise
 
