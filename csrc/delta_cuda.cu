@@ -29,11 +29,9 @@
 // after NVRTC compiles this file (wsync.backends.cuda.kernel_source inlines
 // the two headers first, so cupy's source-keyed cache sees every edit). Every
 // kernel runs NT = 256 threads per block; the grid is one block per chunk,
-// except xxh3_blocks (one warp per 1 MiB block). Built as host C++ with
-// -DWSYNC_HOST_TEST, the same names become serial host functions taking the
-// grid size first, built from the same per-element helpers (ws_common.cuh,
-// ws_xxh3.cuh): the CPU tests run the Python side of wsync/backends/cuda.py
-// against them.
+// except xxh3_blocks (one warp per 1 MiB block). On a machine without a GPU
+// the same text runs on CPU fibers (tests/cudasim: g++ with a shim for the
+// CUDA built-ins), unchanged, under several thread schedules.
 #include "ws_common.cuh"
 #include "ws_xxh3.cuh"
 
@@ -281,120 +279,10 @@ __device__ __forceinline__ void xxh3_warp(const u64* __restrict__ ptrs, const u6
 }
 #endif  // __CUDACC__
 
-#if !WS_DEVICE_PASS && defined(WSYNC_HOST_TEST)
-// Serial versions of the kernels' per-block work, for the host test library.
-// They call the same helpers in the same grouping (vectors, mask words, tiles
-// of NT with exclusive scans); only the shuffles and barriers are replaced by
-// plain loops.
-
-template <int ORD, class Src>
-static void host_count_chunk(u64 c, const Src src, const typename Src::in_t* a, const typename Src::in_t* b, u64 n,
-                             u32 nchunks, u32* table, u32* mask) {
-    typedef typename Src::in_t I;
-    constexpr int VEC = 16 / int(sizeof(I));
-    const u32 len = chunk_len(n, c);
-    const u64 start = c * CHUNK;
-    const u32 nvec = (len + VEC - 1) / VEC;
-    u32 changed = 0, escapes = 0;
-    for (u32 w = 0; w < (len + 31) / 32; ++w) mask[c * CHUNK_WORDS + w] = 0;
-    for (u32 v = 0; v < nvec; ++v) {
-        const int valid = int(ws_min<u32>(VEC, len - v * VEC));
-        const Vec16 va = load_vec<I, VEC>(a + start + u64(v) * VEC, valid);
-        const Vec16 vb = load_vec<I, VEC>(b + start + u64(v) * VEC, valid);
-        const u32 bits = count_vec<ORD, Src, VEC>(src, va, vb, valid, &escapes);
-        changed += ws_popc(bits);
-        mask[c * CHUNK_WORDS + v * VEC / 32] |= bits << ((v * VEC) & 31);
-    }
-    table[c] = changed;
-    table[nchunks + c] = escapes;
-}
-
-template <int ORD, class Src>
-static void host_fill_chunk(u64 c, const Src src, const typename Src::in_t* a, const typename Src::in_t* b, u64 n,
-                            const u32* mask, const u64* chg_base, const u64* esc_base, u16* gaps, i8* steps,
-                            typename Src::bits_t* escapes) {
-    const u32 len = chunk_len(n, c);
-    const u64 start = c * CHUNK;
-    const u32 nwords = (len + 31) / 32;
-    u64 rank = chg_base[c], esc_rank = esc_base[c];
-    i32 prev = -1;
-    for (u32 w0 = 0; w0 < nwords; w0 += NT) {
-        FillSummary s[NT];
-        for (int t = 0; t < NT; ++t) {
-            const u32 w = w0 + t;
-            const u32 word = w < nwords ? mask[c * CHUNK_WORDS + w] : 0u;
-            s[t] = FillSummary{0, 0, -1};
-            if (word) s[t] = fill_summarize<ORD>(src, a + start + u64(w) * 32, b + start + u64(w) * 32, word, w);
-        }
-        u64 ex_c = 0, ex_e = 0;
-        i32 ex_max = -1;
-        for (int t = 0; t < NT; ++t) {  // exclusive scan, thread order
-            const u32 w = w0 + t;
-            const u32 word = w < nwords ? mask[c * CHUNK_WORDS + w] : 0u;
-            if (word)
-                fill_emit<ORD>(src, a + start + u64(w) * 32, b + start + u64(w) * 32, word, w, rank + ex_c,
-                               esc_rank + ex_e, ws_max(prev, ex_max), gaps, steps, escapes);
-            ex_c += s[t].n_changed;
-            ex_e += s[t].n_escapes;
-            ex_max = ws_max(ex_max, s[t].last_offset);
-        }
-        rank += ex_c;
-        esc_rank += ex_e;
-        prev = ws_max(prev, ex_max);
-    }
-}
-
-template <class T, int ORD, int MODE>
-static void host_walk_chunk(u64 c, T* weights, u64 n, u32 nchunks, const u32* table, const u64* chg_base,
-                            const u64* esc_base, const u16* gaps, const i8* steps, const T* escapes, T* vals, i64* pos,
-                            u64* err) {
-    const u32 len = chunk_len(n, c);
-    const u64 start = c * CHUNK;
-    const u32 count = table[c], esc_count = table[nchunks + c];
-    const u64 base = chg_base[c], ebase = esc_base[c];
-    if (count > len || esc_count > count) {
-        err[1] |= ERR_TABLE;
-        return;
-    }
-    u32 carry_off = 0, carry_esc = 0;
-    for (u32 i0 = 0; i0 < count; i0 += NT) {
-        u32 inc_off = 0, ex_esc = 0;
-        for (u32 i = i0; i < ws_min<u32>(i0 + NT, count); ++i) {
-            const u32 g1 = u32(gaps[base + i]) + 1;
-            const int st = int(steps[base + i]);
-            inc_off += g1;
-            const int e = walk_one<T, ORD, MODE>(weights, start, len, carry_off + inc_off - 1, st, base + i,
-                                                 carry_esc + ex_esc, esc_count, ebase, escapes, vals, pos);
-            if (e == WALK_ERR_OFFSET) err[0] = ws_min<u64>(err[0], base + i);
-            if (e == WALK_ERR_ESCAPE) err[1] |= ERR_ESCAPES;
-            ex_esc += st == ESCAPE;
-        }
-        carry_off = ws_min<u32>(carry_off + inc_off, OFF_SAT);
-        carry_esc += ex_esc;
-    }
-    if (carry_esc != esc_count) err[1] |= ERR_ESCAPES;
-}
-
-static void host_xxh3_blocks(const u64* ptrs, const u64* sizes, const u64* first_block, u32 nbuf, u64 total_blocks,
-                             u64* out) {
-    for (u64 wid = 0; wid < total_blocks; ++wid) {
-        u32 lo = 0, hi = nbuf;
-        while (hi - lo > 1) {
-            const u32 mid = (lo + hi) / 2;
-            if (first_block[mid] <= wid) lo = mid; else hi = mid;
-        }
-        const u64 blk = wid - first_block[lo];
-        const u8* p = reinterpret_cast<const u8*>(ptrs[lo]) + blk * MIB;
-        out[wid] = xxh3_64_lanes(p, ws_min<u64>(MIB, sizes[lo] - blk * MIB));
-    }
-}
-#endif  // WSYNC_HOST_TEST
-
 }  // namespace ws
 
 // ---- entry points -----------------------------------------------------------------
-// Device: extern "C" __global__ NAME(params). Host test build: extern "C" NAME(u64 grid, params),
-// looping over the grid's blocks. Parameter lists are written once, in these macros.
+// extern "C" __global__ NAME(params); parameter lists are written once, in these macros.
 
 #define WS_COUNT_PARAMS(I)                                                                                  \
     const I *a, const I *b, ws::u64 n, ws::u32 nchunks, ws::u32 nan_pos, ws::u32 nan_neg, ws::u32 *table, \
@@ -415,48 +303,31 @@ static void host_xxh3_blocks(const u64* ptrs, const u64* sizes, const u64* first
 
 #if defined(__CUDACC__)
 #define WS_ENTRY(NAME, PARAMS) extern "C" __global__ void __launch_bounds__(ws::NT) NAME(PARAMS)
-#define WS_ENTRY_BODY(UNUSED, DEVICE_CALL, HOST_CALL) \
-    {                                                 \
-        UNUSED;                                       \
-        DEVICE_CALL;                                  \
-    }
-#define WS_ENTRY_XXH3 WS_ENTRY(xxh3_blocks, WS_XXH3_PARAMS) { ws::xxh3_warp(ptrs, sizes, first_block, nbuf, total_blocks, out); }
-#elif defined(WSYNC_HOST_TEST)
-#define WS_ENTRY(NAME, PARAMS) extern "C" void NAME(ws::u64 grid, PARAMS)
-#define WS_ENTRY_BODY(UNUSED, DEVICE_CALL, HOST_CALL) \
-    {                                                 \
-        UNUSED;                                       \
-        for (ws::u64 c = 0; c < grid; ++c) HOST_CALL; \
-    }
-#define WS_ENTRY_XXH3 \
-    WS_ENTRY(xxh3_blocks, WS_XXH3_PARAMS) { (void)grid; ws::host_xxh3_blocks(ptrs, sizes, first_block, nbuf, total_blocks, out); }
-#endif
 
-#if defined(WS_ENTRY)
 #define WS_DIRECT_KERNELS(TN, T, ON, ORD)                                                                     \
-    WS_ENTRY(delta_count_##TN##_##ON, WS_COUNT_PARAMS(T))                                                     \
-    WS_ENTRY_BODY((void)nan_pos; (void)nan_neg,                                                               \
-                  ws::count_chunk<ws::ORD>(ws::Direct<T>(), a, b, n, nchunks, table, mask),                   \
-                  ws::host_count_chunk<ws::ORD>(c, ws::Direct<T>(), a, b, n, nchunks, table, mask))            \
-    WS_ENTRY(delta_fill_##TN##_##ON, WS_FILL_PARAMS(T, T))                                                    \
-    WS_ENTRY_BODY((void)nchunks; (void)nan_pos; (void)nan_neg,                                                \
-                  ws::fill_chunk<ws::ORD>(ws::Direct<T>(), a, b, n, mask, chg_base, esc_base, gaps, steps, escapes), \
-                  ws::host_fill_chunk<ws::ORD>(c, ws::Direct<T>(), a, b, n, mask, chg_base, esc_base, gaps, steps,  \
-                                               escapes))                                                       \
-    WS_ENTRY(delta_decode_##TN##_##ON, WS_WALK_PARAMS(T))                                                     \
-    WS_ENTRY_BODY((void)0, (ws::walk_chunk<T, ws::ORD, ws::WALK_DECODE>(WS_WALK_ARGS)),                                \
-                  (ws::host_walk_chunk<T, ws::ORD, ws::WALK_DECODE>(c, WS_WALK_ARGS)))                        \
-    WS_ENTRY(delta_apply_##TN##_##ON, WS_WALK_PARAMS(T))                                                      \
-    WS_ENTRY_BODY((void)0, (ws::walk_chunk<T, ws::ORD, ws::WALK_APPLY>(WS_WALK_ARGS)),                                 \
-                  (ws::host_walk_chunk<T, ws::ORD, ws::WALK_APPLY>(c, WS_WALK_ARGS)))
+    WS_ENTRY(delta_count_##TN##_##ON, WS_COUNT_PARAMS(T)) {                                                   \
+        (void)nan_pos;                                                                                        \
+        (void)nan_neg;                                                                                        \
+        ws::count_chunk<ws::ORD>(ws::Direct<T>(), a, b, n, nchunks, table, mask);                             \
+    }                                                                                                         \
+    WS_ENTRY(delta_fill_##TN##_##ON, WS_FILL_PARAMS(T, T)) {                                                  \
+        (void)nchunks;                                                                                        \
+        (void)nan_pos;                                                                                        \
+        (void)nan_neg;                                                                                        \
+        ws::fill_chunk<ws::ORD>(ws::Direct<T>(), a, b, n, mask, chg_base, esc_base, gaps, steps, escapes);    \
+    }                                                                                                         \
+    WS_ENTRY(delta_decode_##TN##_##ON, WS_WALK_PARAMS(T)) {                                                   \
+        ws::walk_chunk<T, ws::ORD, ws::WALK_DECODE>(WS_WALK_ARGS);                                            \
+    }                                                                                                         \
+    WS_ENTRY(delta_apply_##TN##_##ON, WS_WALK_PARAMS(T)) { ws::walk_chunk<T, ws::ORD, ws::WALK_APPLY>(WS_WALK_ARGS); }
 
 #define WS_WIDTH_KERNELS(TN, T)                                                                               \
     WS_DIRECT_KERNELS(TN, T, float, ORD_FLOAT)                                                                \
     WS_DIRECT_KERNELS(TN, T, int, ORD_INT)                                                                    \
     WS_DIRECT_KERNELS(TN, T, uint, ORD_UINT)                                                                  \
-    WS_ENTRY(delta_restore_##TN, WS_WALK_PARAMS(T))                                                           \
-    WS_ENTRY_BODY((void)0, (ws::walk_chunk<T, ws::ORD_UINT, ws::WALK_RESTORE>(WS_WALK_ARGS)),                          \
-                  (ws::host_walk_chunk<T, ws::ORD_UINT, ws::WALK_RESTORE>(c, WS_WALK_ARGS)))
+    WS_ENTRY(delta_restore_##TN, WS_WALK_PARAMS(T)) {                                                         \
+        ws::walk_chunk<T, ws::ORD_UINT, ws::WALK_RESTORE>(WS_WALK_ARGS);                                      \
+    }
 
 WS_WIDTH_KERNELS(u8, ws::u8)
 WS_WIDTH_KERNELS(u16, ws::u16)
@@ -465,29 +336,17 @@ WS_WIDTH_KERNELS(u64, ws::u64)
 
 // Bounds and escape-count check of untrusted sections, before anything is written.
 // It reads no tensor, so one width serves all.
-WS_ENTRY(delta_check, WS_WALK_PARAMS(ws::u8))
-WS_ENTRY_BODY((void)0, (ws::walk_chunk<ws::u8, ws::ORD_UINT, ws::WALK_CHECK>(WS_WALK_ARGS)),
-              (ws::host_walk_chunk<ws::u8, ws::ORD_UINT, ws::WALK_CHECK>(c, WS_WALK_ARGS)))
+WS_ENTRY(delta_check, WS_WALK_PARAMS(ws::u8)) { ws::walk_chunk<ws::u8, ws::ORD_UINT, ws::WALK_CHECK>(WS_WALK_ARGS); }
 
 // Change detection straight from fp32 master weights: the bf16 patterns an
 // engine would receive are rounded in registers, never stored.
-WS_ENTRY(fused_count_bf16, WS_COUNT_PARAMS(ws::u32))
-WS_ENTRY_BODY((void)0, ws::count_chunk<ws::ORD_FLOAT>(WS_BF16_SRC, a, b, n, nchunks, table, mask),
-              ws::host_count_chunk<ws::ORD_FLOAT>(c, WS_BF16_SRC, a, b, n, nchunks, table, mask))
-WS_ENTRY(fused_fill_bf16, WS_FILL_PARAMS(ws::u32, ws::u16))
-WS_ENTRY_BODY((void)nchunks, ws::fill_chunk<ws::ORD_FLOAT>(WS_BF16_SRC, a, b, n, mask, chg_base, esc_base, gaps,
-                                                           steps, escapes),
-              ws::host_fill_chunk<ws::ORD_FLOAT>(c, WS_BF16_SRC, a, b, n, mask, chg_base, esc_base, gaps, steps,
-                                                 escapes))
-
-WS_ENTRY_XXH3
-#endif  // WS_ENTRY
-
-#if !defined(__CUDACC__) && defined(WSYNC_HOST_TEST)
-// Host-only probes of the scalar helpers, for tests that need no kernel shape.
-extern "C" ws::u64 wsh_xxh3_64(const ws::u8* p, ws::u64 len) { return ws::xxh3_64_serial(p, len); }
-extern "C" ws::u64 wsh_xxh3_64_lanes(const ws::u8* p, ws::u64 len) { return ws::xxh3_64_lanes(p, len); }
-extern "C" void wsh_bf16_round(const ws::u32* in, ws::u16* out, ws::u64 n, ws::u32 nan_pos, ws::u32 nan_neg) {
-    for (ws::u64 k = 0; k < n; ++k) out[k] = ws::bf16_rne(in[k], ws::u16(nan_pos), ws::u16(nan_neg));
+WS_ENTRY(fused_count_bf16, WS_COUNT_PARAMS(ws::u32)) {
+    ws::count_chunk<ws::ORD_FLOAT>(WS_BF16_SRC, a, b, n, nchunks, table, mask);
 }
-#endif
+WS_ENTRY(fused_fill_bf16, WS_FILL_PARAMS(ws::u32, ws::u16)) {
+    (void)nchunks;
+    ws::fill_chunk<ws::ORD_FLOAT>(WS_BF16_SRC, a, b, n, mask, chg_base, esc_base, gaps, steps, escapes);
+}
+
+WS_ENTRY(xxh3_blocks, WS_XXH3_PARAMS) { ws::xxh3_warp(ptrs, sizes, first_block, nbuf, total_blocks, out); }
+#endif  // __CUDACC__

@@ -1,9 +1,9 @@
 // Shared scalar building blocks of the delta kernels, written once for three compilers.
 //
 // The same text is compiled by nvcc (tests, ahead-of-time cubins), by NVRTC
-// (cupy RawModule, at run time) and by g++ (the host test library). The GPU
-// kernels and the host test loops call these helpers, so what the CPU tests
-// check is the arithmetic the GPU runs. NVRTC has no system headers, hence the
+// (cupy RawModule, at run time) and by g++ after tests/cudasim/wsim.h (the
+// CPU harness that runs the kernels on fibers; it defines __CUDA_ARCH__, so
+// it takes the device branches below). NVRTC has no system headers, hence the
 // home-made fixed-width types and no #include of <cstdint>.
 #pragma once
 

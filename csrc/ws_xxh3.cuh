@@ -1,4 +1,4 @@
-// XXH3_64bits (seed 0, default secret), for the GPU and for the host tests.
+// XXH3_64bits (seed 0, default secret), for the GPU kernels.
 //
 // wsync.checksum hashes every 1 MiB block of a tensor with xxh3-64 so that GPU
 // blocks can share the work; the digests must equal what the `xxhash` package
@@ -10,9 +10,8 @@
 // accumulator i (0..7) and stripes 4g..4g+3 (g = 0..3) of each 1 KiB block.
 // Additions into an accumulator commute, so the four groups' partial sums can
 // be added after the fact; the scramble between blocks is what keeps the
-// blocks sequential. xxh3_lane_* are those per-lane steps; the host test runs
-// them in a loop over (i, g) to check the decomposition, the kernel runs them
-// one lane each.
+// blocks sequential. xxh3_lane_* are those per-lane steps; the kernel runs
+// them one lane each (tests/test_cuda_sim.py runs that kernel on CPU fibers).
 #pragma once
 
 #include "ws_common.cuh"
@@ -287,50 +286,5 @@ WS_HD u64 xxh3_merge(const u64 acc[8], u64 len) {
 // partial one (not counting the last stripe), for an input of len > 240.
 WS_HD u64 xxh3_full_blocks(u64 len) { return (len - 1) / XXH3_BLOCK; }
 WS_HD int xxh3_tail_stripes(u64 len) { return int(((len - 1) - XXH3_BLOCK * xxh3_full_blocks(len)) / 64); }
-
-#if !WS_DEVICE_PASS
-// Plain serial XXH3_64bits, for the host tests: the classic loop, one
-// accumulator array, no lane split.
-static inline u64 xxh3_64_serial(const u8* p, u64 len) {
-    if (len <= 240) return xxh3_short(p, len);
-    u64 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = xxh3_acc_init(i);
-    const u64 nb = xxh3_full_blocks(len);
-    for (u64 b = 0; b <= nb; ++b) {
-        const int stripes = b < nb ? XXH3_STRIPES : xxh3_tail_stripes(len);
-        for (int s = 0; s < stripes; ++s) {
-            const u8* q = p + b * XXH3_BLOCK + 64 * s;
-            for (int i = 0; i < 8; ++i) acc[i] += xxh3_round(rd64(q + 8 * i), rd64(q + 8 * (i ^ 1)), secret64(8 * (s + i)));
-        }
-        if (b < nb)
-            for (int i = 0; i < 8; ++i) acc[i] = xxh3_scramble(acc[i], secret64(128 + 8 * i));
-    }
-    for (int i = 0; i < 8; ++i) acc[i] += xxh3_last_stripe(p, len, i);
-    return xxh3_merge(acc, len);
-}
-
-// The warp's decomposition run serially: 32 lanes (i, g), partial sums per
-// group added afterwards, exactly the steps of the xxh3_blocks kernel.
-static inline u64 xxh3_64_lanes(const u8* p, u64 len) {
-    if (len <= 240) return xxh3_short(p, len);
-    u64 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = xxh3_acc_init(i);
-    const u64 nb = xxh3_full_blocks(len);
-    for (u64 b = 0; b <= nb; ++b) {
-        const int stripes = b < nb ? XXH3_STRIPES : xxh3_tail_stripes(len);
-        for (int i = 0; i < 8; ++i) {
-            u64 part = 0;
-            for (int g = 0; g < 4; ++g) {
-                const Xxh3LaneData d = xxh3_lane_load(p + b * XXH3_BLOCK, i, g, stripes);
-                part += xxh3_lane_mix(d, xxh3_lane_keys(i, g), g, stripes);
-            }
-            acc[i] += part;
-            if (b < nb) acc[i] = xxh3_scramble(acc[i], xxh3_lane_keys(i, 0).scramble);
-        }
-    }
-    for (int i = 0; i < 8; ++i) acc[i] += xxh3_last_stripe(p, len, i);
-    return xxh3_merge(acc, len);
-}
-#endif
 
 }  // namespace ws

@@ -1,22 +1,31 @@
 """The CUDA backend on a real GPU: byte for byte what wsync.codecs.delta_ref writes.
 
-tests/test_cuda_host.py already runs the same kernel source on the host; what
-only a GPU can check is the device half: vector loads, warp shuffles, block
-scans and barriers, DLPack sharing with torch, streams, and the bf16 cast of
-torch's CUDA kernels. Every test here skips, with the reason, where no GPU is.
+tests/test_cuda_sim.py already runs the same kernels on CPU fibers (every
+thread, shuffle and barrier, under several schedules); what only a GPU can
+check is the hardware itself: vector loads, real concurrency, DLPack sharing
+with torch, streams, and the bf16 cast of torch's CUDA kernels. Every test here
+skips, with the reason, where no GPU is.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wsync.checksum import BLOCK, checksum
 from wsync.codecs import delta_ref
 from wsync.errors import BackendUnavailable, FormatError
 
-from test_cuda_host import CASES, CHECKED, DENSITY, SIZES, _corruptions, make_case, sections_equal
+from cudasim.cases import CASES, corruptions as _corruptions, make_case, sections_equal
+
+SIZES = st.one_of(
+    st.integers(0, 300),
+    st.sampled_from([65535, 65536, 65537, 2 * 65536 + 7, 3 * 65536]),
+    st.integers(1, 150_000),
+)
+DENSITY = st.one_of(st.sampled_from([0.0, 1.0, 1e-4]), st.floats(0.0, 1.0))
+CHECKED = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _why_no_gpu() -> str | None:

@@ -192,7 +192,9 @@ class _Engine:
         delta_ref's messages, before anything is written. Returns the chunk bases."""
         counts, escs = check_table(n, self.rt.to_host(sec.table), len(sec.gaps), len(sec.steps), len(sec.escapes))
         chg_base, esc_base = self.xp.asarray(exclusive(counts)), self.xp.asarray(exclusive(escs))
-        self._walk("delta_check", n, sec, chg_base, esc_base, NULL, NULL, NULL, counts)
+        # delta_check is the u8 instance of the walk (it reads no tensor): its escapes pointer is a u8 one.
+        as_bytes = DeltaSections(sec.table, sec.gaps, sec.steps, sec.escapes.view(np.uint8))
+        self._walk("delta_check", n, as_bytes, chg_base, esc_base, NULL, NULL, NULL, counts)
         return chg_base, esc_base
 
     def decode(self, old, sec: DeltaSections, order: str):
