@@ -160,3 +160,109 @@ def _corrupt_staging(sub, version: int) -> None:
             stage.sources[src].engine.state[key].bits[0] ^= 0x0100
         return orig()
     stage.staged_sums = staged_sums
+
+
+# -- the headline: FSDP2 trainer processes -> torch tensor-parallel engine processes (gloo, CPU) ----------------
+
+TP_PLAN = {"model.embed_tokens": "RowwiseParallel", "model.layers.*.self_attn.q_proj": "ColwiseParallel",
+           "model.layers.*.self_attn.k_proj": "ColwiseParallel", "model.layers.*.self_attn.v_proj": "ColwiseParallel",
+           "model.layers.*.self_attn.o_proj": "RowwiseParallel", "model.layers.*.mlp.gate_proj": "ColwiseParallel",
+           "model.layers.*.mlp.up_proj": "ColwiseParallel", "model.layers.*.mlp.down_proj": "RowwiseParallel",
+           "lm_head": "ColwiseParallel"}
+
+
+def tiny_qwen3():
+    """A transformers Qwen3 whose sizes split unevenly over 3 and 4 ranks (vocab 250, intermediate 100)."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=250, hidden_size=48, intermediate_size=100, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+
+
+def _plan_from_shapes(model, m: int, n: int):
+    """What every rank computes on its own from the parameter shapes: FSDP2 over m, torch TP over n."""
+    from wsync.shard.conventions import fsdp_placements, hf_tp_layout, trainer_layout_for
+    from wsync.shard.route import route
+
+    params = {name: Param(tuple(p.shape), "bfloat16") for name, p in model.named_parameters()}
+    return route(trainer_layout_for(params, fsdp_placements(params), m), hf_tp_layout(params, n))
+
+
+def fsdp_trainer(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: int) -> None:
+    """A trainer rank: FSDP2 over m gloo ranks, AdamW steps; its layout read from its own DTensors."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from wsync.shard.conventions import trainer_layout_from_dtensors
+    from wsync.shard.sync import ShardPublisher
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=m)
+    model = tiny_qwen3()
+    plan = _plan_from_shapes(model, m, n)
+    mesh = init_device_mesh("cpu", (m,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    named = dict(model.named_parameters())
+    assert trainer_layout_from_dtensors(named) == plan.trainer  # what torch did is what every rank assumed
+    pub = ShardPublisher(plan, rank, coordinator=f"tcp://127.0.0.1:{ports[2]}", host_coordinator=rank == 0,
+                         token=TOKEN)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    for v in range(versions):
+        if v:
+            ids = torch.randint(0, 250, (2, 12), generator=gen)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        full = {name: p.full_tensor() for name, p in named.items()}  # the test's reference only: a collective
+        if rank == 0:
+            np.savez(os.path.join(tmp, f"ref{v}.npz"), **{k: t.view(torch.uint16).numpy() for k, t in full.items()})
+        dist.barrier()
+        pub.publish({name: p.to_local() for name, p in named.items()}, v)
+        res = pub.wait(v, timeout=120)
+        out.put(("trainer", rank, v, res["outcome"] == "committed" and res["digest"] == res["expected"]))
+        deadline = time.monotonic() + 120
+        while rank == 0 and len([f for f in os.listdir(tmp) if f.startswith(f"checked{v}-")]) < n:
+            assert time.monotonic() < deadline, f"engine ranks did not check version {v}"
+            time.sleep(0.02)  # every engine rank compared version v before the next step changes the weights
+        dist.barrier()
+    pub.close()
+    dist.destroy_process_group()
+
+
+def tp_engine(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: int) -> None:
+    """An engine rank: the same model under torch tensor parallelism over n gloo ranks, written in place."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.tensor.parallel as tp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from wsync.shard.sync import ShardSubscriber
+    from wsync.shard.tensors import local_of
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=n)
+    model = tiny_qwen3()
+    plan = _plan_from_shapes(model, m, n)
+    tp.parallelize_module(model, init_device_mesh("cpu", (n,)), {k: getattr(tp, s)() for k, s in TP_PLAN.items()})
+    named = dict(model.named_parameters())
+    sub = ShardSubscriber(plan, rank, named, coordinator=f"tcp://127.0.0.1:{ports[2]}", token=TOKEN)
+    for v in range(versions):
+        sub.wait_for(v, timeout=120)
+        with sub.lock:
+            ref = np.load(os.path.join(tmp, f"ref{sub.version}.npz"))
+            want = engine_expected(plan, rank, {k: ref[k] for k in ref.files})
+            ok = sub.version == v and all(np.array_equal(local_of(named[k]).view(torch.uint16).numpy(), w)
+                                          for k, w in want.items())
+        out.put(("engine", rank, v, ok))
+        open(os.path.join(tmp, f"checked{v}-{rank}"), "w").close()
+    sub.close()
+    dist.destroy_process_group()

@@ -167,3 +167,36 @@ def test_rank_that_never_gets_ready_aborts_at_the_timeout(groups):
     assert all(served == 1 and ok for served, ok in got.values()), got
     time.sleep(max(0.0, stall - (time.monotonic() - t0)) + 0.3)  # the stalled source delivers version 2 late
     _commit(g, 3)
+
+
+@pytest.mark.slow  # 4 to 7 processes import transformers and form gloo groups (~1 min on 2 shared cores)
+@pytest.mark.parametrize("m,n", [(2, 2), (4, 3)])
+def test_fsdp2_trainer_into_torch_tp_engine(tmp_path, m, n):
+    """The issue's headline: FSDP2 (fully_shard, gloo) training a transformers Qwen3 on m processes -> the same
+    model under torch tensor parallelism on n processes, 5 versions, each engine rank's DTensor shards equal
+    to slicing the unsharded reference, and the engine's digest equal to the trainers'."""
+    pytest.importorskip("transformers")
+    from shard_helpers import fsdp_trainer, tp_engine
+
+    from wsync.bench.reshard import _free_port
+
+    ctx, versions = mp.get_context("spawn"), 5
+    ports, out = (_free_port(), _free_port(), _free_port()), ctx.Queue()
+    args = (m, n, ports, str(tmp_path), out, versions)
+    procs = [ctx.Process(target=fsdp_trainer, args=(r, *args)) for r in range(m)] + \
+        [ctx.Process(target=tp_engine, args=(r, *args)) for r in range(n)]
+    for p in procs:
+        p.start()
+    got = []
+    try:
+        while len(got) < (m + n) * versions:
+            got.append(out.get(timeout=150))
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0] * (m + n)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert sorted(got) == sorted([("trainer", r, v, True) for r in range(m) for v in range(versions)]
+                                 + [("engine", r, v, True) for r in range(n) for v in range(versions)]), got
