@@ -39,13 +39,18 @@ import queue
 import threading
 import time
 
-from ..transports import Message, TransportTimeout, listen
+from ..errors import WsyncError
+from ..transports import Message, listen
 from ..transports.base import with_token
 from .rounds import Round, engine_digest, partial_digest, rank_digest
-from .member import LINK_OPTS, check_digests, check_int, digests_doc
+from .member import LINK_OPTS, Peer, check_digests, check_int, digests_doc
 
-__all__ = ["Coordinator", "engine_digest", "partial_digest", "rank_digest"]
+__all__ = ["Coordinator", "SettleTimeout", "engine_digest", "partial_digest", "rank_digest"]
 log = logging.getLogger("wsync.shard")
+
+
+class SettleTimeout(WsyncError, TimeoutError):
+    """No round for the version settled in time (the message says the last one that did, where it can)."""
 
 
 class Coordinator:
@@ -65,7 +70,7 @@ class Coordinator:
         self.address = self._listener.address
         self._events: queue.Queue = queue.Queue()
         self._cv = threading.Condition()
-        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._peers: dict[tuple[str, int], Peer] = {}
         self._book: dict[int, dict[int, str]] = {}  # trainer rank -> engine rank -> publisher address
         self._published: dict[int, dict[int, dict[int, str]]] = {}  # version -> trainer rank -> partials
         self._round: Round | None = None
@@ -81,7 +86,7 @@ class Coordinator:
         """The outcome of the first round for `version` or newer (a dict as in `settled`)."""
         with self._cv:
             if not self._cv.wait_for(lambda: any(s["version"] >= version for s in self.settled), timeout):
-                raise TimeoutError(f"no round for version {version} settled within {timeout}s")
+                raise SettleTimeout(f"no round for version {version} settled within {timeout}s")
             return next(s for s in self.settled if s["version"] >= version)
 
     def close(self) -> None:
@@ -104,7 +109,7 @@ class Coordinator:
                     return
                 continue
             if link is not None:
-                _Peer(link, self._events).start()
+                Peer(link, self._events).start()
 
     # -- the rounds (one thread: every decision is made here, in order) ----------------------------
 
@@ -128,7 +133,7 @@ class Coordinator:
                 if peer is not None:
                     peer.close()
 
-    def _on_message(self, peer: "_Peer", msg: Message) -> None:
+    def _on_message(self, peer: "Peer", msg: Message) -> None:
         if msg.kind == "join":
             return self._join(peer, msg.meta)
         if peer.role is None:
@@ -142,7 +147,7 @@ class Coordinator:
         elif peer.role == "engine" and msg.kind in ("ready", "failed", "committed") and self._round is not None:
             self._round_message(peer.rank, msg.kind, v, msg.meta)
 
-    def _join(self, peer: "_Peer", meta: dict) -> None:
+    def _join(self, peer: "Peer", meta: dict) -> None:
         role = meta.get("role")
         if role not in ("trainer", "engine"):
             return peer.refuse(f"role must be 'trainer' or 'engine', got {role!r:.20}")
@@ -170,7 +175,7 @@ class Coordinator:
         if peer is not None and all(s in self._book and r in self._book[s] for s in self._sources[r]):
             peer.send("book", {"addresses": digests_doc({s: self._book[s][r] for s in self._sources[r]})})
 
-    def _on_lost(self, peer: "_Peer") -> None:
+    def _on_lost(self, peer: "Peer") -> None:
         if self._peers.get((peer.role, peer.rank)) is peer:
             del self._peers[(peer.role, peer.rank)]
             rnd = self._round
@@ -272,61 +277,3 @@ class Coordinator:
             if rl == role:
                 peer.send(kind, meta)
 
-
-class _Peer:
-    """One member's link: a reader thread that posts its messages as events, and a writer thread, so a
-    link that stalls never holds the coordinator's decisions."""
-
-    def __init__(self, link, events: queue.Queue):
-        self.link, self.events = link, events
-        self.role: str | None = None
-        self.rank = -1
-        self._out: queue.Queue = queue.Queue()
-        self._dead = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.role} rank {self.rank}" if self.role else str(self.link.peer)
-
-    def start(self) -> None:
-        threading.Thread(target=self._read, name="wsync-coord-rx", daemon=True).start()
-        threading.Thread(target=self._write, name="wsync-coord-tx", daemon=True).start()
-
-    def send(self, kind: str, meta: dict) -> None:
-        self._out.put(Message(kind, meta))
-
-    def refuse(self, reason: str) -> None:
-        log.error("coordinator refused %s: %s", self.link.peer, reason)
-        self.send("refused", {"reason": reason})
-        self._out.put(None)
-
-    def close(self) -> None:
-        self._dead = True
-        self._out.put(None)
-
-    def _read(self) -> None:
-        try:
-            while not self._dead:
-                if getattr(self.link, "state", "up") not in ("up", "connecting"):
-                    break  # a dead process: its link is broken now, failed only after the resume window
-                try:
-                    msg = self.link.recv(timeout=0.2)
-                except TransportTimeout:
-                    continue
-                self.events.put(("msg", self, msg))
-        except Exception as e:
-            log.info("coordinator: link to %s ended: %s", self.name, e)
-        finally:
-            self._dead = True
-            self._out.put(None)
-            self.events.put(("lost", self, None))
-
-    def _write(self) -> None:
-        try:
-            while (msg := self._out.get()) is not None:
-                self.link.send(msg)
-        except Exception as e:
-            log.info("coordinator: cannot send to %s: %s", self.name, e)
-        finally:
-            self._dead = True
-            self.link.close()

@@ -1,4 +1,5 @@
-"""The links of the commit protocol: a rank's link to the coordinator, and the checks on what arrives over one.
+"""The links of the commit protocol: a rank's link to the coordinator (Member), the coordinator's end of one
+(Peer), and the checks on what arrives over them.
 
 Every rank (trainer and engine) holds one ``Member`` link to the coordinator
 (commit.py). It rides the tcp transport, so the token authenticates both
@@ -15,6 +16,7 @@ coordinator hiccup costs a round, not the ranks.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 
 from ..errors import TransportError, WsyncError
@@ -143,3 +145,62 @@ class Member:
                 self._link = None
                 self._cv.notify_all()
             link.close()
+
+
+class Peer:
+    """One member's link: a reader thread that posts its messages as events, and a writer thread, so a
+    link that stalls never holds the coordinator's decisions."""
+
+    def __init__(self, link, events: queue.Queue):
+        self.link, self.events = link, events
+        self.role: str | None = None
+        self.rank = -1
+        self._out: queue.Queue = queue.Queue()
+        self._dead = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} rank {self.rank}" if self.role else str(self.link.peer)
+
+    def start(self) -> None:
+        threading.Thread(target=self._read, name="wsync-coord-rx", daemon=True).start()
+        threading.Thread(target=self._write, name="wsync-coord-tx", daemon=True).start()
+
+    def send(self, kind: str, meta: dict) -> None:
+        self._out.put(Message(kind, meta))
+
+    def refuse(self, reason: str) -> None:
+        log.error("coordinator refused %s: %s", self.link.peer, reason)
+        self.send("refused", {"reason": reason})
+        self._out.put(None)
+
+    def close(self) -> None:
+        self._dead = True
+        self._out.put(None)
+
+    def _read(self) -> None:
+        try:
+            while not self._dead:
+                if getattr(self.link, "state", "up") not in ("up", "connecting"):
+                    break  # a dead process: its link is broken now, failed only after the resume window
+                try:
+                    msg = self.link.recv(timeout=0.2)
+                except TransportTimeout:
+                    continue
+                self.events.put(("msg", self, msg))
+        except Exception as e:
+            log.info("coordinator: link to %s ended: %s", self.name, e)
+        finally:
+            self._dead = True
+            self._out.put(None)
+            self.events.put(("lost", self, None))
+
+    def _write(self) -> None:
+        try:
+            while (msg := self._out.get()) is not None:
+                self.link.send(msg)
+        except Exception as e:
+            log.info("coordinator: cannot send to %s: %s", self.name, e)
+        finally:
+            self._dead = True
+            self.link.close()

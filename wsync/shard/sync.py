@@ -28,10 +28,9 @@ import threading
 import time
 
 from .. import backends
-from ..errors import WsyncError
 from ..layout import bind
 from ..sync import Publisher
-from .commit import Coordinator
+from .commit import Coordinator, SettleTimeout
 from .engine import ShardSubscriber  # the engine side: one module to import
 from .member import Member, digests_doc
 from .rounds import partial_digest
@@ -155,6 +154,3 @@ class ShardPublisher:
                 del self.settled[:-1000]
                 self._cv.notify_all()
 
-
-class SettleTimeout(WsyncError, TimeoutError):
-    """No round for the version settled in time (the message says the last one that did)."""
