@@ -12,23 +12,35 @@ Two faces:
   numpy arrays, which copies them to the GPU and the results back, so the codec
   layer can run on this backend like on any other;
 - GPU-native entry points on torch CUDA tensors (or cupy arrays), shared with
-  torch through DLPack and run on torch's current stream, with no host copy:
-  ``encode_device``, ``apply_device`` / ``restore_device``, ``digest_device`` /
-  ``digests_device`` and ``fused_change_detect``. Their sections stay on the GPU
-  (cupy arrays in a ``DeltaSections``); ``sections_to_host`` brings them back.
-  The ``packed`` tier's zstd stage runs on the host after that copy: only the
-  `sparse` sections are built on the GPU.
+  torch through DLPack and run on torch's current stream for the tensor's own
+  device, with no host copy: ``encode_device``, ``apply_device`` /
+  ``restore_device``, ``digest_device`` / ``digests_device`` and
+  ``fused_change_detect``. Their sections stay on the GPU (cupy arrays in a
+  ``DeviceSections``); ``sections_to_host`` brings them back. The ``packed``
+  tier's zstd stage runs on the host after that copy: only the `sparse`
+  sections are built on the GPU.
+
+Streams. Device sections and undo buffers are written on the stream that was
+current when they were made, from torch's caching allocator for that stream.
+Each carries ``ready``, an event recorded after the last kernel that writes
+it: ``sections_to_host`` waits for it, ``apply_device`` / ``restore_device``
+make the current stream wait for it, and ``use_on(stream)`` does both things a
+reader on another stream needs (wait for the event, and record_stream so the
+allocator does not hand the memory out while that stream still reads it).
 
 The host-side choreography (launch order, prefix sums, validation, error
-messages) lives in ``_Engine`` over a small runtime interface, so the CPU tests
-run it unchanged against a host build of the same kernel source.
+messages, devices, streams) lives in ``_Engine`` and ``CudaKernels`` over a
+small runtime interface, so the CPU tests run it unchanged: against the kernels
+themselves on CPU fibers (tests/cudasim), and against a fake runtime that
+records launches, streams, events and syncs (tests/test_cuda_streams.py).
 """
 from __future__ import annotations
 
 import functools
 import os
 import re
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +153,43 @@ class Undo:
     saved: object  # device array of the old bit patterns
     chg_base: object  # device u64 [nchunks]: where each chunk's changes start
     esc_base: object
+    ready: object = None  # event after the apply that wrote `saved` (device entry points only)
+    runtime: object = field(default=None, repr=False, compare=False)
+
+    def use_on(self, stream) -> "Undo":
+        """Before another stream reads this undo: order it after the apply, keep the memory for it."""
+        _use_on(self.runtime, self.ready, stream, (self.saved, self.chg_base, self.esc_base, *_arrays(self.sections)))
+        return self
+
+
+@dataclass
+class DeviceSections(DeltaSections):
+    """Sections built on the GPU (encode_device, fused_change_detect): cupy arrays written on the
+    stream that was current for the input, with `ready` recorded after the last kernel that writes them."""
+
+    ready: object = None
+    runtime: object = field(default=None, repr=False, compare=False)
+
+    def use_on(self, stream) -> "DeviceSections":
+        """Before reading these sections on another stream (a transport's, an engine's): make that stream
+        wait for the kernels that write them, and record them as in use there, so torch's caching
+        allocator does not hand the memory out again while that stream still reads it."""
+        _use_on(self.runtime, self.ready, stream, _arrays(self))
+        return self
+
+
+def _arrays(sec: DeltaSections) -> tuple:
+    return (sec.table, sec.gaps, sec.steps, sec.escapes)
+
+
+def _use_on(rt, ready, stream, arrays) -> None:
+    if rt is None:
+        return
+    if ready is not None:
+        rt.wait(stream, ready)
+    for a in arrays:
+        if a is not None and _is_device_array(a):
+            rt.record_stream(a, stream)
 
 
 class _Engine:
@@ -157,7 +206,7 @@ class _Engine:
         _check_order(order)
         if old.shape != new.shape or old.dtype.itemsize != new.dtype.itemsize:
             raise ValueError(f"old and new differ: {old.dtype}{old.shape} vs {new.dtype}{new.shape}")
-        w = WIDTHS[new.dtype.itemsize]
+        w = width_name(new.dtype)
         return self._encode(f"delta_count_{w}_{order}", f"delta_fill_{w}_{order}", old, new, new.dtype, (0, 0))
 
     def encode_bf16_from_f32(self, before, after, nan_bits: tuple[int, int]) -> DeltaSections:
@@ -199,11 +248,12 @@ class _Engine:
 
     def decode(self, old, sec: DeltaSections, order: str):
         _check_order(order)
+        width_name(old.dtype)
         sec = self._sections(sec, old.dtype)
         chg_base, esc_base = self.check(len(old), sec)
         pos = self.xp.empty(len(sec.steps), dtype=np.int64)
         values = self.xp.empty(len(sec.steps), dtype=old.dtype)
-        self._walk(f"delta_decode_{WIDTHS[old.dtype.itemsize]}_{order}", len(old), sec, chg_base, esc_base, old,
+        self._walk(f"delta_decode_{width_name(old.dtype)}_{order}", len(old), sec, chg_base, esc_base, old,
                    values, pos)
         return pos, values
 
@@ -211,10 +261,10 @@ class _Engine:
         """In place: weights (1-D device bit patterns) become the new version, or,
         on bad sections, FormatError and weights untouched."""
         _check_order(order)
+        w = width_name(weights.dtype)
         sec = self._sections(sec, weights.dtype)
         chg_base, esc_base = self.check(len(weights), sec)
         saved = self.xp.empty(len(sec.steps), dtype=weights.dtype) if undo else None
-        w = WIDTHS[weights.dtype.itemsize]
         try:
             self._walk(f"delta_apply_{w}_{order}", len(weights), sec, chg_base, esc_base, weights,
                        NULL if saved is None else saved, NULL)
@@ -226,7 +276,7 @@ class _Engine:
         return Undo(sec, saved, chg_base, esc_base) if undo else None
 
     def restore(self, weights, undo: Undo) -> None:
-        w = WIDTHS[weights.dtype.itemsize]
+        w = width_name(weights.dtype)
         self._walk(f"delta_restore_{w}", len(weights), undo.sections, undo.chg_base, undo.esc_base, weights,
                    undo.saved, NULL)
 
@@ -290,6 +340,15 @@ class _Engine:
         return x if x.size == 0 or self.rt.ptr(x) % align == 0 else x.copy()
 
 
+def width_name(dtype) -> str:
+    """The kernels' name for an element width; the delta kernels take 1, 2, 4 or 8 bytes."""
+    itemsize = np.dtype(dtype).itemsize
+    if itemsize not in WIDTHS:
+        raise TypeError(f"the delta kernels take 1-, 2-, 4- or 8-byte elements, got {np.dtype(dtype)} "
+                        f"({itemsize} bytes); checksums (digest_device) take any dtype")
+    return WIDTHS[itemsize]
+
+
 def _check_order(order: str) -> None:
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
@@ -329,40 +388,57 @@ class _KernelsOver(Composed):
 
     def checksum(self, buf) -> str:
         # Host bytes are hashed on the host: xxh3 runs at memory speed there, and a
-        # round trip over PCIe would only add time. Device buffers stay on the device.
-        if _is_device_array(buf):
-            return self.engine.digests([_bits(buf, bytes_only=True)])[0]
+        # round trip over PCIe would only add time. (CudaKernels hashes device buffers on their device.)
         return host_checksum(as_array(buf))
 
 
 class CudaKernels(_KernelsOver):
-    """wsync's kernels on an NVIDIA GPU (see the module docstring)."""
+    """wsync's kernels on an NVIDIA GPU (see the module docstring).
+
+    runtime: what launches kernels and owns memory, streams and events; cupy's by default
+    (tests pass a fake one that records what happens, or the CPU harness)."""
 
     name = "cuda"
 
-    def __init__(self):
-        super().__init__(_CupyRuntime())
+    def __init__(self, runtime=None):
+        super().__init__(runtime if runtime is not None else _CupyRuntime())
+        self.rt = self.engine.rt
+
+    def checksum(self, buf) -> str:
+        if _is_device_array(buf):  # hashed on the buffer's own device, not the current one
+            with self._on(buf):
+                return self.engine.digests([self.rt.bits(buf, bytes_only=True)])[0]
+        return host_checksum(as_array(buf))
 
     # ---- GPU-native entry points (torch CUDA tensors or cupy arrays) --------------
 
-    def encode_device(self, old, new, order: str) -> DeltaSections:
-        """Sections of old -> new, left on the GPU (cupy arrays)."""
+    def encode_device(self, old, new, order: str) -> DeviceSections:
+        """Sections of old -> new, left on the GPU (cupy arrays), written on the current stream of
+        new's device; see DeviceSections for reading them elsewhere."""
+        self._one_device("encode_device", old=old, new=new)
         with self._on(new):
-            return self.engine.encode(_bits(old), _bits(new), order)
+            return self._device_sections(self.engine.encode(self.rt.bits(old), self.rt.bits(new), order))
 
     def apply_device(self, weights, sections: DeltaSections, order: str, undo: bool = True) -> Undo | None:
         """Apply sections in place to a contiguous CUDA tensor. Bad sections raise
         FormatError and leave it untouched. With undo, returns what restore_device
         needs to put the old values back (e.g. when the engine's digest disagrees)."""
+        self._one_device("apply_device", weights=weights, **_device_parts(sections))
         with self._on(weights):
-            return self.engine.apply(_bits(weights), sections, order, undo)
+            self._wait_ready(sections)
+            u = self.engine.apply(self.rt.bits(weights), sections, order, undo)
+            if u is not None:
+                u.ready, u.runtime = self.rt.record_event(), self.rt
+            return u
 
     def restore_device(self, weights, undo: Undo) -> None:
+        self._one_device("restore_device", weights=weights, saved=undo.saved)
         with self._on(weights):
-            self.engine.restore(_bits(weights), undo)
+            self._wait_ready(undo)
+            self.engine.restore(self.rt.bits(weights), undo)
 
     def digest_device(self, tensor) -> str:
-        """wsync.checksum.checksum of a contiguous CUDA tensor's bytes, computed on the GPU."""
+        """wsync.checksum.checksum of a contiguous CUDA tensor's bytes, computed on its GPU."""
         return self.digests_device([tensor])[0]
 
     def digests_device(self, tensors) -> list[str]:
@@ -373,10 +449,12 @@ class CudaKernels(_KernelsOver):
         tensors = list(tensors)
         if not tensors:
             return []
+        self._one_device("digests_device", **{f"tensors[{i}]": t for i, t in enumerate(tensors)})
         with self._on(tensors[0]):
-            return self.engine.digests([_bits(t, bytes_only=True) for t in tensors])
+            return self.engine.digests([self.rt.bits(t, bytes_only=True) for t in tensors])
 
-    def fused_change_detect(self, master_before, master_after, nan_bits: tuple[int, int] | None = None) -> DeltaSections:
+    def fused_change_detect(self, master_before, master_after, nan_bits: tuple[int, int] | None = None
+                            ) -> DeviceSections:
         """Sections of bf16(master_before) -> bf16(master_after), straight from two fp32
         tensors, so the trainer keeps no bf16 copy of the model: equal to
         delta_ref.encode of their .to(torch.bfloat16) bit patterns, NaN included.
@@ -387,20 +465,43 @@ class CudaKernels(_KernelsOver):
                 raise TypeError(f"fused_change_detect takes fp32 master weights, got {getattr(t, 'dtype', type(t))}")
         if tuple(master_before.shape) != tuple(master_after.shape):
             raise ValueError(f"shapes differ: {tuple(master_before.shape)} vs {tuple(master_after.shape)}")
+        self._one_device("fused_change_detect", master_before=master_before, master_after=master_after)
         with self._on(master_after):
             nan = nan_bits or self._torch_bf16_nan(master_after)
-            return self.engine.encode_bf16_from_f32(_bits(master_before), _bits(master_after), nan)
+            sec = self.engine.encode_bf16_from_f32(self.rt.bits(master_before), self.rt.bits(master_after), nan)
+            return self._device_sections(sec)
 
     # ---- helpers -------------------------------------------------------------------
 
     def _on(self, t):
-        return self.engine.rt.stream_of(t)
+        return self.rt.stream_of(t)
+
+    def _device_sections(self, sec: DeltaSections) -> DeviceSections:
+        # Recorded inside _on: on the stream the kernels ran on, after the last of them.
+        return DeviceSections(sec.table, sec.gaps, sec.steps, sec.escapes, ready=self.rt.record_event(),
+                              runtime=self.rt)
+
+    def _wait_ready(self, x) -> None:
+        """The current stream waits for the kernels that wrote x (sections or an undo), wherever they ran."""
+        ready = getattr(x, "ready", None)
+        if ready is not None:
+            self.rt.wait_current(ready)
+
+    def _one_device(self, what: str, **arrays) -> None:
+        devices = {name: self.rt.device_of(a) for name, a in arrays.items() if _is_device_array(a)}
+        if len(set(devices.values())) > 1:
+            where = ", ".join(f"{name} on cuda:{d}" for name, d in devices.items())
+            raise ValueError(f"{what}: inputs on different GPUs ({where}); move them to one device first")
 
     @staticmethod
     def _torch_bf16_nan(t) -> tuple[int, int]:
         if not hasattr(t, "is_cuda"):  # a cupy array: assume torch's CUDA cast, cvt.rn's canonical NaN (pass nan_bits to be sure)
             return (0x7FFF, 0x7FFF)
         return torch_bf16_nan_bits(str(t.device))
+
+
+def _device_parts(sec) -> dict:
+    return {f"sections.{k}": getattr(sec, k) for k in ("table", "gaps", "steps", "escapes")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -423,7 +524,13 @@ def torch_bf16_nan_bits(device: str) -> tuple[int, int]:
 
 
 def sections_to_host(sec: DeltaSections, dtype=None) -> DeltaSections:
-    """Device sections as numpy arrays with delta_ref's dtypes (for the packed tier's zstd, or the wire)."""
+    """Device sections as numpy arrays with delta_ref's dtypes (for the packed tier's zstd, or the wire).
+
+    Waits for the kernels that write them first: they ran on the stream that was current
+    when they were built (torch's), and the copies below run on whichever stream is current now."""
+    ready = getattr(sec, "ready", None)
+    if ready is not None:
+        ready.synchronize()
     esc = _host(sec.escapes)
     if dtype is not None:
         esc = esc.astype(np.dtype(dtype).newbyteorder("<"), copy=False)
@@ -432,7 +539,7 @@ def sections_to_host(sec: DeltaSections, dtype=None) -> DeltaSections:
 
 
 def _host(x) -> np.ndarray:
-    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)
+    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def _is_device_array(x) -> bool:
@@ -458,7 +565,12 @@ def _bits(t, bytes_only: bool = False):
         x = t.reshape(-1).view(np.uint8)
     else:
         raise TypeError(f"expected a torch CUDA tensor or a cupy array, got {type(t).__name__}")
-    return x if bytes_only else x.view(f"<u{itemsize}")
+    if bytes_only:
+        return x
+    if itemsize not in WIDTHS:
+        raise TypeError(f"the delta kernels take 1-, 2-, 4- or 8-byte elements, got {t.dtype} ({itemsize} bytes); "
+                        "checksums (digest_device) take any dtype")
+    return x.view(f"<u{itemsize}")
 
 
 def _torch_u8():
@@ -468,7 +580,11 @@ def _torch_u8():
 
 
 class _CupyRuntime:
-    """Launches on the current CUDA device through cupy; the module compiles once (cupy caches it on disk)."""
+    """Launches on the current CUDA device through cupy; the module compiles once (cupy caches it on disk).
+
+    The runtime interface CudaKernels and _Engine use: xp, launch, to_host, ptr, bits, device_of,
+    stream_of (device, stream and allocator of a tensor), record_event, wait, wait_current,
+    record_stream."""
 
     def __init__(self):
         try:
@@ -494,6 +610,8 @@ class _CupyRuntime:
         self.cp = cp
         self.xp = cp
         self._fns: dict = {}
+        # base address of each block cupy took from torch's allocator -> the torch tensor that owns it
+        self._owners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def launch(self, name: str, grid: int, args: tuple) -> None:
         key = (self.cp.cuda.Device().id, name)  # a loaded function belongs to one device
@@ -503,10 +621,19 @@ class _CupyRuntime:
         fn((grid,), (NT,), args)
 
     def to_host(self, x) -> np.ndarray:
-        return self.cp.asnumpy(x)
+        return self.cp.asnumpy(x)  # on the current stream, which is the one the kernels ran on
 
     def ptr(self, x) -> int:
         return x.data.ptr
+
+    bits = staticmethod(_bits)
+
+    def device_of(self, t) -> int:
+        if hasattr(t, "is_cuda"):
+            import torch
+
+            return t.device.index if t.device.index is not None else torch.cuda.current_device()
+        return t.device.id
 
     def stream_of(self, t):
         """For torch tensors: run on torch's current stream for t's device, so our kernels
@@ -517,19 +644,51 @@ class _CupyRuntime:
         if hasattr(t, "is_cuda") and t.is_cuda:
             import torch
 
-            dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+            dev = self.device_of(t)
             return _Both(cp.cuda.Device(dev),
-                         cp.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream),
-                         cp.cuda.using_allocator(_torch_allocator(cp, dev)))
+                         cp.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev),
+                         cp.cuda.using_allocator(_torch_allocator(cp, dev, self._owners)))
         return _Both(cp.cuda.Device(t.device.id) if hasattr(t, "device") else cp.cuda.Device())
 
+    def record_event(self):
+        ev = self.cp.cuda.Event(disable_timing=True)
+        ev.record()  # on the current stream
+        return ev
 
-def _torch_allocator(cp, device: int):
+    def wait(self, stream, event) -> None:
+        self._cupy_stream(stream).wait_event(event)
+
+    def wait_current(self, event) -> None:
+        self.cp.cuda.get_current_stream().wait_event(event)
+
+    def record_stream(self, array, stream) -> None:
+        """Tell torch's caching allocator that `stream` uses array's block (a no-op for memory from
+        cupy's own pool, whose free blocks are kept per stream already)."""
+        mem = getattr(getattr(array, "data", None), "mem", None)
+        owner = self._owners.get(getattr(mem, "ptr", None))
+        if owner is None:
+            return
+        import torch
+
+        if not isinstance(stream, torch.cuda.Stream):
+            stream = torch.cuda.ExternalStream(self._cupy_stream(stream).ptr, device=owner.device)
+        owner.record_stream(stream)
+
+    def _cupy_stream(self, stream):
+        cp = self.cp
+        if isinstance(stream, cp.cuda.Stream):
+            return stream
+        return cp.cuda.ExternalStream(int(getattr(stream, "cuda_stream", getattr(stream, "ptr", stream))))
+
+
+def _torch_allocator(cp, device: int, owners=None):
     """A cupy allocator that takes memory from torch's caching allocator (on torch's current stream)."""
     import torch
 
     def alloc(size: int):
         t = torch.empty(max(size, 1), dtype=torch.uint8, device=f"cuda:{device}")
+        if owners is not None:
+            owners[t.data_ptr()] = t
         return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(t.data_ptr(), size, t, device), 0)
 
     return alloc

@@ -1,0 +1,274 @@
+"""A fake CUDA runtime for wsync.backends.cuda.CudaKernels: devices, streams, events, a log, and a race check.
+
+The kernels run for real (on the wsim harness, so results are real bytes);
+what is faked is the asynchrony around them. Every launch, event, wait, sync,
+record_stream and host read is logged with its device and stream, and every
+read of device memory (a host copy, or a kernel's const argument) is checked
+against the launches that wrote that memory: the read must be on the writer's
+stream, or after an event on it that the host synchronized or the reader's
+stream waited for. Otherwise it raises StreamRace, which on a GPU would have
+been a read of half-written sections. A kernel launched on one device with an
+array of another raises DeviceMismatch.
+
+Tensors are FakeTensor (what a torch CUDA tensor shows CudaKernels: device,
+dtype, shape, contiguity); device arrays are DevArray (numpy, with a device
+and a `get()` that goes through the race check, as cupy's does a copy).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import JunkNumpy, Sim
+
+
+class StreamRace(AssertionError):
+    pass
+
+
+class DeviceMismatch(AssertionError):
+    pass
+
+
+@dataclass(frozen=True)
+class FakeStream:
+    device: int
+    id: int  # 0: the device's legacy default (null) stream
+
+    def __repr__(self):
+        return f"stream{self.id}@cuda:{self.device}"
+
+
+@dataclass
+class FakeEvent:
+    rt: "FakeRuntime"
+    stream: FakeStream
+    seq: int  # launches on the stream before the event
+    knows: dict = field(default_factory=dict)  # what the stream had waited for by then (events are transitive)
+
+    def synchronize(self) -> None:
+        self.rt.log.append(("sync", self.stream, self.seq))
+        done = self.rt.host_done
+        done[self.stream] = max(done.get(self.stream, 0), self.seq)
+
+
+@dataclass(frozen=True)
+class FakeDevice:
+    index: int
+
+    def __str__(self):
+        return f"cuda:{self.index}"
+
+
+class FakeTensor:
+    """What CudaKernels sees of a torch CUDA tensor."""
+
+    is_cuda = True
+
+    def __init__(self, data: np.ndarray, device: int = 0, dtype=None):
+        self.data = np.ascontiguousarray(data)
+        self.device = FakeDevice(device)
+        self.dtype = np.dtype(dtype) if dtype is not None else self.data.dtype
+        self.shape = self.data.shape
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+
+class DevArray(np.ndarray):
+    """A device array: numpy memory tagged with a device; get() is a checked device-to-host copy."""
+
+    def __array_finalize__(self, obj):
+        self.gpu = getattr(obj, "gpu", None)  # (numpy 2 has a read-only ndarray.device)
+        self.rt = getattr(obj, "rt", None)
+
+    def get(self) -> np.ndarray:
+        return self.rt.read(self, "get()")
+
+    @property
+    def __cuda_array_interface__(self):  # what makes wsync treat it as device memory
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ctypes.data, False), "version": 3}
+
+
+@dataclass
+class _Write:
+    lo: int
+    hi: int
+    stream: FakeStream
+    seq: int
+    kernel: str
+
+
+class FakeXp(JunkNumpy):
+    """numpy whose arrays land on the runtime's current device (a fresh allocation forgets old writes)."""
+
+    def __init__(self, rt: "FakeRuntime", seed: int = 0):
+        super().__init__(seed)
+        self._rt = rt
+
+    def __getattr__(self, name):
+        fn = getattr(np, name)
+        if not callable(fn):
+            return fn
+        return lambda *a, **k: self._rt.adopt(fn(*a, **k))
+
+    def empty(self, *a, **k):
+        return self._rt.adopt(super().empty(*a, **k))
+
+    def asarray(self, a, dtype=None):
+        if isinstance(a, DevArray) and (dtype is None or np.dtype(dtype) == a.dtype):
+            return a
+        return self._rt.adopt(np.array(a, dtype=dtype, copy=True))  # a host-to-device copy
+
+    def ascontiguousarray(self, a, dtype=None):
+        if isinstance(a, DevArray) and a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
+            return a
+        return self.asarray(np.ascontiguousarray(a, dtype=dtype))
+
+
+class FakeRuntime:
+    """The runtime interface of CudaKernels (see _CupyRuntime), over wsim, with streams faked and checked."""
+
+    def __init__(self, sim: Sim, ndevices: int = 2, block: int = 256):
+        self.sim, self.block, self.ndevices = sim, block, ndevices
+        self.xp = FakeXp(self)
+        self.device = 0  # cupy's current device
+        self.current = FakeStream(0, 0)  # cupy's current stream
+        self.torch_current = {d: FakeStream(d, 0) for d in range(ndevices)}  # torch.cuda.current_stream(d)
+        self.seq: dict[FakeStream, int] = {}
+        self.host_done: dict[FakeStream, int] = {}
+        self.waited: dict[tuple[FakeStream, FakeStream], int] = {}
+        self.writes: list[_Write] = []
+        self.log: list[tuple] = []
+        self._next_stream = 1
+
+    # ---- what tests do ---------------------------------------------------------------------
+
+    def new_stream(self, device: int = 0) -> FakeStream:
+        self._next_stream += 1
+        return FakeStream(device, self._next_stream)
+
+    @contextlib.contextmanager
+    def torch_stream(self, s: FakeStream):
+        """`with torch.cuda.stream(s)`: torch's current stream on s's device."""
+        old = self.torch_current[s.device]
+        self.torch_current[s.device] = s
+        try:
+            yield
+        finally:
+            self.torch_current[s.device] = old
+
+    @contextlib.contextmanager
+    def cupy_stream(self, s: FakeStream):
+        """`with cupy.cuda.Device(d), stream:` what a transport reading on its own stream does."""
+        old = (self.device, self.current)
+        self.device, self.current = s.device, s
+        try:
+            yield
+        finally:
+            self.device, self.current = old
+
+    def launches(self) -> list[tuple]:
+        return [e for e in self.log if e[0] == "launch"]
+
+    # ---- the runtime interface -------------------------------------------------------------
+
+    def launch(self, name: str, grid: int, args: tuple) -> None:
+        k = self.sim.kernels[name]
+        for i, (a, p) in enumerate(zip(args, k.params)):
+            if isinstance(a, np.ndarray):
+                dev = getattr(a, "gpu", None)
+                if dev is not None and dev != self.device:
+                    raise DeviceMismatch(f"{name} launched on cuda:{self.device} with argument {i} on cuda:{dev}")
+                if p.is_const:
+                    self._check_read(a, self.current, f"{name} argument {i}")
+        seq = self.seq.get(self.current, 0) + 1
+        self.seq[self.current] = seq
+        self.log.append(("launch", name, self.device, self.current))
+        self.sim.launch(name, grid, self.block, args)
+        for a, p in zip(args, k.params):
+            if isinstance(a, np.ndarray) and p.is_ptr and not p.is_const and a.nbytes:
+                lo = a.ctypes.data
+                self.writes.append(_Write(lo, lo + a.nbytes, self.current, seq, name))
+
+    def to_host(self, x) -> np.ndarray:
+        return self.read(x, "to_host")
+
+    @staticmethod
+    def ptr(x) -> int:
+        return x.ctypes.data
+
+    def bits(self, t, bytes_only: bool = False):
+        if not isinstance(t, FakeTensor):
+            raise TypeError(f"expected a FakeTensor, got {type(t).__name__}")
+        x = t.data.reshape(-1).view(np.uint8).view(DevArray)
+        x.gpu, x.rt = t.device.index, self
+        if bytes_only:
+            return x
+        from wsync.backends.cuda import width_name
+
+        width_name(t.dtype)  # as the real runtime's bits() refuses widths the kernels lack
+        return x.view(f"<u{t.dtype.itemsize}")
+
+    def device_of(self, t) -> int:
+        return t.device.index if isinstance(t, FakeTensor) else t.gpu
+
+    @contextlib.contextmanager
+    def stream_of(self, t):
+        dev = self.device_of(t)
+        old = (self.device, self.current)
+        self.device, self.current = dev, self.torch_current[dev]
+        try:
+            yield
+        finally:
+            self.device, self.current = old
+
+    def record_event(self) -> FakeEvent:
+        knows = {x: seq for (r, x), seq in self.waited.items() if r == self.current}
+        ev = FakeEvent(self, self.current, self.seq.get(self.current, 0), knows)
+        self.log.append(("event", self.current, ev.seq))
+        return ev
+
+    def wait(self, stream: FakeStream, ev: FakeEvent) -> None:
+        self.log.append(("wait", stream, ev.stream, ev.seq))
+        for x, seq in [(ev.stream, ev.seq), *ev.knows.items()]:
+            self.waited[(stream, x)] = max(self.waited.get((stream, x), 0), seq)
+
+    def wait_current(self, ev: FakeEvent) -> None:
+        self.wait(self.current, ev)
+
+    def record_stream(self, array, stream: FakeStream) -> None:
+        self.log.append(("record_stream", array.ctypes.data, array.nbytes, stream))
+
+    # ---- the checks --------------------------------------------------------------------------
+
+    def adopt(self, x):
+        """A new array on the current device: forget writes to memory it now occupies."""
+        if not isinstance(x, np.ndarray):
+            return x
+        if not isinstance(x, DevArray):
+            x = x.view(DevArray)
+        x.gpu, x.rt = self.device, self
+        lo, hi = x.ctypes.data, x.ctypes.data + x.nbytes
+        self.writes = [w for w in self.writes if w.hi <= lo or w.lo >= hi]
+        return x
+
+    def read(self, x, what: str) -> np.ndarray:
+        self.log.append(("read", what, self.current))
+        self._check_read(x, self.current, what)
+        return np.array(x, copy=True).view(np.ndarray)
+
+    def _check_read(self, x, reader: FakeStream, what: str) -> None:
+        lo, hi = x.ctypes.data, x.ctypes.data + x.nbytes
+        for w in self.writes:
+            if w.hi <= lo or w.lo >= hi or w.stream == reader:
+                continue
+            if self.host_done.get(w.stream, 0) >= w.seq or self.waited.get((reader, w.stream), 0) >= w.seq:
+                continue
+            raise StreamRace(f"{what} on {reader} reads memory that {w.kernel} (launch {w.seq} on {w.stream}) "
+                             "writes, with no event synchronized or waited for in between")
