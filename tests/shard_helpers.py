@@ -183,6 +183,63 @@ def tiny_qwen3():
     return transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
 
 
+# Qwen3-MoE as transformers 5 stores it: experts fused into 3-D gate_up_proj [E, 2I, H] / down_proj [E, H, I].
+# 5 experts: FSDP2 over 2 trainer ranks holds experts 0-2 and 3-4 (Shard(0), torch's uneven chunks), and so does
+# vLLM's expert parallelism over 2 engine ranks ("linear": the first E % tp ranks take one more); the experts of
+# the two sides line up, the q/k/v, vocabulary and norm slices do not.
+MOE = {"vocab": 250, "hidden": 32, "inter": 64, "moe_inter": 24, "experts": 5, "layers": 2, "heads": 4,
+       "kv_heads": 2, "head_dim": 8}
+
+
+def qwen3_moe_params(d: dict = MOE) -> dict[str, Param]:
+    """The parameter names and shapes of tiny_qwen3_moe(), known to the engine without importing transformers."""
+    h, e, i = d["hidden"], d["experts"], d["moe_inter"]
+    p = {"model.embed_tokens.weight": (d["vocab"], h)}
+    for layer in range(d["layers"]):
+        pre = f"model.layers.{layer}."
+        p |= {pre + "self_attn.q_proj.weight": (d["heads"] * d["head_dim"], h),
+              pre + "self_attn.k_proj.weight": (d["kv_heads"] * d["head_dim"], h),
+              pre + "self_attn.v_proj.weight": (d["kv_heads"] * d["head_dim"], h),
+              pre + "self_attn.o_proj.weight": (h, d["heads"] * d["head_dim"]),
+              pre + "self_attn.q_norm.weight": (d["head_dim"],), pre + "self_attn.k_norm.weight": (d["head_dim"],),
+              pre + "mlp.experts.gate_up_proj": (e, 2 * i, h), pre + "mlp.experts.down_proj": (e, h, i),
+              pre + "mlp.gate.weight": (e, h),
+              pre + "input_layernorm.weight": (h,), pre + "post_attention_layernorm.weight": (h,)}
+    p |= {"model.norm.weight": (h,), "lm_head.weight": (d["vocab"], h)}
+    return {n: Param(tuple(s), DT) for n, s in p.items()}
+
+
+def tiny_qwen3_moe():
+    """A transformers Qwen3-MoE (every layer sparse, 5 experts, 2 per token) of qwen3_moe_params()' shapes."""
+    import torch
+    import transformers
+
+    d = MOE
+    cfg = transformers.Qwen3MoeConfig(vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"],
+                                      moe_intermediate_size=d["moe_inter"], num_experts=d["experts"],
+                                      num_experts_per_tok=2, num_hidden_layers=d["layers"],
+                                      num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"],
+                                      head_dim=d["head_dim"], decoder_sparse_step=1, mlp_only_layers=[],
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    got = {name: Param(tuple(p.shape), DT) for name, p in model.named_parameters()}
+    assert got == qwen3_moe_params(), "transformers' Qwen3-MoE names or shapes changed; update qwen3_moe_params"
+    return model
+
+
+def moe_plan(m: int, n: int):
+    """FSDP2 over m trainer ranks -> vLLM over n ranks with expert parallelism (experts by index into w13 / w2,
+    fused qkv, vocabulary padded to 64), from the shapes alone."""
+    from wsync.shard.conventions import VllmConfig, fsdp_placements, trainer_layout_for, vllm_layout
+    from wsync.shard.route import route
+
+    params = qwen3_moe_params()
+    cfg = VllmConfig(num_heads=MOE["heads"], num_kv_heads=MOE["kv_heads"], head_dim=MOE["head_dim"],
+                     expert_parallel=True)
+    return route(trainer_layout_for(params, fsdp_placements(params), m), vllm_layout(params, n, cfg))
+
+
 def _plan_from_shapes(model, m: int, n: int):
     """What every rank computes on its own from the parameter shapes: FSDP2 over m, torch TP over n."""
     from wsync.shard.conventions import fsdp_placements, hf_tp_layout, trainer_layout_for
@@ -192,8 +249,9 @@ def _plan_from_shapes(model, m: int, n: int):
     return route(trainer_layout_for(params, fsdp_placements(params), m), hf_tp_layout(params, n))
 
 
-def fsdp_trainer(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: int) -> None:
-    """A trainer rank: FSDP2 over m gloo ranks, AdamW steps; its layout read from its own DTensors."""
+def fsdp_trainer(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: int, moe: bool = False) -> None:
+    """A trainer rank: FSDP2 over m gloo ranks, AdamW steps; its layout read from its own DTensors.
+    moe: train tiny_qwen3_moe() for the vLLM expert-parallel plan (moe_plan) instead of tiny_qwen3() for torch TP."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -204,8 +262,9 @@ def fsdp_trainer(rank: int, m: int, n: int, ports: tuple, tmp: str, out, version
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=m)
-    model = tiny_qwen3()
-    plan = _plan_from_shapes(model, m, n)
+    model = tiny_qwen3_moe() if moe else tiny_qwen3()
+    plan = moe_plan(m, n) if moe else _plan_from_shapes(model, m, n)
+    vocab = model.config.vocab_size
     mesh = init_device_mesh("cpu", (m,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -218,7 +277,7 @@ def fsdp_trainer(rank: int, m: int, n: int, ports: tuple, tmp: str, out, version
     gen = torch.Generator().manual_seed(1)
     for v in range(versions):
         if v:
-            ids = torch.randint(0, 250, (2, 12), generator=gen)
+            ids = torch.randint(0, vocab, (2, 12), generator=gen)
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
@@ -266,3 +325,42 @@ def tp_engine(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: 
         open(os.path.join(tmp, f"checked{v}-{rank}"), "w").close()
     sub.close()
     dist.destroy_process_group()
+
+
+def vllm_moe_engine(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: int) -> None:
+    """An engine rank of vLLM's expert-parallel layout as plain per-rank tensors (what its loaders would hold:
+    qkv_proj, w13_weight / w2_weight of this rank's experts, padded vocabulary rows), no transformers import."""
+    import torch
+
+    from wsync.shard.sync import ShardSubscriber
+
+    torch.set_num_threads(1)
+    plan = moe_plan(m, n)
+    tensors = {name: torch.zeros(p.shape, dtype=torch.bfloat16) for (r, name), p in plan.engine.locals.items()
+               if r == rank}
+    sub = ShardSubscriber(plan, rank, tensors, coordinator=f"tcp://127.0.0.1:{ports[2]}", token=TOKEN)
+    for v in range(versions):
+        sub.wait_for(v, timeout=120)
+        with sub.lock:
+            ref = np.load(os.path.join(tmp, f"ref{sub.version}.npz"))
+            want = engine_expected(plan, rank, {k: ref[k] for k in ref.files})
+            ok = sub.version == v and want.keys() == tensors.keys() and all(
+                np.array_equal(tensors[k].view(torch.uint16).numpy(), w) for k, w in want.items())
+            ok = ok and _experts_by_index(rank, n, tensors, ref)
+        out.put(("engine", rank, v, ok))
+        open(os.path.join(tmp, f"checked{v}-{rank}"), "w").close()
+    sub.close()
+
+
+def _experts_by_index(rank: int, n: int, tensors: dict, ref) -> bool:
+    """Independently of the plan: this rank's w13 / w2 are the reference's experts [start, start + count) of
+    vLLM's linear expert map, whole (gate rows then up rows, as transformers 5 fuses them)."""
+    base, rem = divmod(MOE["experts"], n)
+    count, start = base + (rank < rem), rank * base + min(rank, rem)
+    ok = True
+    for layer in range(MOE["layers"]):
+        pre = f"model.layers.{layer}.mlp.experts."
+        for mine, theirs in (("routed_experts.w13_weight", "gate_up_proj"), ("routed_experts.w2_weight", "down_proj")):
+            ok &= np.array_equal(tensors[pre + mine].view(__import__("torch").uint16).numpy(),
+                                 ref[pre + theirs][start:start + count])
+    return bool(ok)

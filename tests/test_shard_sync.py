@@ -169,22 +169,15 @@ def test_rank_that_never_gets_ready_aborts_at_the_timeout(groups):
     _commit(g, 3)
 
 
-@pytest.mark.slow  # 4 to 7 processes import transformers and form gloo groups (~1 min on 2 shared cores)
-@pytest.mark.parametrize("m,n", [(2, 2), (4, 3)])
-def test_fsdp2_trainer_into_torch_tp_engine(tmp_path, m, n):
-    """The issue's headline: FSDP2 (fully_shard, gloo) training a transformers Qwen3 on m processes -> the same
-    model under torch tensor parallelism on n processes, 5 versions, each engine rank's DTensor shards equal
-    to slicing the unsharded reference, and the engine's digest equal to the trainers'."""
-    pytest.importorskip("transformers")
-    from shard_helpers import fsdp_trainer, tp_engine
-
+def _headline(tmp_path, m: int, n: int, trainer, engine, *targs) -> None:
+    """m trainer processes and n engine processes for 5 versions; each posts (side, rank, version, ok)."""
     from wsync.bench.reshard import _free_port
 
     ctx, versions = mp.get_context("spawn"), 5
     ports, out = (_free_port(), _free_port(), _free_port()), ctx.Queue()
     args = (m, n, ports, str(tmp_path), out, versions)
-    procs = [ctx.Process(target=fsdp_trainer, args=(r, *args)) for r in range(m)] + \
-        [ctx.Process(target=tp_engine, args=(r, *args)) for r in range(n)]
+    procs = [ctx.Process(target=trainer, args=(r, *args, *targs)) for r in range(m)] + \
+        [ctx.Process(target=engine, args=(r, *args)) for r in range(n)]
     for p in procs:
         p.start()
     got = []
@@ -200,3 +193,27 @@ def test_fsdp2_trainer_into_torch_tp_engine(tmp_path, m, n):
                 p.kill()
     assert sorted(got) == sorted([("trainer", r, v, True) for r in range(m) for v in range(versions)]
                                  + [("engine", r, v, True) for r in range(n) for v in range(versions)]), got
+
+
+@pytest.mark.slow  # 4 to 7 processes import transformers and form gloo groups (~1 min on 2 shared cores)
+@pytest.mark.parametrize("m,n", [(2, 2), (4, 3)])
+def test_fsdp2_trainer_into_torch_tp_engine(tmp_path, m, n):
+    """The issue's headline: FSDP2 (fully_shard, gloo) training a transformers Qwen3 on m processes -> the same
+    model under torch tensor parallelism on n processes, 5 versions, each engine rank's DTensor shards equal
+    to slicing the unsharded reference, and the engine's digest equal to the trainers'."""
+    pytest.importorskip("transformers")
+    from shard_helpers import fsdp_trainer, tp_engine
+
+    _headline(tmp_path, m, n, fsdp_trainer, tp_engine)
+
+
+def test_fsdp2_qwen3_moe_into_expert_parallel_engine(tmp_path):
+    """The issue's MoE case: FSDP2 (fully_shard, gloo) on 2 processes training a transformers 5 Qwen3-MoE (experts
+    fused as 3-D gate_up_proj / down_proj, 5 of them: Shard(0) puts experts 0-2 on trainer rank 0, 3-4 on 1) ->
+    2 engine ranks in vLLM's expert-parallel layout (w13 / w2 by expert index, fused qkv, padded vocabulary),
+    5 AdamW versions: every engine tensor equal to slicing the unsharded reference, each rank's experts the
+    reference's by index, the engine digest equal to the trainers'."""
+    pytest.importorskip("transformers")
+    from shard_helpers import fsdp_trainer, vllm_moe_engine
+
+    _headline(tmp_path, 2, 2, fsdp_trainer, vllm_moe_engine, True)
