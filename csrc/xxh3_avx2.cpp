@@ -6,16 +6,15 @@
 //
 // This file must define no inline or template function that another
 // translation unit also defines: the linker keeps one copy of such functions,
-// and the AVX2 copy would then run on CPUs without AVX2. xxhash.h with
-// XXH_INLINE_ALL makes all of its functions static, so it is safe to include.
+// and the AVX2 copy would then run on CPUs without AVX2. xxh3.h gives all of
+// its host functions internal linkage (static), so it is safe to include.
 #include <cstddef>
 #include <cstdint>
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #pragma GCC target("avx2")
-#include <immintrin.h>  // xxhash.h includes it only when __AVX2__ is set on the command line
-#define XXH_VECTOR 2    // XXH_AVX2
-#define WSYNC_XXH3_AVX2 1
+#include <immintrin.h>
+#define WS_XXH3_AVX2 1  // xxh3.h's AVX2 accumulators (the pragma does not define __AVX2__)
 // Leave the upper halves of the ymm registers clean on return: SSE code that
 // runs after dirty AVX state pays a penalty on every instruction.
 #define CLEAN_UPPER() _mm256_zeroupper()
@@ -23,9 +22,7 @@
 #define CLEAN_UPPER() (void)0
 #endif
 
-#define XXH_INLINE_ALL
-#include "third_party/xxhash.h"
-
+#include "xxh3.h"
 #include "xxh3_avx2.h"
 #include "xxh3_stream_impl.h"
 
@@ -33,7 +30,7 @@ namespace wsync {
 namespace avx2 {
 
 bool compiled() {
-#ifdef WSYNC_XXH3_AVX2
+#ifdef WS_XXH3_AVX2
   return true;
 #else
   return false;
@@ -41,23 +38,7 @@ bool compiled() {
 }
 
 uint64_t hash(const void* p, size_t n) {
-  const uint64_t h = XXH3_64bits(p, n);
-  CLEAN_UPPER();
-  return h;
-}
-
-void reset(void* state) {
-  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state));
-  CLEAN_UPPER();
-}
-
-void update(void* state, const void* p, size_t n) {
-  XXH3_64bits_update(static_cast<XXH3_state_t*>(state), p, n);
-  CLEAN_UPPER();
-}
-
-uint64_t digest(const void* state) {
-  const uint64_t h = XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state));
+  const uint64_t h = ws::xxh3_64(p, n);
   CLEAN_UPPER();
   return h;
 }

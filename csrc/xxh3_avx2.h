@@ -11,9 +11,6 @@ namespace wsync {
 namespace avx2 {
 bool compiled();
 uint64_t hash(const void* p, size_t n);
-void reset(void* state);  // an XXH3_state_t
-void update(void* state, const void* p, size_t n);
-uint64_t digest(const void* state);
 void stream_reset(Xxh3Stream* st, uint64_t len);
 void stream_feed(Xxh3Stream* st, const Span* spans, size_t count);
 uint64_t stream_digest(const Xxh3Stream* st);

@@ -6,8 +6,7 @@
 #include <cstdint>
 #include <cstdlib>
 
-#define XXH_INLINE_ALL  // header-only: no libxxhash to link, and the compiler can inline XXH3
-#include "third_party/xxhash.h"
+#include "xxh3.h"  // wsync's own XXH3 (shared with the CUDA kernels)
 #include "xxh3_avx2.h"
 #include "xxh3_stream_impl.h"
 
@@ -23,7 +22,7 @@ inline bool use_avx2() {
 #endif
 }
 
-inline uint64_t xxh3(const void* p, size_t n) { return use_avx2() ? avx2::hash(p, n) : XXH3_64bits(p, n); }
+inline uint64_t xxh3(const void* p, size_t n) { return use_avx2() ? avx2::hash(p, n) : ws::xxh3_64(p, n); }
 
 // The xxh3 of one checksum block of `len` bytes, fed in order span by span
 // (same digest as one shot; see xxh3_stream.h). Feed many spans per call where

@@ -2,13 +2,14 @@
 // the baseline and AVX2 translation units. Plain data only (no inline or
 // template code here: see xxh3_avx2.cpp).
 //
-// Why not XXH3_64bits_update: a 1 MiB checksum block of a many-tensor segment
-// arrives as hundreds of small pieces, and every update call copies the
+// Why not a generic streaming update (xxhash's XXH3_64bits_update): a 1 MiB
+// checksum block of a many-tensor segment arrives as hundreds of small
+// pieces, and every update call copies the
 // accumulators in and out and moves up to 256 bytes through xxhash's buffer
 // (perf: memmove was 23% of a block's hashing at 2 KiB pieces). Knowing the
 // length up front, every whole 64-byte stripe is hashed where it lies, the
 // accumulators stay in registers across all the spans of a call, whole
-// 1 KiB blocks take xxhash's unrolled constant-secret path, and only a
+// 1 KiB blocks take xxh3.h's whole-block loop (xxh3_blocks), and only a
 // stripe that straddles two spans is copied.
 #pragma once
 

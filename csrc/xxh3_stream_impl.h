@@ -1,48 +1,49 @@
-// The Xxh3Stream functions, compiled once per target: included after
-// third_party/xxhash.h (XXH_INLINE_ALL) by xxh3_avx2.cpp and by
-// xxh3_dispatch.h, in an unnamed namespace so the two builds never merge.
-// They reproduce XXH3_64bits (seed 0, default secret) exactly; the tests
-// compare against python-xxhash for every length and cut.
+// The Xxh3Stream functions, compiled once per target: included by xxh3_avx2.cpp
+// (AVX2) and by xxh3_dispatch.h (baseline), in an unnamed namespace over
+// xxh3.h's static functions, so the two builds never merge. They reproduce
+// XXH3_64bits (seed 0, default secret) exactly; the tests compare against
+// python-xxhash for every length and cut.
 #pragma once
 
 #include <algorithm>
 #include <cstring>
 
+#include "xxh3.h"
 #include "xxh3_stream.h"
 
 namespace wsync {
 namespace {
 
-constexpr size_t kStripe = XXH_STRIPE_LEN;                                    // 64
-constexpr size_t kPerBlock = (sizeof(XXH3_kSecret) - kStripe) / XXH_SECRET_CONSUME_RATE;  // 16 stripes
+constexpr uint64_t kStripe = ws::XXH3_STRIPE;                          // 64
+constexpr uint64_t kPerBlock = uint64_t(ws::XXH3_STRIPES);             // 16 stripes between scrambles
 
 inline void xs_reset(Xxh3Stream* st, uint64_t len) {
-  static const uint64_t init[8] = {XXH_PRIME32_3, XXH_PRIME64_1, XXH_PRIME64_2, XXH_PRIME64_3,
-                                   XXH_PRIME64_4, XXH_PRIME32_2, XXH_PRIME64_5, XXH_PRIME32_1};
-  std::memcpy(st->acc, init, sizeof(init));
+  ws::u64 acc[8];  // xxh3.h's u64 is unsigned long long, the stream's uint64_t may be unsigned long
+  ws::xxh3_init_acc(acc);
+  std::memcpy(st->acc, acc, sizeof(acc));
   st->len = len;
   st->seen = st->stripes = st->fill = 0;
 }
 
 // Accumulate m whole stripes at p, the k-th onwards, scrambling after every block of kPerBlock.
-XXH_FORCE_INLINE void xs_stripes(xxh_u64* acc, const uint8_t* p, uint64_t m, uint64_t& k) {
-  const uint8_t* secret = XXH3_kSecret;
+inline __attribute__((always_inline)) void xs_stripes(ws::u64* acc, const uint8_t* p, uint64_t m, uint64_t& k) {
+  const uint8_t* secret = ws::xxh3_secret_host;
   while (m) {
     const uint64_t in_block = k % kPerBlock;
-    if (in_block == 0 && m >= kPerBlock) {  // a whole block: the unrolled loop of one-shot xxh3
-      XXH3_accumulate(acc, p, secret, kPerBlock, XXH3_accumulate_512);
-      XXH3_scrambleAcc(acc, secret + sizeof(XXH3_kSecret) - kStripe);
-      p += kPerBlock * kStripe;
-      m -= kPerBlock;
-      k += kPerBlock;
+    if (in_block == 0 && m >= kPerBlock) {  // whole blocks: the unrolled loop of one-shot xxh3
+      const uint64_t nb = m / kPerBlock;
+      ws::xxh3_blocks(acc, p, nb);
+      p += nb * kPerBlock * kStripe;
+      m -= nb * kPerBlock;
+      k += nb * kPerBlock;
       continue;
     }
     const uint64_t c = std::min<uint64_t>(kPerBlock - in_block, m);
-    XXH3_accumulate(acc, p, secret + in_block * XXH_SECRET_CONSUME_RATE, size_t(c), XXH3_accumulate_512);
+    ws::xxh3_accumulate(acc, p, secret + in_block * 8, c);
     p += c * kStripe;
     m -= c;
     k += c;
-    if (k % kPerBlock == 0) XXH3_scrambleAcc(acc, secret + sizeof(XXH3_kSecret) - kStripe);
+    if (k % kPerBlock == 0) ws::xxh3_scramble_acc(acc, secret + ws::XXH3_SCRAMBLE_KEY);
   }
 }
 
@@ -58,7 +59,7 @@ inline void xs_feed(Xxh3Stream* st, const Span* spans, size_t count) {
     return;
   }
   const uint64_t total = (len - 1) / kStripe, tail = len - kStripe;
-  XXH_ALIGN(XXH_ACC_ALIGN) xxh_u64 acc[8];  // in registers for the whole call (gcc spills them if kept in st)
+  alignas(32) ws::u64 acc[8];  // in registers for the whole call (gcc spills them if kept in st)
   std::memcpy(acc, st->acc, sizeof(acc));
   uint64_t k = st->stripes, fill = st->fill, seen = st->seen;
   for (size_t i = 0; i < count; ++i) {
@@ -99,11 +100,10 @@ inline void xs_feed(Xxh3Stream* st, const Span* spans, size_t count) {
 
 // The digest, once all len bytes were fed.
 inline uint64_t xs_digest(const Xxh3Stream* st) {
-  if (st->len <= 240) return XXH3_64bits(st->small, size_t(st->len));
-  XXH_ALIGN(XXH_ACC_ALIGN) xxh_u64 acc[8];
+  if (st->len <= 240) return ws::xxh3_short(st->small, st->len);
+  alignas(32) ws::u64 acc[8];
   std::memcpy(acc, st->acc, sizeof(acc));
-  XXH3_accumulate_512(acc, st->last, XXH3_kSecret + sizeof(XXH3_kSecret) - kStripe - XXH_SECRET_LASTACC_START);
-  return XXH3_mergeAccs(acc, XXH3_kSecret + XXH_SECRET_MERGEACCS_START, st->len * XXH_PRIME64_1);
+  return ws::xxh3_finish(acc, st->last, st->len);
 }
 
 }  // namespace

@@ -81,7 +81,7 @@ def apply(m: Mutant, csrc: Path = CSRC) -> Path:
     if not out.exists():
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(csrc, tmp, ignore=shutil.ignore_patterns("third_party"))
+        shutil.copytree(csrc, tmp)
         (tmp / m.file).write_text(patched)
         try:
             tmp.rename(out)
