@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The GPU runbook: what to run the day a GPU is lent, in one go, with the results kept.
+#
+#   bash benchmarks/gpu_runbook.sh            # the whole book (tens of minutes on an H100)
+#   bash benchmarks/gpu_runbook.sh --quick    # a short pass of every step (sanitizers on a subset, small bench)
+#   bash benchmarks/gpu_runbook.sh --dry-run  # print the steps, run nothing (works without a GPU)
+#
+# Steps, each logged and timed, none stopping the others:
+#   1. the device: nvidia-smi, torch's and cupy's view of it
+#   2. the GPU kernel tests (tests/test_cuda_kernels.py) and the CPU-harness suites, byte for byte
+#      against delta_ref (they also run in CI without a GPU; here they confirm on the real thing)
+#   3. the kernel tests under compute-sanitizer: memcheck, racecheck, synccheck
+#   4. the throughput benchmark against a device-to-device copy (benchmarks/bench_cuda.py)
+# Everything lands in benchmarks/results/<date>-<gpu>-runbook/ (logs, bench JSON, summary.md naming the
+# device); commit that folder. Needs the dev and cuda extras: pip install -e ".[dev,cuda]" with a CUDA torch.
+set -u
+cd "$(dirname "$0")/.."
+
+QUICK=0
+DRY=0
+for a in "$@"; do
+    case "$a" in
+        --quick) QUICK=1 ;;
+        --dry-run) DRY=1 ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        *) echo "unknown option $a (see --help)" >&2; exit 2 ;;
+    esac
+done
+
+PY=${PYTHON:-python}
+gpu_name() { nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1; }
+if [ "$DRY" = 0 ]; then
+    if ! command -v nvidia-smi >/dev/null || [ -z "$(gpu_name)" ]; then
+        echo "no GPU here (nvidia-smi finds none): this runbook is for a machine with one (--dry-run lists the steps)" >&2
+        exit 3
+    fi
+    GPU=$(gpu_name)
+else
+    GPU="dry-run"
+fi
+SLUG=$(echo "$GPU" | tr '[:upper:]' '[:lower:]' | sed -e 's/nvidia//' -e 's/[^a-z0-9]\+/-/g' -e 's/^-//' -e 's/-$//')
+OUT=${RUNBOOK_OUT:-benchmarks/results/$(date +%F)-${SLUG:-gpu}-runbook}
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+[ "$DRY" = 0 ] && mkdir -p "$OUT"
+
+# The sanitizers slow kernels 10-100x: they get the tests' small and edge cases, not the hypothesis sweeps.
+SAN_TESTS="tests/test_cuda_kernels.py"
+SAN_K="bad_sections or digests or fused_detector or public_api"
+if [ "$QUICK" = 1 ]; then
+    SAN_K="bad_sections or digests"
+    BENCH_ARGS="--quick"
+else
+    BENCH_ARGS=""
+fi
+
+declare -a NAMES RCS SECS LOGS
+step() {  # step NAME LOGFILE COMMAND...: run it, keep its log, its exit code and its seconds
+    local name=$1 log=$2
+    shift 2
+    if [ "$DRY" = 1 ]; then
+        echo "[$name] $*"
+        return
+    fi
+    echo "== $name: $*" | tee "$OUT/$log"
+    local t0=$SECONDS
+    "$@" >>"$OUT/$log" 2>&1
+    local rc=$?
+    NAMES+=("$name")
+    LOGS+=("$log")
+    RCS+=("$rc")
+    SECS+=($((SECONDS - t0)))
+    echo "   -> exit $rc in $((SECONDS - t0)) s (log: $OUT/$log)"
+}
+
+step device device.log bash -c "nvidia-smi; $PY -c 'import torch, cupy; print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0)); print(\"cupy\", cupy.__version__, cupy.cuda.runtime.runtimeGetVersion())'"
+step kernels-on-gpu kernels.log "$PY" -m pytest -q -rs tests/test_cuda_kernels.py
+step harness-suites harness.log "$PY" -m pytest -q tests/test_cuda_sim.py tests/test_cuda_sim_harness.py \
+    tests/test_cuda_streams.py tests/test_cuda_xxh3.py tests/test_cuda_compile.py
+if [ -n "$SAN" ] || [ "$DRY" = 1 ]; then
+    for tool in memcheck racecheck synccheck; do
+        step "compute-sanitizer $tool" "sanitizer-$tool.log" "${SAN:-compute-sanitizer}" --tool "$tool" \
+            --error-exitcode 99 --target-processes all "$PY" -m pytest -q -x "$SAN_TESTS" -k "$SAN_K"
+    done
+else
+    echo "compute-sanitizer not found (PATH, /usr/local/cuda/bin): sanitizer steps skipped" | tee "$OUT/sanitizer-missing.log"
+fi
+step throughput bench.log "$PY" benchmarks/bench_cuda.py $BENCH_ARGS --json "$OUT/bench_cuda.json"
+
+[ "$DRY" = 1 ] && exit 0
+{
+    echo "# GPU runbook, $(date +%F)"
+    echo
+    echo "Device: $GPU ($(nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader | head -1));"
+    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); mode: $([ "$QUICK" = 1 ] && echo quick || echo full)."
+    echo
+    echo "| step | exit | seconds | log |"
+    echo "|---|---|---|---|"
+    for i in "${!NAMES[@]}"; do
+        echo "| ${NAMES[$i]} | ${RCS[$i]} | ${SECS[$i]} | ${LOGS[$i]} |"
+    done
+    echo
+    echo "Tail of each log:"
+    for f in "$OUT"/*.log; do
+        echo
+        echo "## $(basename "$f")"
+        echo '```'
+        tail -n 15 "$f"
+        echo '```'
+    done
+} >"$OUT/summary.md"
+echo "summary: $OUT/summary.md"
+fail=0
+for rc in "${RCS[@]}"; do [ "$rc" = 0 ] || fail=1; done
+exit $fail

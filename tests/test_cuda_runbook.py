@@ -1,0 +1,52 @@
+"""benchmarks/gpu_runbook.sh: the steps a lent GPU must run are all there, and without a GPU it says so.
+
+The book itself needs a GPU; here it is checked as far as a CPU machine can:
+it parses, its dry run lists every step (device, kernel tests, harness suites,
+the three compute-sanitizer tools, the throughput benchmark into
+benchmarks/results), and a real run on a machine without a GPU stops with a
+reason instead of writing empty results.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "benchmarks" / "gpu_runbook.sh"
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def run(*args, env=None):
+    return subprocess.run(["bash", str(BOOK), *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+
+
+def test_it_parses():
+    assert subprocess.run(["bash", "-n", str(BOOK)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("mode", [[], ["--quick"]])
+def test_dry_run_lists_every_step(mode):
+    r = run("--dry-run", *mode)
+    assert r.returncode == 0, r.stderr
+    steps = [line.split("]")[0].lstrip("[") for line in r.stdout.splitlines() if line.startswith("[")]
+    assert steps == ["device", "kernels-on-gpu", "harness-suites", "compute-sanitizer memcheck",
+                     "compute-sanitizer racecheck", "compute-sanitizer synccheck", "throughput"]
+    assert "tests/test_cuda_kernels.py" in r.stdout and "benchmarks/bench_cuda.py" in r.stdout
+    assert "--json benchmarks/results/" in r.stdout
+    assert ("--quick" in r.stdout.split("[throughput]")[1]) == bool(mode)
+
+
+def test_without_a_gpu_it_stops_with_a_reason():
+    if shutil.which("nvidia-smi"):
+        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+        if r.returncode == 0 and "GPU" in r.stdout:
+            pytest.skip("a GPU is visible: the book would run for real")
+    r = run()
+    assert r.returncode == 3 and "no GPU here" in r.stderr
+
+
+def test_unknown_options_are_refused():
+    assert run("--fast").returncode == 2
