@@ -24,6 +24,8 @@
 //                             rounding them to bf16 on the fly
 //   xxh3_blocks               xxh3-64 of every 1 MiB block of many buffers,
 //                             one warp per block
+//   lora_range_bf16           Y = (W_new - W_old) @ Omega from two bf16
+//                             matrices, one block per row (ws_lora.cuh)
 //
 // Entry points are extern "C" so cupy's RawModule can look them up by name
 // after NVRTC compiles this file (wsync.backends.cuda.kernel_source inlines
@@ -33,6 +35,7 @@
 // the same text runs on CPU fibers (tests/cudasim: g++ with a shim for the
 // CUDA built-ins), unchanged, under several thread schedules.
 #include "ws_common.cuh"
+#include "ws_lora.cuh"
 #include "ws_xxh3.cuh"
 
 namespace ws {
@@ -349,4 +352,11 @@ WS_ENTRY(fused_fill_bf16, WS_FILL_PARAMS(ws::u32, ws::u16)) {
 }
 
 WS_ENTRY(xxh3_blocks, WS_XXH3_PARAMS) { ws::xxh3_warp(ptrs, sizes, first_block, nbuf, total_blocks, out); }
+
+// The range finder of wsync.lowrank: columns c0 .. c0 + kc of Y = (w_new - w_old) @ omega, one block per row.
+#define WS_LORA_PARAMS \
+    const ws::u16 *w_new, const ws::u16 *w_old, const float *omega, ws::u64 n, ws::u32 ld, ws::u32 c0, ws::u32 kc, float *y
+WS_ENTRY(lora_range_bf16, WS_LORA_PARAMS) {
+    ws::lora_range_row(w_new, w_old, omega, n, ld, c0, kc, y);
+}
 #endif  // __CUDACC__

@@ -109,7 +109,7 @@ def test_nvrtc_builds_the_runtime_source(arch):
     names = {f"delta_{k}_{w}_{o}" for k in ("count", "fill", "decode", "apply") for w in cuda.WIDTHS.values()
              for o in cuda.ORDERS}
     names |= {f"delta_restore_{w}" for w in cuda.WIDTHS.values()}
-    names |= {"delta_check", "fused_count_bf16", "fused_fill_bf16", "xxh3_blocks"}
+    names |= {"delta_check", "fused_count_bf16", "fused_fill_bf16", "xxh3_blocks", "lora_range_bf16"}
     missing = sorted(n for n in names if n.encode() + b"\0" not in cubin)
     assert not missing, f"kernels missing from the {arch} cubin: {missing}"
 

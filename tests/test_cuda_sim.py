@@ -275,4 +275,6 @@ def test_every_kernel_in_csrc_runs_under_three_schedules(sim):
         before = rng.standard_normal(3000).astype(np.float32)
         k.engine.encode_bf16_from_f32(before.view(np.uint32), (before * 1.001).view(np.uint32), (0x7FFF, 0x7FFF))
         k.engine.digests([rng.integers(0, 256, 5000, dtype=np.uint8)])
+        w = rng.integers(0, 1 << 16, (3, 70), dtype=np.uint16)
+        k.engine.lora_range(w, w ^ np.uint16(1), rng.standard_normal((70, 5)).astype(np.float32))
         assert in_source <= set(rt.launched), f"never launched under {schedule}: {sorted(in_source - set(rt.launched))}"

@@ -42,16 +42,22 @@ class LowRankConfig:
     error_feedback: bool = True  # aim each update at (trainer - served), so residuals are carried, not lost
     factor_dtype: str = "float32"  # dtype the factors travel in ("bfloat16" halves bytes; the mirror uses the same)
     seed: int = 0  # the range finder's random matrices are reproducible
+    # "auto": bf16 weights on a GPU get Y = (W_new - W_old) @ Omega from the cuda backend's kernel, which reads
+    # both matrices once without forming the difference (csrc/ws_lora.cuh); "torch": always a matmul
+    range_finder: str = "auto"
 
 
-def randomized_svd(m, rank: int, *, oversample: int = 8, power_iters: int = 2, generator=None):
-    """B [out, rank], A [rank, in] with B @ A close to the best rank-`rank` approximation of m (fp32)."""
+def randomized_svd(m, rank: int, *, oversample: int = 8, power_iters: int = 2, generator=None, range_finder=None):
+    """B [out, rank], A [rank, in] with B @ A close to the best rank-`rank` approximation of m (fp32).
+
+    range_finder(omega) -> m @ omega, when something computes it better than a matmul of m (the
+    cuda backend's kernel reads the two weights m is the difference of, see LowRankConfig)."""
     import torch
 
     m = m.float()
     k = min(rank + oversample, *m.shape)
     omega = torch.randn(m.shape[1], k, generator=generator, device=m.device, dtype=m.dtype)
-    q = torch.linalg.qr(m @ omega).Q
+    q = torch.linalg.qr(range_finder(omega) if range_finder is not None else m @ omega).Q
     for _ in range(power_iters):  # re-orthonormalise each half step so small singular values survive in fp32
         q = torch.linalg.qr(m @ torch.linalg.qr(m.t() @ q).Q).Q
     u, s, vh = torch.linalg.svd(q.t() @ m, full_matrices=False)
@@ -129,6 +135,8 @@ class LossyLowRankSender:
         self._dtype = getattr(torch, self.config.factor_dtype)
         self.report = Report()
         self._warned = False
+        self.range_kernels = None  # anything with lowrank_range(w_new, w_old, omega); None: the cuda backend, if any
+        self._cuda = False  # not looked up yet
 
     def _generator(self, device):
         import torch
@@ -168,7 +176,7 @@ class LossyLowRankSender:
             return {name: self.served[name]}  # small or non-float tensors travel whole and exact
         d = t32 - cur.float() if cfg.error_feedback else t32 - self._prev[name]
         b, a = randomized_svd(d, cfg.rank, oversample=cfg.oversample, power_iters=cfg.power_iters,
-                              generator=self._generator(cur.device))
+                              generator=self._generator(cur.device), range_finder=self._range_finder(cur, target))
         b, a = b.to(self._dtype), a.to(self._dtype)
         rep.factor_error[name] = relative_error(d, b, a)
         self.served[name] = merged(cur, b, a)
@@ -176,6 +184,33 @@ class LossyLowRankSender:
         n = float(t32.norm())
         rep.drift[name] = float((t32 - self.served[name].float()).norm()) / (n if n > 0 else 1.0)
         return {name + SUFFIX_A: a, name + SUFFIX_B: b}
+
+
+    def _range_finder(self, cur, target):
+        """omega -> (target - cur) @ omega by the kernel, where it applies: bf16 matrices, error feedback on."""
+        import torch
+
+        cfg = self.config
+        if cfg.range_finder != "auto" or not cfg.error_feedback or cur.dim() != 2:
+            return None
+        if cur.dtype != torch.bfloat16 or target.dtype != torch.bfloat16:
+            return None
+        k = self.range_kernels if self.range_kernels is not None else (self._cuda_kernels() if cur.is_cuda else None)
+        if k is None or not hasattr(k, "lowrank_range"):
+            return None
+        tgt = target.to(cur.device)
+        return lambda omega: k.lowrank_range(tgt, cur, omega)
+
+    def _cuda_kernels(self):
+        if self._cuda is False:
+            from .backends import kernels
+            from .errors import BackendUnavailable
+
+            try:
+                self._cuda = kernels("cuda")
+            except BackendUnavailable:
+                self._cuda = None
+        return self._cuda
 
 
 def apply_update(live: dict, update: dict) -> None:

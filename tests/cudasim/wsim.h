@@ -35,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <math.h>  // fmaf and friends, as CUDA's device math
 #include <type_traits>
 #include <utility>
 

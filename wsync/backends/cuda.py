@@ -56,6 +56,7 @@ INSTALL_HINT = "the GPU backend needs a CUDA driver and `pip install 'wsync[cuda
 NT = 256  # threads per block in every kernel (ws::NT)
 CHUNK_WORDS = CHUNK_ELEMS // 32  # mask words per chunk (ws::CHUNK_WORDS)
 ERR_ESCAPES, ERR_TABLE = 1, 2  # bits of err[1] (ws::ERR_*)
+LORA_KMAX = 32  # Omega columns per lora_range_bf16 pass (ws::LORA_KMAX)
 NO_ERROR = np.uint64(2**64 - 1)  # err[0] when no change lands outside its chunk
 ORDERS = ("float", "int", "uint")
 WIDTHS = {1: "u8", 2: "u16", 4: "u32", 8: "u64"}
@@ -335,6 +336,30 @@ class _Engine:
     def digests(self, bufs: list) -> list[str]:
         return [combine(d) for d in self.block_digests(bufs)]
 
+    # ---- the lowrank range finder --------------------------------------------------
+
+    def lora_range(self, w_new, w_old, omega):
+        """Y = (w_new - w_old) @ omega in fp32, from bf16 bit patterns w_* [m, n] (u16, row-major) and
+        fp32 omega [n, K], without forming the difference: one pass over the weights per 32 columns."""
+        xp = self.xp
+        if w_new.shape != w_old.shape or w_new.ndim != 2 or omega.ndim != 2 or omega.shape[0] != w_new.shape[1]:
+            raise ValueError(f"lora_range takes w [m, n] twice and omega [n, K]; got {w_new.shape}, {w_old.shape}, "
+                             f"{omega.shape}")
+        if w_new.dtype.itemsize != 2 or w_old.dtype.itemsize != 2 or omega.dtype != np.float32:
+            raise TypeError(f"lora_range takes bf16 bit patterns (2-byte) and an fp32 omega; got {w_new.dtype}, "
+                            f"{w_old.dtype}, {omega.dtype}")
+        m, n = w_new.shape
+        k = omega.shape[1]
+        y = xp.empty((m, k), dtype=np.float32)
+        if m == 0 or k == 0:
+            return y
+        a, b = xp.ascontiguousarray(w_new).view(np.uint16), xp.ascontiguousarray(w_old).view(np.uint16)
+        om = xp.ascontiguousarray(omega)
+        for c0 in range(0, k, LORA_KMAX):
+            self.rt.launch("lora_range_bf16", m, (a, b, om, np.uint64(n), np.uint32(k), np.uint32(c0),
+                                                  np.uint32(min(LORA_KMAX, k - c0)), y))
+        return y
+
     def _aligned(self, x, align: int):
         """x itself when its data is aligned, else an aligned copy (views with odd offsets are rare)."""
         return x if x.size == 0 or self.rt.ptr(x) % align == 0 else x.copy()
@@ -470,6 +495,24 @@ class CudaKernels(_KernelsOver):
             nan = nan_bits or self._torch_bf16_nan(master_after)
             sec = self.engine.encode_bf16_from_f32(self.rt.bits(master_before), self.rt.bits(master_after), nan)
             return self._device_sections(sec)
+
+    def lowrank_range(self, w_new, w_old, omega):
+        """(w_new - w_old) @ omega for two bf16 CUDA matrices [m, n] and an fp32 omega [n, K], without
+        materializing the difference (wsync.lowrank's range finder); a torch fp32 tensor [m, K] on their GPU."""
+        import torch
+
+        for name, t in (("w_new", w_new), ("w_old", w_old)):
+            if t.dtype != torch.bfloat16 or t.dim() != 2:
+                raise TypeError(f"lowrank_range: {name} must be a 2-D bfloat16 tensor, got {t.dtype} {tuple(t.shape)}")
+        if omega.dtype != torch.float32:
+            raise TypeError(f"lowrank_range: omega must be float32, got {omega.dtype}")
+        self._one_device("lowrank_range", w_new=w_new, w_old=w_old, omega=omega)
+        with self._on(w_new):
+            m, n = w_new.shape
+            a = self.rt.bits(w_new).reshape(m, n)
+            b = self.rt.bits(w_old).reshape(m, n)
+            om = self.rt.bits(omega.contiguous()).view(np.float32).reshape(omega.shape)
+            return torch.from_dlpack(self.engine.lora_range(a, b, om))
 
     # ---- helpers -------------------------------------------------------------------
 
