@@ -347,6 +347,7 @@ def vllm_moe_engine(rank: int, m: int, n: int, ports: tuple, tmp: str, out, vers
             ok = sub.version == v and want.keys() == tensors.keys() and all(
                 np.array_equal(tensors[k].view(torch.uint16).numpy(), w) for k, w in want.items())
             ok = ok and _experts_by_index(rank, n, tensors, ref)
+            ok = ok and all(c._tables is not None for c in sub.stage._live_tables.values())  # one call per dtype
         out.put(("engine", rank, v, ok))
         open(os.path.join(tmp, f"checked{v}-{rank}"), "w").close()
     sub.close()

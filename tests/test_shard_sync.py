@@ -107,6 +107,7 @@ def test_versions_commit_bit_exact_on_every_engine_rank(groups, m, n, engine):
         _commit(g, v)
     # (e) a trainer rank allocates and sends only its pieces: never a parameter it does not own
     for t, pub in enumerate(g.pubs):
+        assert all(c._tables is not None for c in pub._src.values())  # copied and hashed by one call per dtype
         mine = piece_bytes(g.plan.for_trainer(t))
         stats = pub.stats()
         held = {h.name: h.box for h in g.plan.trainer.held if h.rank == t}

@@ -26,10 +26,11 @@ steps through their deltas anyway). ``abort`` names, per rank, the trainer
 ranks whose pieces staged wrong; only those ask for a keyframe (a rank whose
 staging verified keeps it, and the next delta applies on top of it).
 
-Digests are defined once, in rounds.py, from per-piece checksums (wsync.checksum of the
-piece's bytes): ``partial`` folds the (piece key, checksum) pairs one trainer
-rank sends one engine rank, ``rank_digest`` folds a rank's partials by trainer
-rank, ``engine_digest`` folds the ranks' digests. Trainer and engine ranks
+Digests are defined once, in rounds.py: ``partial`` folds the checksums of
+the pieces one trainer rank sends one engine rank, hashed as one stream per
+bits dtype in piece-key order (streams.py: one multi-tensor call, not one per
+piece), ``rank_digest`` folds a rank's partials by trainer rank,
+``engine_digest`` folds the ranks' digests. Trainer and engine ranks
 compute partials independently; so neither side needs anyone's whole state.
 """
 from __future__ import annotations

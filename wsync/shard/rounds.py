@@ -19,7 +19,8 @@ def _fold(pairs) -> str:
 
 
 def partial_digest(sums: dict[str, str]) -> str:
-    """One (trainer rank, engine rank) pair's pieces: their keys and checksums."""
+    """One (trainer rank, engine rank) pair's pieces: the checksum of each bits dtype's stream of them
+    (streams.STREAM + dtype -> checksum; see streams.py)."""
     return _fold(sums.items())
 
 

@@ -23,6 +23,8 @@ from ..engines.shadow import Shadow
 from ..errors import MismatchError
 from ..snapshot import to_bits, to_torch
 from ..subscriber import Subscriber
+from . import streams
+from .layout import box_numel
 from .rounds import partial_digest
 
 log = logging.getLogger("wsync.shard")
@@ -86,7 +88,12 @@ class Stage:
             raise MismatchError(f"no publisher address for trainer ranks {missing}, which send this rank pieces")
         self.kernels = backends.kernels(backend)
         self.lock = threading.RLock()  # held while live tensors are written: a forward pass holds it too
-        self._live_sums: dict[str, str] = {}  # piece key -> checksum of what the live tensor holds there
+        # per source: its pieces in the order the trainer rank hashed them, and Tables of their staged bytes and
+        # of their boxes in the live tensors (one multi-tensor call per source and dtype, not one per piece)
+        self.order = {s: streams.ordered(pieces) for s, pieces in self.by_src.items()}
+        self._staged_tables = {s: streams.Cache() for s in self.by_src}
+        self._live_tables = {s: streams.Cache() for s in self.by_src}
+        self._live_sums: dict[int, dict[str, str]] = {}  # source -> checksums of what the live tensors hold of it
         self.sources: dict[int, Source] = {}
         for s in sorted(self.by_src):
             tell = None if progress is None else (lambda *a, s=s: progress(s, *a))
@@ -108,28 +115,54 @@ class Stage:
         return "waiting", None
 
     def staged_sums(self) -> dict[int, dict[str, str]]:
-        """trainer rank -> piece key -> checksum of the staged bytes (read again, so a staged buffer changed
-        after its Subscriber verified it is caught)."""
-        out = {}
-        for s, pieces in self.by_src.items():
-            state = self.sources[s].engine.state
-            out[s] = {p.key: self.kernels.checksum(state[p.key].bits) for p in pieces}
-        return out
+        """trainer rank -> the checksums of its staged pieces as one stream per dtype (read again, so a staged
+        buffer changed after its Subscriber verified it is caught)."""
+        return {s: streams.sums(self.kernels, self._staged(s)) for s in self.by_src}
 
     def commit(self, staged: dict[int, dict[str, str]]) -> dict[int, str]:
-        """Copy every staged piece whose bytes differ from what the live tensor holds, then return the partial
-        digests of what the live tensors hold (each piece read back from them)."""
+        """Copy every source's staged pieces whose bytes differ from what the live tensors hold, then return the
+        partial digests of what the live tensors hold (read back from them)."""
         live = {}
         with self.lock:
-            for s, pieces in self.by_src.items():
-                state = self.sources[s].engine.state
-                for p in pieces:
-                    if self._live_sums.get(p.key) != staged[s][p.key]:
+            for s in self.by_src:
+                if self._live_sums.get(s) == staged[s]:
+                    live[s] = partial_digest(self._live_sums[s])
+                    continue
+                dst = self._live(s)
+                if dst is not None:  # one multi-tensor copy per dtype into the live tensors' boxes
+                    streams.copy_sums(self.kernels, self._staged(s), dst)
+                else:  # a live tensor that is not a contiguous CPU tensor: a copy per piece
+                    state = self.sources[s].engine.state
+                    for p in self.order[s]:
                         self.tensors[p.dst_name][_slices(p.dst)].copy_(to_torch(state[p.key]))
-                for p in pieces:
-                    bits = to_bits(self.tensors[p.dst_name][_slices(p.dst)]).bits
-                    self._live_sums[p.key] = live.setdefault(s, {})[p.key] = self.kernels.checksum(bits)
-        return {s: partial_digest(sums) for s, sums in live.items()}
+                self._live_sums[s] = self._read_live(s, dst)
+                live[s] = partial_digest(self._live_sums[s])
+        return live
+
+    def _staged(self, s: int) -> dict:
+        state = self.sources[s].engine.state
+        where = tuple(id(state[p.key].bits) if p.key in state else None for p in self.order[s])
+        if None in where:
+            raise MismatchError(f"trainer rank {s} staged no piece {self.order[s][where.index(None)].key}")
+        return self._staged_tables[s].get(where, lambda: streams.tables(
+            (state[p.key].bits.reshape(-1), ((0, state[p.key].bits.size),)) for p in self.order[s]))
+
+    def _live(self, s: int) -> dict | None:
+        """Tables of source s's boxes in the live tensors, or None if one is not a contiguous CPU tensor."""
+        where = tuple((n, t.data_ptr()) for n, t in self.tensors.items())
+
+        def build():
+            views = {n: streams.bits_view(t) for n, t in self.tensors.items()}
+            if any(views[p.dst_name] is None for p in self.order[s]):
+                return None
+            return streams.tables((views[p.dst_name], p.dst) for p in self.order[s])
+        return self._live_tables[s].get(where, build)
+
+    def _read_live(self, s: int, tables) -> dict[str, str]:
+        if tables is None:  # read each box out (a copy), then hash the copies as one stream
+            tables = streams.tables((to_bits(self.tensors[p.dst_name][_slices(p.dst)]).bits,
+                                     ((0, box_numel(p.dst)),)) for p in self.order[s])
+        return streams.sums(self.kernels, tables)
 
     def keyframe(self, srcs) -> None:
         """These sources staged something wrong: start them over from a keyframe, and rewrite their pieces."""
@@ -137,8 +170,7 @@ class Stage:
             if s in self.sources:
                 log.warning("pieces from trainer rank %d staged wrong; asking it for a keyframe", s)
                 self.sources[s].restart()
-                for p in self.by_src[s]:
-                    self._live_sums.pop(p.key, None)
+                self._live_sums.pop(s, None)
 
     def received_bytes(self) -> int:
         return sum(src.stats_snapshot()["bytes"] for src in self.sources.values())

@@ -30,8 +30,10 @@ import time
 from .. import backends
 from ..layout import bind
 from ..sync import Publisher
+from . import streams
 from .commit import Coordinator, SettleTimeout
 from .engine import ShardSubscriber  # the engine side: one module to import
+from .layout import box_shape, full_box
 from .member import Member, digests_doc
 from .rounds import partial_digest
 from .stage import _slices
@@ -66,6 +68,11 @@ class ShardPublisher:
         self.buffers = {r: buffers_for(plan, pieces) for r, pieces in self.sends.items()}
         self._names = sorted({p.src_name for pieces in self.sends.values() for p in pieces})
         self._bound = {r: bind(bufs) for r, bufs in self.buffers.items()}
+        # each destination's pieces as one stream: a buffer per piece, in the order the engine rank hashes them
+        self._order = {r: streams.ordered(pieces) for r, pieces in self.sends.items()}
+        self._dst = {r: streams.tables((streams.bits_view(self.buffers[r][p.key]), full_box(box_shape(p.src)))
+                                       for p in order) for r, order in self._order.items()}
+        self._src = {r: streams.Cache() for r in self.sends}
         self.publishers: dict[int, Publisher] = {}
         self._cv = threading.Condition()
         self.settled: list[dict] = []  # the coordinator's outcomes, oldest first
@@ -93,15 +100,27 @@ class ShardPublisher:
         import torch
 
         partials, local = {}, trainer_locals(self.plan, self.rank, local_tensors, self._names)
-        for r, pieces in self.sends.items():
-            bound, bufs, sums = self._bound[r], self.buffers[r], {}
-            with torch.no_grad():  # the trainer's parameters require grad; a copy of them need not
-                for p in pieces:
-                    bufs[p.key].copy_(local[p.src_name][_slices(p.local)])
-                    sums[p.key] = self.kernels.checksum(bound[p.key].bits)
+        where = tuple((n, t.data_ptr(), tuple(t.stride()), t.dtype) for n, t in local.items())
+        for r, order in self._order.items():
+            src = self._src[r].get(where, lambda: self._src_tables(local, order))
+            if src is not None:  # one multi-tensor copy-and-hash of every piece for this engine rank
+                sums = streams.copy_sums(self.kernels, src, self._dst[r])
+            else:  # a local tensor that is not a contiguous CPU tensor: a copy per piece, then one hash
+                bufs = self.buffers[r]
+                with torch.no_grad():  # the trainer's parameters require grad; a copy of them need not
+                    for p in order:
+                        bufs[p.key].copy_(local[p.src_name][_slices(p.local)])
+                sums = streams.sums(self.kernels, self._dst[r])
             partials[r] = partial_digest(sums)
-            self.publishers[r].publish(bound, version)
+            self.publishers[r].publish(self._bound[r], version)
         self.member.send("published", {"version": version, "partials": digests_doc(partials)})
+
+    @staticmethod
+    def _src_tables(local: dict, order) -> dict | None:
+        views = {n: streams.bits_view(t) for n, t in local.items()}
+        if any(v is None for v in views.values()):
+            return None
+        return streams.tables((views[p.src_name], p.local) for p in order)
 
     def wait(self, version: int, timeout: float | None = None) -> dict:
         """The coordinator's outcome for `version` or the newer version its round was for: a dict with
