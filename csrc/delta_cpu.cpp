@@ -16,6 +16,7 @@
 
 #include "checksum_kernels.h"
 #include "delta_kernels.h"
+#include "ws_lora.cuh"  // the lowrank range finder, shared with the CUDA kernel
 
 namespace {
 
@@ -531,6 +532,32 @@ PyObject* py_put(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// Y [m, k] fp32 = (w_new - w_old) @ omega, from bf16 patterns w_* [m, n] and fp32 omega [n, k], rows in parallel
+// (wsync.lowrank's range finder; the twin of lora_range_bf16 in csrc/delta_cuda.cu).
+PyObject* py_lora_range(PyObject*, PyObject* args) {
+  PyObject *a_obj, *b_obj, *om_obj, *y_obj;
+  long long m, n, k;
+  if (!PyArg_ParseTuple(args, "OOOOLLL:lora_range", &a_obj, &b_obj, &om_obj, &y_obj, &m, &n, &k)) return nullptr;
+  Buffer a, b, om, y;
+  if (!a.get(a_obj) || !b.get(b_obj) || !om.get(om_obj) || !y.get(y_obj, true)) return nullptr;
+  if (m < 0 || n < 0 || k < 0 || a.size() != 2 * m * n || b.size() != 2 * m * n || om.size() != 4 * n * k ||
+      y.size() != 4 * m * k) {
+    PyErr_Format(PyExc_ValueError, "lora_range: buffers of %lld, %lld, %lld, %lld bytes for m=%lld n=%lld k=%lld",
+                 (long long)a.size(), (long long)b.size(), (long long)om.size(), (long long)y.size(), m, n, k);
+    return nullptr;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  const auto* pa = reinterpret_cast<const ws::u16*>(a.data());
+  const auto* pb = reinterpret_cast<const ws::u16*>(b.data());
+  const auto* po = reinterpret_cast<const float*>(om.data());
+  auto* py = reinterpret_cast<float*>(y.writable_data());
+  wsync::parallel_for(m, 1, [&](int64_t r) {
+    ws::lora_range_row_host(pa + r * n, pb + r * n, po, ws::u64(n), ws::u32(k), py + r * k);
+  });
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
 // ---- module -----------------------------------------------------------------
 
 PyMethodDef methods[] = {
@@ -558,6 +585,8 @@ PyMethodDef methods[] = {
     {"put", py_put, METH_VARARGS,
      "put(bits, positions, values, width) -> None: bits[positions[k]] = values[k] (int64 positions in any order,\n"
      "each checked to lie in bits before anything is written; ValueError otherwise)."},
+    {"lora_range", py_lora_range, METH_VARARGS,
+     "lora_range(w_new, w_old, omega, y, m, n, k) -> None: y = (w_new - w_old) @ omega (bf16 patterns, fp32)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -65,6 +65,19 @@ __device__ __forceinline__ void lora_range_row(const u16* __restrict__ w_new, co
         y[row * ld + c0 + threadIdx.x] = s;
     }
 }
+#else
+// The C++ twin (wsync._cpu.lora_range): row y_row [ld] = (a - b) @ omega for one row a, b [n]. The same
+// per-element arithmetic, summed left to right per column instead of in the GPU's tree; the loop over columns
+// is what the compiler vectorizes.
+static inline void lora_range_row_host(const u16* a, const u16* b, const float* omega, u64 n, u32 ld, float* y_row) {
+    for (u32 c = 0; c < ld; ++c) y_row[c] = 0.0f;
+    for (u64 j = 0; j < n; ++j) {
+        const float d = bf16_to_f32(a[j]) - bf16_to_f32(b[j]);
+        if (d == 0.0f) continue;
+        const float* om = omega + j * ld;
+        for (u32 c = 0; c < ld; ++c) y_row[c] += d * om[c];
+    }
+}
 #endif
 
 }  // namespace ws

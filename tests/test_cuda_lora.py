@@ -133,3 +133,52 @@ def test_lowrank_keeps_torch_where_the_kernel_does_not_apply(sim):
     s.range_kernels = rng = SimRange(sim)
     s.step({"w": served["w"] + 1e-3})
     assert rng.calls == 0
+
+
+# ---- the C++ twin (wsync._cpu.lora_range) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels():
+    from wsync.backends.cpu import CpuKernels
+    from wsync.errors import BackendUnavailable
+
+    try:
+        return CpuKernels()
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("m,n,k,density", [(37, 1000, 24, 0.3), (5, 300, 1, 1.0), (9, 257, 40, 0.05), (0, 5, 3, 1.0)])
+def test_cpp_twin_within_the_bound(cpu_kernels, m, n, k, density):
+    new, old = bf16_pair(m, n, density, seed=m + n + k)
+    omega = torch.randn(n, k, generator=torch.Generator().manual_seed(k))
+    y = cpu_kernels.lowrank_range(new, old, omega)
+    assert y.shape == (m, k) and y.dtype == torch.float32
+    check_bound(y.numpy(), new, old, omega)
+
+
+def test_cpp_twin_and_kernel_agree(sim, cpu_kernels):
+    new, old = bf16_pair(16, 3000, 0.2, seed=8)
+    omega = torch.randn(3000, 24, generator=torch.Generator().manual_seed(8))
+    gpu = cuda._Engine(cudasim.SimRuntime(sim, "random", seed=8)).lora_range(u16(new), u16(old), omega.numpy())
+    cpp = cpu_kernels.lowrank_range(new, old, omega).numpy()
+    check_bound(gpu, new, old, omega)
+    check_bound(cpp, new, old, omega)
+
+
+def test_cpp_twin_refuses_wrong_inputs(cpu_kernels):
+    with pytest.raises(TypeError, match="bf16"):
+        cpu_kernels.lowrank_range(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(3, 4))
+
+
+def test_lowrank_takes_the_cpu_backend_for_host_bf16_weights(cpu_kernels, monkeypatch):
+    from wsync.lowrank import LossyLowRankSender
+
+    calls = []
+    real = type(cpu_kernels).lowrank_range
+    monkeypatch.setattr(type(cpu_kernels), "lowrank_range", lambda self, *a: calls.append(1) or real(self, *a))
+    served = {"w": (torch.randn(48, 64, generator=torch.Generator().manual_seed(9)) * 0.02).to(torch.bfloat16)}
+    s = LossyLowRankSender(served, rank=4, power_iters=0)
+    s.step({"w": (served["w"].float() + 1e-3).to(torch.bfloat16)})
+    assert calls == [1]

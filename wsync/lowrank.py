@@ -42,8 +42,9 @@ class LowRankConfig:
     error_feedback: bool = True  # aim each update at (trainer - served), so residuals are carried, not lost
     factor_dtype: str = "float32"  # dtype the factors travel in ("bfloat16" halves bytes; the mirror uses the same)
     seed: int = 0  # the range finder's random matrices are reproducible
-    # "auto": bf16 weights on a GPU get Y = (W_new - W_old) @ Omega from the cuda backend's kernel, which reads
-    # both matrices once without forming the difference (csrc/ws_lora.cuh); "torch": always a matmul
+    # "auto": bf16 weights get Y = (W_new - W_old) @ Omega from the kernel of their device's backend (cuda on a
+    # GPU, the C++ cpu backend on the host), which reads both once without forming the difference
+    # (csrc/ws_lora.cuh); "torch": always a matmul
     range_finder: str = "auto"
 
 
@@ -135,8 +136,8 @@ class LossyLowRankSender:
         self._dtype = getattr(torch, self.config.factor_dtype)
         self.report = Report()
         self._warned = False
-        self.range_kernels = None  # anything with lowrank_range(w_new, w_old, omega); None: the cuda backend, if any
-        self._cuda = False  # not looked up yet
+        self.range_kernels = None  # anything with lowrank_range(w_new, w_old, omega); None: the backend's, if any
+        self._backends: dict = {}  # "cuda" / "cpu" -> kernels, or None where unavailable
 
     def _generator(self, device):
         import torch
@@ -195,22 +196,23 @@ class LossyLowRankSender:
             return None
         if cur.dtype != torch.bfloat16 or target.dtype != torch.bfloat16:
             return None
-        k = self.range_kernels if self.range_kernels is not None else (self._cuda_kernels() if cur.is_cuda else None)
+        k = self.range_kernels if self.range_kernels is not None else self._backend_kernels("cuda" if cur.is_cuda else "cpu")
         if k is None or not hasattr(k, "lowrank_range"):
             return None
         tgt = target.to(cur.device)
         return lambda omega: k.lowrank_range(tgt, cur, omega)
 
-    def _cuda_kernels(self):
-        if self._cuda is False:
+    def _backend_kernels(self, name: str):
+        """The named backend's kernels (cuda for GPU weights, the C++ cpu backend for host ones), or None."""
+        if name not in self._backends:
             from .backends import kernels
             from .errors import BackendUnavailable
 
             try:
-                self._cuda = kernels("cuda")
+                self._backends[name] = kernels(name)
             except BackendUnavailable:
-                self._cuda = None
-        return self._cuda
+                self._backends[name] = None
+        return self._backends[name]
 
 
 def apply_update(live: dict, update: dict) -> None:

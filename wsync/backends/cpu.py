@@ -102,6 +102,23 @@ class CpuKernels(Composed):
     def checksum(self, buf) -> str:
         return f"{self._cpu.checksum(_arg(buf)):016x}"
 
+    def lowrank_range(self, w_new, w_old, omega):
+        """(w_new - w_old) @ omega for two bf16 CPU tensors [m, n] and fp32 omega [n, K], without forming the
+        difference (wsync.lowrank's range finder; the C++ twin of the CUDA kernel, csrc/ws_lora.cuh)."""
+        import torch
+
+        if w_new.dtype != torch.bfloat16 or w_old.dtype != torch.bfloat16 or w_new.shape != w_old.shape \
+                or w_new.dim() != 2 or omega.dtype != torch.float32 or omega.shape[0] != w_new.shape[1]:
+            raise TypeError(f"lowrank_range takes two bf16 [m, n] and an fp32 [n, K]; got {w_new.dtype} "
+                            f"{tuple(w_new.shape)}, {w_old.dtype} {tuple(w_old.shape)}, {omega.dtype} {tuple(omega.shape)}")
+        (m, n), k = w_new.shape, omega.shape[1]
+        a = w_new.detach().contiguous().view(torch.int16).numpy()
+        b = w_old.detach().contiguous().view(torch.int16).numpy()
+        om = omega.detach().contiguous().numpy()
+        y = np.empty((m, k), dtype=np.float32)
+        self._cpu.lora_range(a, b, om, y, m, n, k)
+        return torch.from_numpy(y)
+
     # The fused operations of the Kernels protocol, each one pass over the
     # tensor where Composed's take two or three (wsync/bench/kernels.py
     # measures what that is worth end to end).
