@@ -2,6 +2,7 @@
 
     python -m trainer.bench --steps 120 --repeats 2                        # -> ~/.cache/wsync/results/
     python -m trainer.bench --steps 120 --repeats 2 --out benchmarks/results  # a run to commit
+    python -m trainer.bench --ray --steps 40 --repeats 1                   # the same on a local Ray cluster
 
 Runs the same configuration (same seed, task, policy, batch) once per mode,
 alternating sync and async so that background load on a shared machine hits
@@ -68,8 +69,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None,
                    help="folder for the .json and .png (default ~/.cache/wsync/results; benchmarks/results for a run "
                         "to commit)")
+    p.add_argument("--ray", action="store_true",
+                   help="also on a Ray cluster: sync and async on Ray beside the one-host loop (trainer/ray_bench.py)")
+    p.add_argument("--address", default=None, help="with --ray: a running Ray cluster (default: start a local one)")
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # see trainer.cli: before any OpenMP pool starts
+    if a.ray:
+        from .ray_bench import main as on_ray
+
+        return on_ray(a, argv)
 
     from wsync.bench.hardware import default_results_dir, describe, one_line, stem
 

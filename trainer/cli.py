@@ -52,8 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="nucleus sampling: keep the likeliest tokens up to this probability mass (default 1.0: all)")
     p.add_argument("--kv-cache", choices=["keep", "recompute"], default="keep",
                    help="in-flight sequences' KV cache after a weight update (default keep)")
-    p.add_argument("--address", default="tcp://127.0.0.1:0",
-                   help="publisher address, tcp://HOST:PORT or local://NAME (default tcp://127.0.0.1:0, a free port)")
+    p.add_argument("--address", default=None,
+                   help="publisher address, tcp://HOST:PORT or local://NAME (default tcp://127.0.0.1:0, a free port); "
+                        "with --ray: the Ray cluster to join, auto or HOST:PORT (default: start a local cluster)")
+    p.add_argument("--ray", action="store_true",
+                   help="run on Ray: the trainer as FSDP2 ranks of one actor group, samplers as actors on other "
+                        "nodes, weights over wsync tcp (docs/ray.md)")
+    p.add_argument("--trainer-ranks", type=int, default=2, help="with --ray: FSDP2 ranks of the trainer (default 2)")
+    p.add_argument("--publish-port", type=int, default=0,
+                   help="with --ray: the tcp port samplers fetch weights from on the trainer node (default 0: any free)")
     p.add_argument("--codec", choices=["delta", "raw"], default="delta",
                    help="delta: only what changed each step; raw: whole weights every step (default delta)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the model, prompts and sampling (default 0)")
@@ -76,12 +83,22 @@ def config_from_args(a):
                       tail_alpha=a.tail_alpha)
     return LoopConfig(
         mode=a.mode, max_staleness=a.max_staleness, steps=a.steps, seconds=a.seconds, samplers=a.samplers,
-        group_size=a.group_size, batch_groups=a.batch_groups, seed=a.seed, address=a.address, codec=a.codec,
+        group_size=a.group_size, batch_groups=a.batch_groups, seed=a.seed, codec=a.codec,
+        address=a.address if a.address and not getattr(a, "ray", False) else "tcp://127.0.0.1:0",
         metrics_port=a.metrics_port,
         progress=not a.quiet, task=task, grpo=GRPOConfig(lr=a.lr, is_cap=a.is_cap),
         decode=DecodeConfig(slots=a.slots, temperature=a.temperature, top_p=a.top_p, kv_cache=a.kv_cache,
                             refill_at=a.refill_at),
     )
+
+
+def ray_config_from_args(a):
+    """False without --ray, else the RayConfig the flags make."""
+    if not getattr(a, "ray", False):
+        return False
+    from .ray_loop import RayConfig
+
+    return RayConfig(address=a.address, trainer_ranks=a.trainer_ranks, publish_port=a.publish_port)
 
 
 def run_from_args(a, prog: str = "wsync loop") -> dict:
@@ -92,8 +109,16 @@ def run_from_args(a, prog: str = "wsync loop") -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from .loop import run
     from .metrics import plot
+    from .ray_loop import TrainerFailed  # imports no ray
 
-    result = run(config_from_args(a))
+    try:
+        result = run(config_from_args(a), ray=ray_config_from_args(a))
+    except TrainerFailed as e:
+        print(f"{prog}: {e}", file=sys.stderr)  # what each sampler still serves
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(e.result.summary, indent=1))
+        raise SystemExit(1) from None
     s = result.summary
     s["command"] = " ".join([prog, *getattr(a, "argv", [])])
     png = a.png or (a.json.with_suffix(".png") if a.json else None)

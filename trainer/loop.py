@@ -306,6 +306,13 @@ def _sync_summary(pub: dict, samplers: dict) -> dict:
     }
 
 
-def run(cfg: LoopConfig) -> Result:
-    """Run the loop until its step or time budget is spent; returns the summary (and test extras)."""
+def run(cfg: LoopConfig, ray=False) -> Result:
+    """Run the loop until its step or time budget is spent; returns the summary (and test extras).
+
+    ray=True (or a trainer.ray_loop.RayConfig): the trainer as a Ray actor group and the samplers as actors on
+    other nodes (trainer/ray_loop.py); the default runs the samplers as processes of this machine."""
+    if ray:
+        from .ray_loop import run_on_ray
+
+        return run_on_ray(cfg, ray)
     return Driver(cfg).run()

@@ -38,7 +38,6 @@ class Worker:
 
     def __init__(self, index: int, cfg: SamplerConfig, address: str, token: bytes, tickets, results, stop):
         import torch
-        import wsync
         from wsync.engines import HF
 
         from .policy import build
@@ -46,13 +45,19 @@ class Worker:
         torch.set_num_threads(cfg.threads)
         self.index, self.cfg, self.tickets, self.results, self.stop = index, cfg, tickets, results, stop
         self.model = build(cfg.policy)
-        self.sub = wsync.Subscriber(address, engine=HF(self.model), token=token, apply="poll",
+        self.sub = self._subscriber(address, engine=HF(self.model), token=token, apply="poll",
                                     metrics_port=metrics_port(cfg.metrics_port, index))
         self.decoder = Decoder(self.model, cfg.decode, seed=cfg.seed * 1000 + index)
         self.groups: dict[int, dict] = {}  # group id -> ticket and its finished samples
         self.held = None  # a ticket taken from the queue that waits for free slots or a newer version
         self.clock = {"decode_s": 0.0, "no_work_s": 0.0, "wait_version_s": 0.0, "queue_full_s": 0.0, "apply_s": 0.0}
         self.count = {"steps": 0, "tokens": 0, "sequences": 0, "versions_applied": 0}
+
+    def _subscriber(self, address: str, **kw):
+        """The wsync Subscriber this worker follows the trainer with (the Ray sampler's records each version)."""
+        import wsync
+
+        return wsync.Subscriber(address, **kw)
 
     def run(self) -> None:
         t = time.perf_counter()
