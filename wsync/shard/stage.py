@@ -20,9 +20,10 @@ import threading
 
 from .. import backends
 from ..engines.shadow import Shadow
-from ..errors import MismatchError
+from ..errors import MismatchError, TransportError
 from ..snapshot import to_bits, to_torch
 from ..subscriber import Subscriber
+from ..transports.base import parse_address
 from . import streams
 from .layout import box_numel
 from .rounds import partial_digest
@@ -70,6 +71,28 @@ class Source(Subscriber):
             self._lost()
 
 
+DATA_SCHEMES = ("tcp", "ucx", "local")  # what a pair's Publisher may listen on (sync.TRANSPORTS)
+
+
+def data_scheme(address: str) -> str:
+    """The transport of a pair's Publisher address, as the coordinator's book gave it (so: checked here)."""
+    try:
+        scheme = parse_address(address).scheme
+    except ValueError as e:
+        raise TransportError(f"trainer publisher address {address!r:.80}: {e}") from None
+    if scheme not in DATA_SCHEMES:
+        raise TransportError(f"trainer publisher address {address!r:.80}: a pair's pieces travel over "
+                             f"{', '.join(DATA_SCHEMES)}, not {scheme}")
+    return scheme
+
+
+def data_token(where: str, token):
+    """The token for a pair's link over `where` (a transport name or an address): tcp authenticates with it;
+    ucx and local take none (their options have no token)."""
+    scheme = data_scheme(where) if "://" in where else where
+    return token if scheme == "tcp" else None
+
+
 def _slices(box) -> tuple:
     return tuple(slice(a, b) for a, b in box)
 
@@ -86,6 +109,8 @@ class Stage:
         missing = sorted(set(self.by_src) - set(addresses))
         if missing:
             raise MismatchError(f"no publisher address for trainer ranks {missing}, which send this rank pieces")
+        for s in self.by_src:
+            data_scheme(addresses[s])
         self.kernels = backends.kernels(backend)
         self.lock = threading.RLock()  # held while live tensors are written: a forward pass holds it too
         # per source: its pieces in the order the trainer rank hashed them, and Tables of their staged bytes and
@@ -97,7 +122,7 @@ class Stage:
         self.sources: dict[int, Source] = {}
         for s in sorted(self.by_src):
             tell = None if progress is None else (lambda *a, s=s: progress(s, *a))
-            self.sources[s] = Source(addresses[s], engine=Shadow(), token=token, apply="poll", backend=backend,
+            self.sources[s] = Source(addresses[s], engine=Shadow(), token=data_token(addresses[s], token), apply="poll", backend=backend,
                                      connect_opts=connect_opts, progress=tell)
             self.sources[s].on_staged = on_staged
 

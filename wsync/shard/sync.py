@@ -23,7 +23,10 @@ Engine side: see stage.py (staging per source) and commit.py (the rounds).
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import secrets
 import threading
 import time
 
@@ -36,30 +39,68 @@ from .engine import ShardSubscriber  # the engine side: one module to import
 from .layout import box_shape, full_box
 from .member import Member, digests_doc
 from .rounds import partial_digest
-from .stage import _slices
+from .stage import _slices, data_token
 from .tensors import buffers_for, trainer_locals
 
-__all__ = ["ShardPublisher", "ShardSubscriber", "SettleTimeout"]
+__all__ = ["ShardPublisher", "ShardSubscriber", "SettleTimeout", "TRANSPORTS"]
 log = logging.getLogger("wsync.shard")
+
+TRANSPORTS = ("tcp", "ucx", "local")  # what a (trainer, engine) pair's Publisher may listen on
+
+
+def data_address(transport: str, host: str, tag: str | None) -> str:
+    """The address a pair's Publisher listens on (tag None: check the transport once, and warn, per trainer rank).
+
+    tcp://host:0 and ucx://host:0 take a free port (the listener fills it in); local://NAME takes a fresh name
+    (pid and random bits: two groups on one host never collide), so its engine ranks must run on this host as this
+    user (local's rendezvous directory is 0700, its peers checked by uid). Only tcp takes the token: ucx and
+    local have no token option, so on them the pieces are not authenticated in transit (their per-version
+    checksums still are compared with the trainers' over the coordinator link, which is tcp with the token) and
+    a ucx Publisher beyond loopback serves anyone who reaches its port: a warning says so.
+
+    gloo/nccl are refused: their listener forms one group, once (torchdist.GroupListener.accept returns None
+    after that), and the group is lockstep. A pair's Publisher is meant to outlive its engine rank: a restarted
+    rank dials the same address and takes a keyframe (catch-up). Over gloo/nccl it could never rejoin; every
+    restart would need a new listener, a new address and a new address book, which is not built."""
+    if transport in ("gloo", "nccl"):
+        raise ValueError(f"transport {transport!r} does not fit a Publisher per (trainer, engine) pair: its listener "
+                         f"forms one lockstep group once, so a restarted engine rank could never rejoin; "
+                         f"use one of {', '.join(TRANSPORTS)}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if transport == "local":
+        return f"local://ws-{os.getpid()}-{secrets.token_hex(4)}-{tag}"
+    if transport == "ucx" and tag is None:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            log.warning("ucx Publishers on %s are not authenticated (the token guards the coordinator link only): "
+                        "anyone who reaches their ports can subscribe and read this rank's pieces", host)
+    return f"{transport}://{host}:0"
 
 
 class ShardPublisher:
     """Trainer rank `rank` of `plan`: publishes its pieces to the engine ranks that need them.
 
     coordinator: the coordinator's address; with host_coordinator=True this rank runs it there (port 0: any
-    free port, then read ``coordinator_address``). host: where this rank's Publishers listen, one per engine
-    rank it sends to, on free ports (engine ranks learn them from the coordinator). timeout: seconds a round
+    free port, then read ``coordinator_address``). transport: what this rank's Publishers listen on, one per engine
+    rank it sends to: "tcp" (the default), "ucx" or "local" (see ``data_address``); engine ranks dial the addresses
+    they are given (the coordinator's address book). The coordinator link is tcp whatever this says. host: where
+    tcp and ucx Publishers listen, on free ports; local ones take a fresh name each. timeout: seconds a round
     may wait for every engine rank to be ready; connect_timeout: seconds to reach the coordinator (the constructor
     waits: a version published before would get no round). publisher_config: wsync.Publisher's (codec, ...).
     """
 
     def __init__(self, plan, rank: int, *, coordinator: str, host_coordinator: bool = False, token=None,
-                 host: str = "127.0.0.1", timeout: float = 60.0, backend: str | None = None,
+                 host: str = "127.0.0.1", transport: str = "tcp", timeout: float = 60.0, backend: str | None = None,
                  listen_opts: dict | None = None, link_opts: dict | None = None, connect_timeout: float = 60.0,
                  **publisher_config):
         if not (isinstance(rank, int) and 0 <= rank < plan.trainer.ranks):
             raise ValueError(f"trainer rank must be in [0, {plan.trainer.ranks}), got {rank!r}")
-        self.plan, self.rank = plan, rank
+        data_address(transport, host, None)  # a bad transport fails before anything listens
+        self.plan, self.rank, self.transport = plan, rank, transport
         self.sends = plan.sends(rank)  # engine rank -> this rank's pieces for it
         self.kernels = backends.kernels(backend)
         self.coordinator = Coordinator(plan, coordinator, token=token, timeout=timeout, link_opts=link_opts) \
@@ -78,7 +119,8 @@ class ShardPublisher:
         self.settled: list[dict] = []  # the coordinator's outcomes, oldest first
         try:
             for r in self.sends:
-                self.publishers[r] = Publisher(f"tcp://{host}:0", token=token, listen_opts=listen_opts,
+                self.publishers[r] = Publisher(data_address(transport, host, f"t{rank}e{r}"),
+                                               token=data_token(transport, token), listen_opts=listen_opts,
                                                backend=backend, **publisher_config)
             self.addresses = {r: pub.address for r, pub in self.publishers.items()}
             join = {"role": "trainer", "rank": rank, "plan": plan.hash, "addresses": digests_doc(self.addresses)}

@@ -1,0 +1,90 @@
+"""Sharded sync (issue 19) over the other transports: a pair's Publisher on ucx:// or local://, not tcp.
+
+The same group as test_shard_sync.py (2 trainer ranks in this process, 2 engine-rank processes, the coordinator
+on trainer rank 0 over tcp with the token); only the (trainer, engine) pairs' Publishers listen on the transport
+under test, and engine ranks dial what the coordinator's address book says. After every commit each engine rank
+compares every local tensor, as uint16 bit patterns (its bytes), with the unsharded reference sliced by the layout.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from shard_helpers import TOKEN, make_plan, piece_bytes
+
+torch = pytest.importorskip("torch")
+
+from test_shard_sync import Group, _commit  # noqa: E402
+
+from wsync.errors import TransportError  # noqa: E402
+from wsync.shard.stage import data_scheme, data_token  # noqa: E402
+from wsync.shard.sync import ShardPublisher, data_address  # noqa: E402
+
+OVERHEAD = 64 << 10  # per pair and version, as in test_shard_sync.py
+VERSIONS = 4  # a keyframe, then deltas moving ~1% of the values
+
+
+@pytest.fixture
+def groups():
+    made = []
+    yield lambda *a, **k: made.append(Group(*a, **k)) or made[-1]
+    for g in made:
+        # engine ranks first, then the trainer side: Group.close's order (Publishers closed while their engine
+        # ranks live, then those killed) segfaults this process on a UCXX native thread under ucx (ucxx 0.52; not
+        # seen with one Publisher and one Subscriber). Killing the peers first is what a trainer outliving its
+        # engines looks like, and is clean.
+        for p in g.procs.values():
+            p.kill()
+            p.join(5)
+        for pub in reversed(g.pubs):
+            pub.close()
+
+
+def _versions_over(g: Group, scheme: str) -> None:
+    for pub in g.pubs:
+        assert pub.transport == scheme
+        assert pub.publishers and all(a.startswith(f"{scheme}://") for a in pub.addresses.values()), pub.addresses
+    for v in range(VERSIONS):
+        _commit(g, v)  # committed on every engine rank, digests equal, every rank's bytes = the reference sliced
+    for t, pub in enumerate(g.pubs):
+        mine, stats = piece_bytes(g.plan.for_trainer(t)), pub.stats()
+        pairs = len(pub.sends)
+        assert stats["bytes"][0] <= mine + pairs * OVERHEAD, stats  # the keyframe: its pieces, raw
+        for v in range(1, VERSIONS):  # deltas: a fraction of that
+            assert 0 < stats["bytes"][v] <= 0.25 * mine + pairs * OVERHEAD, (v, stats)
+
+
+def test_2_2_over_local(groups):
+    # local:// has no token option and no resume window: the pairs' links run without them (the coordinator's
+    # link keeps the token); engine ranks are processes on this host, as this user
+    g = groups(2, 2, transport="local", listen_opts={})
+    _versions_over(g, "local")
+
+
+def test_2_2_over_ucx(groups):
+    pytest.importorskip("ucxx", reason="ucx:// needs ucxx (pip install 'wsync[ucx]', package ucxx-cu12)")
+    # a UCX listener needs UCX's tcp transport; set before this process or an engine rank (spawned: it inherits
+    # the environment) starts UCX. As tests/test_ucx.py does.
+    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    g = groups(2, 2, transport="ucx", listen_opts={})
+    _versions_over(g, "ucx")
+
+
+def test_transport_choice_is_checked():
+    plan = make_plan(2, 2)
+    for bad, why in (("gloo", "forms one lockstep group once"), ("nccl", "could never rejoin"),
+                     ("udp", "must be one of tcp, ucx, local")):
+        with pytest.raises(ValueError, match=why):
+            ShardPublisher(plan, 0, coordinator="tcp://127.0.0.1:0", host_coordinator=True, token=TOKEN,
+                           transport=bad)
+    # only tcp carries the token; local names are fresh per Publisher
+    assert data_token("tcp", TOKEN) == TOKEN and data_token("tcp://127.0.0.1:1", TOKEN) == TOKEN
+    assert data_token("ucx://127.0.0.1:1", TOKEN) is None and data_token("local", TOKEN) is None
+    assert data_address("local", "ignored", "t0e1") != data_address("local", "ignored", "t0e1")
+    assert data_address("ucx", "127.0.0.1", "t0e1") == "ucx://127.0.0.1:0"
+    # an engine rank refuses an address book entry it must not dial (the book is a peer's message)
+    assert data_scheme("local://ws-1-ab-t0e1") == "local"
+    for bad in ("gloo://127.0.0.1:5?world_size=2", "tcp://nohostport", "file:///etc/passwd"):
+        with pytest.raises(TransportError, match="trainer publisher address"):
+            data_scheme(bad)
