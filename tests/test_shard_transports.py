@@ -71,6 +71,25 @@ def test_2_2_over_ucx(groups):
     _versions_over(g, "ucx")
 
 
+def test_killed_engine_rank_rejoins_its_local_publishers(groups):
+    """Why a pair's Publisher must outlive its engine rank (and why gloo/nccl, one group per listener, do not fit):
+    a rank killed mid-version is restarted, dials the same local:// addresses and takes a keyframe."""
+    g = groups(2, 2, hooks={1: {"die_at": (2, 0)}}, transport="local", listen_opts={})
+    _commit(g, 0)
+    _commit(g, 1)
+    g.publish(2)  # rank 1 dies once a bucket of version 2 arrived from trainer rank 0
+    res = g.outcome(2)
+    assert res["outcome"] == "aborted" and "engine rank 1 lost" in res["reason"], res
+    g.procs[1].join(10)
+    assert g.procs[1].exitcode == -9
+    got = g.expect("aborted", 2, [0])
+    assert all(served == 1 and ok for served, ok in got.values()), got
+    g.log = [e for e in g.log if e[0] != 1]
+    g.start(1, {})
+    g.expect("joined", None, [1])
+    _commit(g, 3)
+
+
 def test_transport_choice_is_checked():
     plan = make_plan(2, 2)
     for bad, why in (("gloo", "forms one lockstep group once"), ("nccl", "could never rejoin"),

@@ -55,7 +55,8 @@ def data_address(transport: str, host: str, tag: str | None) -> str:
     (pid and random bits: two groups on one host never collide), so its engine ranks must run on this host as this
     user (local's rendezvous directory is 0700, its peers checked by uid). Only tcp takes the token: ucx and
     local have no token option, so on them the pieces are not authenticated in transit (their per-version
-    checksums still are compared with the trainers' over the coordinator link, which is tcp with the token) and
+    checksums still are compared with the trainers' over the coordinator link, tcp with the token: that catches
+    corruption, not a deliberate forgery, since they are xxh3, not a MAC) and
     a ucx Publisher beyond loopback serves anyone who reaches its port: a warning says so.
 
     gloo/nccl are refused: their listener forms one group, once (torchdist.GroupListener.accept returns None
