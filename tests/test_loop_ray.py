@@ -45,21 +45,95 @@ def cluster():
     c.shutdown()
 
 
+def _batch(model, groups: int, size: int):
+    """Groups of sampled responses with behaviour logprobs a little off the model's (a stale sampler's)."""
+    import numpy as np
+    import torch
+
+    from trainer.decode import Decoder, Sequence
+    from trainer.policy import score
+    from trainer.task import prompt_ids, response_limit, reward, sample_digits
+
+    rng = np.random.default_rng(7)
+    dec = Decoder(model, DecodeConfig(slots=groups * size), seed=7)
+    for g in range(groups):
+        d = sample_digits(TaskConfig(min_digits=2, max_digits=6), rng)
+        for _ in range(size):
+            dec.add(Sequence(prompt=prompt_ids(d), limit=response_limit(d), tag={"g": g, "d": d}))
+    done = []
+    while dec.active:
+        done += dec.step(0)
+    with torch.no_grad():
+        lp, _ = score(model, [s.prompt for s in done], [s.response for s in done])
+    out = [[] for _ in range(groups)]
+    for i, s in enumerate(done):
+        off = rng.normal(0, 0.05, len(s.response))
+        out[s.tag["g"]].append({"prompt": s.prompt, "response": s.response, "reward": reward(s.tag["d"], s.response),
+                                "logprobs": (lp[i, : len(s.response)].numpy() + off).tolist()})
+    return out
+
+
+def test_sharded_step_is_the_one_process_step(cluster):
+    """Two FSDP2 ranks (Ray actors, gloo) take the step trainer.grpo.Learner takes on the whole batch: the same
+    weights (to float rounding: the reduction order differs) and the same diagnostics; the weights are read
+    here through a wsync Subscriber, as the samplers read them."""
+    import secrets
+
+    import wsync
+    from trainer.grpo import Learner
+    from trainer.policy import PolicyConfig, build
+    from trainer.ray_trainer import TrainerRank
+    from wsync.engines import HF
+
+    cfg = LoopConfig(steps=1, group_size=4, batch_groups=6, grpo=GRPOConfig(lr=1e-2))
+    local = build(PolicyConfig(seed=0))
+    batch = _batch(local, 6, 4)
+    actor = ray.remote(num_cpus=0)(TrainerRank)
+    ranks = [actor.options(resources={"wsync_trainer": 1}).remote(i, 2, cfg) for i in range(2)]
+    token = secrets.token_bytes(16)
+    try:
+        opened = ray.get(ranks[0].open.remote("tcp://127.0.0.1:0", token, "127.0.0.1"))
+        setup = ray.get([r.setup.remote("127.0.0.1", opened["port"]) for r in ranks])
+        assert all(o["sharded"] and o["gather_checked"] for o in setup)
+        outs = ray.get([r.step.remote(batch, 1) for r in ranks])
+        follower = build(PolicyConfig(seed=1))  # other weights: all it holds comes through wsync
+        with wsync.Subscriber(opened["address"], engine=HF(follower), token=token) as sub:
+            sub.wait_for(1, timeout=60)
+    finally:
+        for r in ranks:
+            ray.kill(r, no_restart=True)
+    want = Learner(local, cfg.grpo).step(batch)
+    got = outs[0]["stats"]
+    assert got == outs[1]["stats"]  # reduced across ranks: both hold the batch's numbers
+    for k in ("loss", "ratio_mean", "ratio_max", "ess", "clip_frac", "logprob_diff_max", "grad_norm"):
+        assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
+    assert got["tokens"] == want["tokens"]
+    theirs, ours, before = follower.state_dict(), local.state_dict(), build(PolicyConfig(seed=0)).state_dict()
+    moved = max(float((ours[k] - before[k]).abs().max()) for k in ours)
+    assert moved > 1e-3  # the step did move the weights
+    for k in ours:  # each tensor's update, to float rounding (here: relative error ~1e-6, largest difference ~5e-6)
+        mine, one = theirs[k] - before[k], ours[k] - before[k]
+        assert float((mine - one).norm()) <= 1e-4 * float(one.norm()) + 1e-9, k
+        assert float((theirs[k] - ours[k]).abs().max()) < 1e-4, k
+
+
 @pytest.fixture(scope="module")
 def learned(cluster):
-    """The seeded task of tests/test_loop.py's learning test (reverse 2 digits), async, 100 steps."""
-    cfg = LoopConfig(mode="async", max_staleness=ETA, steps=100, seed=0, samplers=2, group_size=8, batch_groups=16,
+    """The seeded task of tests/test_loop.py's learning test (reverse 2 digits), async (eta 1), 100 steps.
+    Here reward_last was 0.48-0.64 over six runs (eta 1 and 2)."""
+    cfg = LoopConfig(mode="async", max_staleness=1, steps=100, seed=0, samplers=2, group_size=8, batch_groups=16,
                      progress=False, report_digests=True, keep_samples=True, stall_timeout=120.0,
                      task=TaskConfig(min_digits=2, max_digits=2), grpo=GRPOConfig(lr=1e-3), decode=DecodeConfig(slots=64))
-    return run(cfg, ray=RayConfig(address=cluster.address))
+    # placed without the custom resources (the fault run below uses them): ranks on this node, samplers pinned
+    return run(cfg, ray=RayConfig(address=cluster.address, placement="spread"))
 
 
 def test_reward_rises_on_a_multi_node_cluster(learned):
     s = learned.summary
-    assert s["steps"] == 100 and s["ray"]["nodes"] >= 3 and s["ray"]["placement"] == "resources"
+    assert s["steps"] == 100 and s["ray"]["nodes"] >= 3 and s["ray"]["placement"] == "spread"
     assert s["reward_first"] < 0.2, s["reward_first"]
     assert s["reward_last"] >= 0.4, s["reward_last"]
-    assert max(int(k) for k in s["staleness_hist"]) <= ETA
+    assert max(int(k) for k in s["staleness_hist"]) <= 1
     trainer = s["ray"]["publisher"]["node"]
     nodes = [r["node_id"] for r in s["ray"]["serving"]]
     assert len(set(nodes)) == 2 and trainer not in nodes  # each sampler on a node of its own, not the trainer's
@@ -125,7 +199,8 @@ def test_wsync_loop_ray_writes_its_summary(cluster, tmp_path):  # before the fau
 
 
 class Faults:
-    """on_step hook: kill sampler 0, wait for it to rejoin, remove sampler 1's node, then kill trainer rank 0."""
+    """on_step hook: kill sampler 0, wait for it to rejoin, remove sampler 1's node, and once the driver has
+    written sampler 1 off (the trainer stepping on meanwhile), kill trainer rank 0."""
 
     def __init__(self, cluster):
         self.cluster, self.at = cluster, {}
@@ -142,7 +217,7 @@ class Faults:
             node = next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id)
             self.cluster.remove_node(node, allow_graceful=False)
             at["removed"] = v
-        elif "removed" in at and "trainer_killed" not in at and v >= at["removed"] + 3 * ETA:
+        elif "removed" in at and "trainer_killed" not in at and v >= at["removed"] + 3 * ETA and d.down:
             for _ in range(300):  # the sampler left holds version v: the kill is not a race with its delivery
                 if ray.get(d.samplers[0].status.remote())["version"] == v:
                     break
@@ -166,11 +241,11 @@ def test_killed_sampler_is_restarted_and_rejoins_with_a_keyframe(faulted):
     err, at = faulted
     assert "rejoined" in at, at
     rep = err.result.summary["ray"]
-    assert rep["restarts"] == 1
+    assert rep["restarts"] == 1 and rep["placement"] == "resources"
     reborn = [a for a in rep["applied"] if a["worker"] == 0 and a["incarnation"] == 1]
     # its fresh model holds nothing: the publisher's newest keyframe first, then the deltas since (catch-up)
     assert reborn and reborn[0]["keyframe"], reborn[:1]
-    assert reborn[-1]["version"] >= at["rejoined"] and not reborn[-1]["keyframe"]
+    assert reborn[-1]["version"] >= at["rejoined"] and any(not a["keyframe"] for a in reborn[1:])
     for r in err.result.synced:  # the new incarnation too: bit-identical to the trainer at every version
         assert r["digest"] == err.result.digests[r["version"]], r
     assert [r for r in err.result.synced if r["worker"] == 0 and r["version"] > at["rejoined"]]

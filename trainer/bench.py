@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--ray", action="store_true",
                    help="also on a Ray cluster: sync and async on Ray beside the one-host loop (trainer/ray_bench.py)")
     p.add_argument("--address", default=None, help="with --ray: a running Ray cluster (default: start a local one)")
+    p.add_argument("--trainer-ranks", type=int, default=2, help="with --ray: FSDP2 ranks of the trainer (default 2)")
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # see trainer.cli: before any OpenMP pool starts
     if a.ray:

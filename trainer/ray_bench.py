@@ -45,9 +45,9 @@ def main(a, argv) -> int:
 
     out_dir = a.out or default_results_dir()
     t0 = time.perf_counter()
-    cluster = local_cluster(a.samplers) if a.address is None else None
+    cluster = local_cluster(a.samplers, a.trainer_ranks) if a.address is None else None
     ray.init(address=cluster.address if cluster else a.address, include_dashboard=False, logging_level="ERROR")
-    rcfg = RayConfig(address=cluster.address if cluster else a.address)
+    rcfg = RayConfig(address=cluster.address if cluster else a.address, trainer_ranks=a.trainer_ranks)
     cluster_s = time.perf_counter() - t0
     runs = []
     try:

@@ -42,7 +42,8 @@ from .task import sample_digits
 
 @dataclass(kw_only=True)
 class RayConfig:
-    address: str | None = None  # Ray cluster ("auto", "HOST:PORT"); None: start a local one for this run
+    address: str | None = None  # Ray cluster ("auto", "HOST:PORT"); None: the one this process is connected
+    # to (ray.init before), else a local one started for this run (ray_place.local_cluster)
     trainer_ranks: int = 2  # FSDP2 ranks of the trainer group, all on one node
     placement: str = "auto"  # "resources": nodes with wsync_trainer / wsync_sampler; "spread": trainer on the
     # driver's node, samplers pinned round-robin to the other nodes; "auto": resources when the cluster has them
@@ -95,6 +96,7 @@ class RayDriver(Driver):
         self.held: list[dict] = [{} for _ in range(n)]  # per sampler: group id -> ticket it holds
         self.lives: list[list[str]] = [[] for _ in range(n)]  # per sampler: its incarnations, newest last
         self.down: set[int] = set()  # written off until they speak again
+        self.written_off: dict[int, str | None] = {}  # sampler -> the incarnation whose groups went to others
         self.takes: dict[int, tuple] = {}  # sampler -> (take ref, when asked)
         self.retry_at = [0.0] * n
         self.gives: list = []
@@ -104,13 +106,11 @@ class RayDriver(Driver):
         self.own_ray = False
         self.report = {"restarts": 0, "lost": [], "requeued_groups": 0, "orphaned_groups": 0, "held_max": 0,
                        "applied": [], "steps": [], "step_overhead_s": 0.0, "placement": None, "publisher": None}
-        # groups a sampler may hold: twice what its slots decode at once, so it has work while the driver is busy
-        # with a trainer step and the groups it finished are still on their way (the rest wait here, in line);
-        # at most eta batches, so a sampler that is lost with all it holds leaves admission control room for
-        # the others to fill the next batch: the trainer keeps stepping until the loss is noticed
-        self.cap = 2 * (cfg.decode.slots // cfg.group_size) + 1
-        if cfg.eta:
-            self.cap = min(self.cap, cfg.eta * cfg.batch_groups)
+        # groups a sampler may hold (running, waiting in it, or finished and on their way): eta batches. As many
+        # as admission control lets it run ahead, as a sampler of the one-host loop does from the shared queue; no
+        # more, so a sampler lost with all it holds leaves admission room for the others to fill the next batch:
+        # the trainer keeps stepping until the loss is noticed. Tickets wait in line here beyond that.
+        self.cap = max(cfg.eta, 1) * cfg.batch_groups
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -276,6 +276,7 @@ class RayDriver(Driver):
             return
         self.down.add(w)
         self.alive.discard(w)
+        self.written_off[w] = self.lives[w][-1] if self.lives[w] else None
         self.report["lost"].append({"worker": w, "version": self.version, "t": round(self.rec.elapsed(), 3),
                                     "why": why})
         self._requeue(w)
@@ -293,9 +294,9 @@ class RayDriver(Driver):
         if life in lives[:-1]:
             return  # from an incarnation that is gone
         if not lives or life != lives[-1]:
-            if lives:  # Ray restarted it: what the old one held is lost
-                self.report["restarts"] += 1
-                if w not in self.down:
+            if lives:  # Ray restarted it: what the old one held is lost (unless the loss was seen already:
+                self.report["restarts"] += 1  # then what it holds now went to the new one)
+                if self.written_off.get(w) != lives[-1]:
                     self._requeue(w)
             lives.append(life)
         key = (w, len(lives) - 1)  # clocks per incarnation: a restart starts them at zero
@@ -376,6 +377,9 @@ class RayDriver(Driver):
             self.gives.append(self.samplers[w].give.remote([ticket]))
         deadline = time.monotonic() + self.rcfg.probe_timeout
         serving = {r["worker"]: r for r in self._statuses(up, self.rcfg.probe_timeout)}
+        for w, r in serving.items():
+            if "error" in r:
+                self._lose(w, r["error"])
         probes = {g: w for g, w in probes.items() if "error" not in serving[w]}
         while probes and time.monotonic() < deadline:
             if not self.inbox:
