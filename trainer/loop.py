@@ -104,6 +104,10 @@ class Driver:
         self.cfg = cfg
         self.model = build(PolicyConfig(**{**asdict(cfg.policy), "seed": cfg.seed}))
         self.learner = Learner(self.model, cfg.grpo, temperature=cfg.decode.temperature, top_p=cfg.decode.top_p)
+        self._start_records(cfg)
+
+    def _start_records(self, cfg: LoopConfig) -> None:
+        """The run's state that admission control and the records keep (every driver starts from it)."""
         self.rng = np.random.default_rng(cfg.seed)
         self.rec = Recorder(progress=cfg.progress)
         self.result = Result(summary={})

@@ -32,10 +32,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from .loop import Driver, LoopConfig, Result, SamplerFailed, _sync_summary
-from .metrics import Recorder
 from .ray_place import local_cluster
 from .task import sample_digits
 
@@ -82,13 +79,7 @@ class RayDriver(Driver):
             raise ValueError(f"each of the {rcfg.trainer_ranks} trainer ranks needs a group per minibatch: "
                              f"batch_groups / minibatches = {per_update}")
         self.cfg, self.rcfg, self.on_step = cfg, rcfg, on_step
-        self.rng = np.random.default_rng(cfg.seed)
-        self.rec = Recorder(progress=cfg.progress)
-        self.result = Result(summary={})
-        self.version = 0
-        self.issued = self.returned = self.accepted = 0  # in groups
-        self.batch: list[list[dict]] = []
-        self.alive: set[int] = set()
+        self._start_records(cfg)
         self.metrics: dict = {"trainer": None, "samplers": {}}
         self.tickets = _Line()  # issued, not yet given to a sampler
         self.inbox: deque = deque()
