@@ -153,21 +153,52 @@ def test_lockstep_round_trip_timeouts_and_ranks():
     lst.close()
 
 
-def test_rank_claims_and_full_group():
-    lst = listen("gloo://127.0.0.1:0?world_size=2")
-    t, r = _in_thread(lambda: connect(lst.address))  # auto rank 1
-    pub = lst.accept(timeout=60)
-    t.join()
-    sub = r["r"]
-    assert sub.rank == 1 and pub.rank == 0
-    with pytest.raises(TransportError, match="full"):
-        connect(lst.address)
+def test_rank_claims_and_generations():
+    """Ranks are claimed per generation; once a group forms, the next subscribers form the next one."""
+    lst = listen("gloo://127.0.0.1:0?world_size=3")
+    t1, r1 = _in_thread(lambda: connect(lst.address, rank=1))
+    while not lst.store.check(["g0/rank/1"]):
+        pass
     with pytest.raises(TransportError, match="already taken"):
-        connect(lst.address, rank=1)
+        connect(lst.address, rank=1)  # generation 0 is forming and rank 1 is claimed
     with pytest.raises(TransportError, match="world_size=5"):
         connect(lst.address, world_size=5)
-    assert lst.accept(timeout=0.1) is None  # one group per listener
-    pub.close(), sub.close()
+    assert lst.accept(timeout=0.1) is None  # one of two subscribers: not formed
+    t2, r2 = _in_thread(lambda: connect(lst.address))  # the next free rank: 2
+    first = lst.accept(timeout=60)
+    t1.join(), t2.join()
+    assert (first.rank, r1["r"].rank, r2["r"].rank) == (0, 1, 2) and first.fanout == 2
+    # the first group is whole; two more subscribers form a second group, beside it, on the same address
+    t3, r3 = _in_thread(lambda: connect(lst.address, rank=1))
+    t4, r4 = _in_thread(lambda: connect(lst.address, rank=2))
+    second = lst.accept(timeout=60)
+    t3.join(), t4.join()
+    assert second is not None and "#1" in second.peer and "#0" in first.peer
+    # each group carries its own messages
+    pay0, pay1 = _big(1, 1000), _big(2, 3000)
+    got = [_in_thread(link.recv, 30) for link in (r1["r"], r2["r"], r3["r"], r4["r"])]
+    first.send(Message("bucket", {"g": 0}, [pay0]))
+    second.send(Message("bucket", {"g": 1}, [pay1]))
+    [t.join() for t, _ in got]
+    for (_, out), (g, pay) in zip(got, [(0, pay0), (0, pay0), (1, pay1), (1, pay1)]):
+        assert out["r"].meta == {"g": g} and bytes(out["r"].blobs[0]) == pay.tobytes()
+    for link in (first, second, r1["r"], r2["r"], r3["r"], r4["r"]):
+        link.close()
+
+
+def test_a_join_that_cannot_form_abandons_its_generation():
+    """A subscriber whose group never forms (here: the publisher never accepts) gives that generation up, so
+    the next dial starts a fresh one instead of finding its ranks taken."""
+    lst = listen("gloo://127.0.0.1:0?world_size=2", join_timeout=2)
+    with pytest.raises(TransportError, match="forming the gloo group"):
+        connect(lst.address, join_timeout=2)
+    assert lst.store.get("g0/fate") == b"abandoned" and lst.store.get("gen") == b"1"
+    assert lst.accept(timeout=0.1) is None  # generation 0 is not formed late
+    t, r = _in_thread(lambda: connect(lst.address, rank=1, join_timeout=30))
+    pub = lst.accept(timeout=30)
+    t.join()
+    assert pub is not None and r["r"].rank == 1 and "#1" in pub.peer
+    pub.close(), r["r"].close()
 
 
 def test_out_of_step_group_fails_loudly():
@@ -350,3 +381,67 @@ def test_nccl_group_moves_host_bytes_through_the_gpu():
     finally:
         p.join(timeout=60)
         p.kill() if p.is_alive() else None
+
+
+def _follower(address: str, start: int, stop: int, q) -> None:
+    """A Subscriber over gloo (world_size=2: a group of its own) reporting each version's digest."""
+    import wsync
+    from wsync import engines
+
+    sub = wsync.Subscriber(address, engine=engines.Shadow())
+    try:
+        for v in range(start, stop):
+            sub.wait_for(v, timeout=120)
+            q.put((sub.version, sub.engine.digest()))
+    except BaseException as e:
+        q.put(("error", repr(e)))
+        raise
+    finally:
+        sub.close()
+
+
+@pytest.mark.slow
+def test_publisher_over_gloo_pairs_and_a_killed_subscriber_rejoins():
+    """world_size=2: each subscriber process forms a group of its own with the Publisher (a pair, point to point,
+    in lockstep). One is killed; a new process dials the same address, forms the next generation's group and
+    takes a keyframe, while the other pair never stops. Every version's digest equals the publisher's state, and
+    every subscriber process exits (a closed group whose collective is pending would hang in its destructor)."""
+    from wsync import Publisher
+    from wsync.snapshot import as_state, digest
+
+    ctx = mp.get_context("spawn")
+    gen = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(64, 256 + i, generator=gen).to(torch.bfloat16) for i in range(3)}
+    procs, queues = {}, {}  # a queue each: a process killed while it writes to a shared one can wedge the rest
+
+    def start(name, first, stop):
+        queues[name] = ctx.Queue()
+        procs[name] = ctx.Process(target=_follower, args=(pub.address, first, stop, queues[name]))
+        procs[name].start()
+
+    with Publisher("gloo://127.0.0.1:0?world_size=2&stall_timeout=30&join_timeout=60", keyframe_every=50) as pub:
+        start("a", 0, 3)  # killed after version 2
+        start("c", 0, 6)
+        try:
+            pub.wait_for_subscribers(2, timeout=120)
+            for v in range(6):
+                for t in state.values():  # ~1% of the values move
+                    idx = torch.randint(0, t.numel(), (t.numel() // 100,), generator=gen)
+                    t.view(-1)[idx] += 0.01
+                pub.publish(state, version=v)
+                want = digest(as_state(state))
+                if v == 3:
+                    start("b", 3, 6)
+                for name in ("a", "c") if v < 3 else ("b", "c"):
+                    assert queues[name].get(timeout=180) == (v, want), (name, v)
+                if v == 2:
+                    procs["a"].kill()  # its group breaks; the pair with c goes on
+                    procs["a"].join(30)
+            for name in ("b", "c"):
+                procs[name].join(60)
+                assert procs[name].exitcode == 0, (name, procs[name].exitcode)
+        finally:
+            for p in procs.values():
+                if p.is_alive():
+                    p.kill()
+                p.join(10)

@@ -71,24 +71,30 @@ class Source(Subscriber):
             self._lost()
 
 
-DATA_SCHEMES = ("tcp", "ucx", "local")  # what a pair's Publisher may listen on (sync.TRANSPORTS)
+DATA_SCHEMES = ("tcp", "ucx", "local", "gloo", "nccl")  # what a pair's Publisher may listen on (sync.TRANSPORTS)
+GROUPS = ("gloo", "nccl")  # pairs as torch.distributed groups of two
+GROUP_PARAMS = {"world_size"}  # the only option a pair's group address may carry (the rest: connect_opts here)
 
 
 def data_scheme(address: str) -> str:
     """The transport of a pair's Publisher address, as the coordinator's book gave it (so: checked here)."""
     try:
-        scheme = parse_address(address).scheme
+        addr = parse_address(address)
     except ValueError as e:
         raise TransportError(f"trainer publisher address {address!r:.80}: {e}") from None
-    if scheme not in DATA_SCHEMES:
+    if addr.scheme not in DATA_SCHEMES:
         raise TransportError(f"trainer publisher address {address!r:.80}: a pair's pieces travel over "
-                             f"{', '.join(DATA_SCHEMES)}, not {scheme}")
-    return scheme
+                             f"{', '.join(DATA_SCHEMES)}, not {addr.scheme}")
+    if addr.scheme in GROUPS and (set(addr.params) != GROUP_PARAMS or addr.params["world_size"] != "2"):
+        # a group's size, chunk and pool sizes would otherwise be the book's to choose
+        raise TransportError(f"trainer publisher address {address!r:.80}: a pair's {addr.scheme} group takes "
+                             f"world_size=2 and no other option")
+    return addr.scheme
 
 
 def data_token(where: str, token):
     """The token for a pair's link over `where` (a transport name or an address): tcp authenticates with it;
-    ucx and local take none (their options have no token)."""
+    ucx, local, gloo and nccl take none (their options have no token)."""
     scheme = data_scheme(where) if "://" in where else where
     return token if scheme == "tcp" else None
 

@@ -39,47 +39,45 @@ from .engine import ShardSubscriber  # the engine side: one module to import
 from .layout import box_shape, full_box
 from .member import Member, digests_doc
 from .rounds import partial_digest
-from .stage import _slices, data_token
+from .stage import GROUPS, _slices, data_token
 from .tensors import buffers_for, trainer_locals
 
 __all__ = ["ShardPublisher", "ShardSubscriber", "SettleTimeout", "TRANSPORTS"]
 log = logging.getLogger("wsync.shard")
 
-TRANSPORTS = ("tcp", "ucx", "local")  # what a (trainer, engine) pair's Publisher may listen on
+TRANSPORTS = ("tcp", "ucx", "local", "gloo", "nccl")  # what a (trainer, engine) pair's Publisher may listen on
 
 
 def data_address(transport: str, host: str, tag: str | None) -> str:
     """The address a pair's Publisher listens on (tag None: check the transport once, and warn, per trainer rank).
 
-    tcp://host:0 and ucx://host:0 take a free port (the listener fills it in); local://NAME takes a fresh name
-    (pid and random bits: two groups on one host never collide), so its engine ranks must run on this host as this
-    user (local's rendezvous directory is 0700, its peers checked by uid). Only tcp takes the token: ucx and
-    local have no token option, so on them the pieces are not authenticated in transit (their per-version
-    checksums still are compared with the trainers' over the coordinator link, tcp with the token: that catches
-    corruption, not a deliberate forgery, since they are xxh3, not a MAC) and
-    a ucx Publisher beyond loopback serves anyone who reaches its port: a warning says so.
+    tcp://host:0, ucx://host:0 and gloo|nccl://host:0 take a free port (the listener fills it in); local://NAME
+    takes a fresh name (pid and random bits: two groups on one host never collide), so its engine ranks must run
+    on this host as this user (local's rendezvous directory is 0700, its peers checked by uid).
 
-    gloo/nccl are refused: their listener forms one group, once (torchdist.GroupListener.accept returns None
-    after that), and the group is lockstep. A pair's Publisher is meant to outlive its engine rank: a restarted
-    rank dials the same address and takes a keyframe (catch-up). Over gloo/nccl it could never rejoin; every
-    restart would need a new listener, a new address and a new address book, which is not built."""
-    if transport in ("gloo", "nccl"):
-        raise ValueError(f"transport {transport!r} does not fit a Publisher per (trainer, engine) pair: its listener "
-                         f"forms one lockstep group once, so a restarted engine rank could never rejoin; "
-                         f"use one of {', '.join(TRANSPORTS)}")
+    gloo and nccl pairs are groups of two (world_size=2): the trainer rank and the engine rank, in lockstep, the
+    pieces as collectives (nccl: through GPU buffers on both ends). Their listener forms a new group each time the
+    engine rank dials again (torchdist's generations), so a restarted engine rank rejoins the same address and
+    takes a keyframe, as over tcp.
+
+    Only tcp takes the token: ucx, local, gloo and nccl have no token option, so on them the pieces are not
+    authenticated in transit (their per-version checksums still are compared with the trainers' over the
+    coordinator link, tcp with the token: that catches corruption, not a deliberate forgery, since they are xxh3,
+    not a MAC), and a ucx, gloo or nccl Publisher beyond loopback serves anyone who reaches its port first: a
+    warning says so."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
     if transport == "local":
         return f"local://ws-{os.getpid()}-{secrets.token_hex(4)}-{tag}"
-    if transport == "ucx" and tag is None:
+    if transport != "tcp" and tag is None:
         try:
             loopback = ipaddress.ip_address(host).is_loopback
         except ValueError:
             loopback = host == "localhost"
         if not loopback:
-            log.warning("ucx Publishers on %s are not authenticated (the token guards the coordinator link only): "
-                        "anyone who reaches their ports can subscribe and read this rank's pieces", host)
-    return f"{transport}://{host}:0"
+            log.warning("%s Publishers on %s are not authenticated (the token guards the coordinator link only): "
+                        "anyone who reaches their ports can subscribe and read this rank's pieces", transport, host)
+    return f"{transport}://{host}:0" + ("?world_size=2" if transport in GROUPS else "")
 
 
 class ShardPublisher:
@@ -87,7 +85,7 @@ class ShardPublisher:
 
     coordinator: the coordinator's address; with host_coordinator=True this rank runs it there (port 0: any
     free port, then read ``coordinator_address``). transport: what this rank's Publishers listen on, one per engine
-    rank it sends to: "tcp" (the default), "ucx" or "local" (see ``data_address``); engine ranks dial the addresses
+    rank it sends to: "tcp" (the default), "ucx", "local", "gloo" or "nccl" (see ``data_address``); engine ranks dial the addresses
     they are given (the coordinator's address book). The coordinator link is tcp whatever this says. host: where
     tcp and ucx Publishers listen, on free ports; local ones take a fresh name each. timeout: seconds a round
     may wait for every engine rank to be ready; connect_timeout: seconds to reach the coordinator (the constructor

@@ -16,6 +16,7 @@ a failure there leaves the group out of step, so the link is marked broken.
 from __future__ import annotations
 
 import datetime
+import threading
 from collections import deque
 
 import numpy as np
@@ -28,9 +29,30 @@ from .pool import BufferPool
 SEND, RECV = 1, 2  # a rank's part in the next message
 TAG = 0x5753  # point-to-point tag for subscriber -> publisher messages
 STALL = object()  # "wait at most stall_timeout", the bound for every step after the first
+_KEPT: list = []  # closed links' process groups and stores (see GroupLink.close)
+_KEEPER: threading.Thread | None = None
+_KEEP_LOCK = threading.Lock()
+
+
+def _keep(items: list) -> None:
+    """Hold items until the process ends: a daemon thread's frame holds the list, and interpreter shutdown neither
+    unwinds daemon threads nor frees what they hold (a module global alone would be freed then, and hang there)."""
+    global _KEEPER
+    with _KEEP_LOCK:
+        _KEPT.extend(items)
+        if _KEEPER is None:
+            _KEEPER = threading.Thread(target=_hold, args=(_KEPT, threading.Event()), name="wsync-group-keeper",
+                                       daemon=True)
+            _KEEPER.start()
+
+
+def _hold(kept: list, never: threading.Event) -> None:
+    never.wait()
 
 
 class GroupLink:
+    lockstep = True  # every rank takes part in every message: the publisher gathers acks, it has no ack reader
+
     def __init__(self, *, ctrl, data, wire, rank: int, size: int, cfg, peer: str, store):
         self.ctrl, self.data, self.wire = ctrl, data, wire
         self.rank, self.size, self.cfg, self.peer = rank, size, cfg, peer
@@ -56,12 +78,22 @@ class GroupLink:
         return self._guard(self._recv, timeout)
 
     def close(self) -> None:
+        if self._broken == "closed":
+            return
         self._broken = self._broken or "closed"
-        for pg in {id(self.ctrl): self.ctrl, id(self.data): self.data}.values():
+        groups = list({id(self.ctrl): self.ctrl, id(self.data): self.data}.values())
+        for pg in groups:
             try:
                 pg.abort()
             except (RuntimeError, AttributeError):
                 pass
+        # A process group whose collective is still pending (an idle subscriber's first step, nearly always)
+        # blocks forever in its destructor, abort or not (torch 2.13, gloo): a subscriber closed while its
+        # publisher lives would hang wherever the link's last reference went. So such groups are never destroyed
+        # in this process's life: held by a thread that never ends, they go with the process (a group's few
+        # threads and sockets per closed link).
+        if self._pending is not None:
+            _keep(groups + [self._store, self._pending])
         self._store = None
         self._pool.clear()
 

@@ -7,7 +7,14 @@ with torch's default group or its group table, so a trainer's own
 
 The publisher's ``listen(...).accept()`` returns ONE Link for the whole group
 (``fanout = world_size - 1``); a subscriber's ``connect`` returns its Link to the
-publisher. Publisher ``send`` is a broadcast; subscriber ``send`` followed by the
+publisher. The listener forms groups in **generations** on the one store: once a
+group forms, the next subscribers to dial join the next generation, which forms
+(a new Link from ``accept``) when world_size - 1 of them have joined. So a
+subscriber that lost its group (a member died, the group fell out of step)
+redials the same address and forms a new group with the publisher, and with
+``world_size=2`` every subscriber gets a group of its own: point to point, as
+tcp is, over gloo or NCCL. A join that does not form within ``join_timeout``
+abandons its generation, so one that died half-way blocks nobody for good. Publisher ``send`` is a broadcast; subscriber ``send`` followed by the
 publisher's ``recv`` (once per subscriber, each with ``meta["rank"]``) is a
 gather. Every message starts with an allgather of (direction, header length,
 sequence) from every rank, so a group that is out of step (two senders, a
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import secrets
+import time
 from dataclasses import dataclass
 
 from ..errors import BackendUnavailable, TransportError
@@ -78,7 +86,7 @@ def listen(addr: Address, **opts) -> "GroupListener":
 
 
 def connect(addr: Address, **opts) -> "GroupLink":
-    """Join the group as a subscriber; returns once every rank has joined."""
+    """Join the group as a subscriber; returns once every rank of this generation has joined."""
     cfg, dist = _config(addr, opts), _dist()
     try:
         store = dist.TCPStore(addr.host, addr.port, None, False, timeout=_seconds(cfg.join_timeout))
@@ -87,64 +95,100 @@ def connect(addr: Address, **opts) -> "GroupLink":
         raise TransportError(f"cannot reach the {addr.scheme} group store at {addr.host}:{addr.port}: {_first_line(e)}") from None
     if cfg.world_size and cfg.world_size != size:
         raise TransportError(f"this subscriber says world_size={cfg.world_size} but the publisher's group has {size}")
-    rank = _claim_rank(store, size, cfg.rank)
-    if store.add("joined", 1) == size - 1:
-        store.set("all_joined", "1")
-    return _make_link(addr, cfg, store, rank, size, f"{addr.scheme} publisher {addr.host}:{addr.port}")
+    gen, rank = _claim(store, size, cfg.rank)
+    if store.add(f"g{gen}/joined", 1) == size - 1:
+        store.set(f"g{gen}/all_joined", "1")
+    try:
+        return _make_link(addr, cfg, store, gen, rank, size, f"{addr.scheme} publisher {addr.host}:{addr.port}")
+    except TransportError:
+        _settle(store, gen, "abandoned")  # the next dial, ours or another's, starts a fresh generation
+        raise
 
 
-def _claim_rank(store, size: int, wanted: int | None) -> int:
+def _claim(store, size: int, wanted: int | None) -> tuple[int, int]:
+    """(generation, rank): a rank in the generation now forming; if the publisher formed that one meanwhile,
+    in the next."""
+    for _ in range(100):
+        gen = int(store.get("gen"))
+        try:
+            return gen, _claim_rank(store, f"g{gen}/", size, wanted)
+        except TransportError:
+            if int(store.get("gen")) != gen:
+                continue  # formed (or abandoned) meanwhile: try the next one
+            if not store.check([f"g{gen}/all_joined"]):
+                raise  # still forming, and the rank (or every rank) is taken
+            time.sleep(0.05)  # complete: the publisher is about to form it and open the next
+    raise TransportError("the group's generations moved on 100 times while this subscriber tried to join")
+
+
+def _settle(store, gen: int, fate: str) -> bool:
+    """Decide generation gen's fate once ("formed" by the publisher, or "abandoned" by a subscriber whose join
+    failed) and move "gen" past it; True if this call decided it."""
+    won = store.compare_set(f"g{gen}/fate", "", fate).decode() == fate
+    store.compare_set("gen", str(gen), str(gen + 1))
+    return won
+
+
+def _claim_rank(store, prefix: str, size: int, wanted: int | None) -> int:
     token = secrets.token_hex(8)  # compare_set returns the winner's value; ours is unique
     if wanted is not None:
         if not 1 <= wanted < size:
             raise ValueError(f"a subscriber's rank must be in 1..{size - 1}, got {wanted}")
-        if store.compare_set(f"rank/{wanted}", "", token).decode() != token:
+        if store.compare_set(f"{prefix}rank/{wanted}", "", token).decode() != token:
             raise TransportError(f"rank {wanted} is already taken in this group; give each subscriber its own rank")
         return wanted
-    while (r := store.add("next_rank", 1)) < size:
-        if store.compare_set(f"rank/{r}", "", token).decode() == token:
+    while (r := store.add(f"{prefix}next_rank", 1)) < size:
+        if store.compare_set(f"{prefix}rank/{r}", "", token).decode() == token:
             return r
     raise TransportError(f"the group is full: all {size - 1} subscriber ranks are taken")
 
 
 class GroupListener:
-    """Hosts the group's store; accept() returns the group Link once all world_size - 1 subscribers joined."""
+    """Hosts the groups' store; accept() returns a group's Link once world_size - 1 subscribers joined it."""
 
     def __init__(self, addr: Address, cfg: GroupConfig):
         dist = _dist()
         if cfg.world_size < 2:
             raise ValueError(f"{addr.scheme}:// needs world_size >= 2 (publisher + subscribers), got {cfg.world_size}")
-        self.addr, self.cfg, self._formed = addr, cfg, False
+        self.addr, self.cfg = addr, cfg
         try:
             self.store = dist.TCPStore(addr.host, addr.port, cfg.world_size, True,
                                        timeout=_seconds(cfg.join_timeout), wait_for_workers=False)
         except RuntimeError as e:
             raise TransportError(f"cannot host the group store on {addr.host}:{addr.port}: {_first_line(e)}") from None
         self.store.set("world_size", str(cfg.world_size))
+        self.store.set("gen", "0")
         self.address = str(Address(addr.scheme, addr.host, self.store.port, "", addr.params))
 
     def accept(self, timeout: float | None = None) -> "GroupLink | None":
-        if self._formed:  # one group per listener: nobody else can join it
+        """The next group to form (None if none did within timeout); waits forever with timeout None."""
+        store = self.store
+        if store is None:
             return None
-        while True:
-            try:
-                self.store.wait(["all_joined"], _seconds(timeout if timeout is not None else 3600))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # polled with check: a store.wait that times out logs a warning from c10d every time
+            gen = int(store.get("gen"))  # a subscriber may have abandoned it since the last look
+            if store.check([f"g{gen}/all_joined"]):
                 break
-            except RuntimeError:
-                if timeout is not None:
-                    return None
-        self._formed = True
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+        if not _settle(store, gen, "formed"):
+            return None  # abandoned while we looked: its members redial into the next one
         a = self.addr
-        return _make_link(a, self.cfg, self.store, 0, self.cfg.world_size,
-                          f"{a.scheme} group {a.host}:{self.store.port} ({self.cfg.world_size - 1} subscribers)")
+        try:
+            return _make_link(a, self.cfg, store, gen, 0, self.cfg.world_size,
+                              f"{a.scheme} group {a.host}:{store.port}#{gen} ({self.cfg.world_size - 1} subscribers)")
+        except TransportError:
+            return None  # a member died before the group formed; it redials into the next generation
 
     def close(self) -> None:
         self.store = None  # a formed link keeps its own reference
 
 
-def _make_link(addr: Address, cfg: GroupConfig, store, rank: int, size: int, peer: str) -> "GroupLink":
+def _make_link(addr: Address, cfg: GroupConfig, store, gen: int, rank: int, size: int, peer: str) -> "GroupLink":
     dist = _dist()
-    base = dist.PrefixStore("wsync", store)
+    base = dist.PrefixStore(f"wsync/g{gen}", store)
     try:
         gopts = dist.ProcessGroupGloo._Options()
         gopts._timeout = _seconds(cfg.join_timeout)

@@ -49,6 +49,7 @@ class UcxConfig:
 KINDS = {"connect_timeout": float, "stall_timeout": float, "pool_bytes": "size"}
 _LOOP = None
 _LOOP_LOCK = threading.Lock()
+_RETIRED: list = []  # closed listeners, kept alive (see UcxListener.close)
 
 
 def _ucxx():
@@ -118,9 +119,14 @@ def connect(addr: Address, **opts) -> "UcxLink":
 class UcxListener:
     def __init__(self, addr: Address, cfg: UcxConfig):
         self.cfg, self.lp, self._joined = cfg, _loop(cfg), queue.Queue()
+        self._closed = threading.Event()
+        joined, closed = self._joined, self._closed
 
         async def on_connect(ep):
-            self._joined.put(ep)
+            if closed.is_set():  # the port stays open (see close): turn the peer away
+                await ep.close()
+            else:
+                joined.put(ep)
 
         async def start():
             return self.lp.ucxx.create_listener(on_connect, port=addr.port or None)
@@ -139,7 +145,22 @@ class UcxListener:
         return UcxLink(self.lp, ep, self.cfg, f"ucx subscriber of {self.address}")
 
     def close(self) -> None:
-        self.lp.loop.call_soon_threadsafe(self._listener.close)
+        """Stop taking subscribers. The UCX listener itself is kept for the life of the process, turning peers
+        away: UCXX 0.52 frees its Python callback data when the listener object goes, but not the UCX listener
+        under it, which keeps taking the connection requests of peers that redial; at the next garbage collection
+        that crashed the process (a listener destroyed with unprocessed requests). So a closed ucx Publisher
+        keeps its port until its process exits."""
+        self._closed.set()
+        _RETIRED.append(self._listener)
+        while True:  # peers that joined but were never accepted: close them too
+            try:
+                ep = self._joined.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                self.lp.run(ep.close(), 10)
+            except Exception:
+                pass
 
 
 def _is_cuda(b) -> bool:
