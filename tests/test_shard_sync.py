@@ -28,17 +28,20 @@ class Group:
     """m trainer ranks in this process, n engine-rank processes, the coordinator on trainer rank 0."""
 
     def __init__(self, m: int, n: int, hooks: dict | None = None, timeout: float = 30.0, engine: str = "vllm",
-                 **config):
+                 coordinator: str | None = None, **config):
         # a killed engine rank's links give up after 3 s, not 30: closing the Publishers waits for them
         config.setdefault("listen_opts", {"resume_window": 3.0})
         self.spec = {"m": m, "n": n, "engine": engine}
         self.plan = make_plan(m, n, engine)
         self.ref = Reference(qwen_params())
-        self.pubs = [ShardPublisher(self.plan, 0, coordinator="tcp://127.0.0.1:0", host_coordinator=True,
-                                    token=TOKEN, timeout=timeout, **config)]
-        self.address = self.pubs[0].coordinator_address
+        self.pubs = []
+        if coordinator is None:  # trainer rank 0 hosts it; else one runs at that address
+            self.pubs = [ShardPublisher(self.plan, 0, coordinator="tcp://127.0.0.1:0", host_coordinator=True,
+                                        token=TOKEN, timeout=timeout, **config)]
+            coordinator = self.pubs[0].coordinator_address
+        self.address = coordinator
         self.pubs += [ShardPublisher(self.plan, t, coordinator=self.address, token=TOKEN, **config)
-                      for t in range(1, m)]
+                      for t in range(len(self.pubs), m)]
         self.ctx = mp.get_context("spawn")
         self.out = self.ctx.Queue()
         self.procs = {}
@@ -168,6 +171,35 @@ def test_rank_that_never_gets_ready_aborts_at_the_timeout(groups):
     assert all(served == 1 and ok for served, ok in got.values()), got
     time.sleep(max(0.0, stall - (time.monotonic() - t0)) + 0.3)  # the stalled source delivers version 2 late
     _commit(g, 3)
+
+
+def test_a_restarted_coordinator_resumes_the_rounds(groups):
+    """The coordinator as a process of its own, stopped between rounds and started again on its address: every
+    trainer and engine rank redials it and joins again, no version commits while it is gone (the engine ranks
+    keep serving the last one), the version published meanwhile commits once it is back (each trainer rank says
+    its last announcement again on joining), and the next one after it."""
+    from wsync.shard.commit import Coordinator
+
+    plan = make_plan(2, 2)
+    coord = Coordinator(plan, "tcp://127.0.0.1:0", token=TOKEN, timeout=30.0)
+    g = groups(2, 2, coordinator=coord.address)
+    _commit(g, 0)
+    _commit(g, 1)
+    coord.close()  # the coordinator goes away; its links drop
+    g.publish(2)  # its pieces reach the engine ranks' staging, but no round runs
+    time.sleep(1.0)
+    assert not any(e[1] == "committed" and e[4] == 2 for e in g.log)
+    coord = Coordinator(plan, coord.address, token=TOKEN, timeout=30.0)  # back, on the same address
+    try:
+        # the trainer ranks join again and say what they published last: version 2 gets its round now
+        res = g.outcome(2)
+        assert res["outcome"] == "committed" and res["version"] == 2 and res["digest"] == res["expected"], res
+        got = g.expect("committed", 2, range(2))
+        assert all(served == 2 and ok for served, ok in got.values()), got
+        _commit(g, 3)
+        assert [s["version"] for s in coord.settled] == [2, 3]
+    finally:
+        coord.close()
 
 
 def _headline(tmp_path, m: int, n: int, trainer, engine, *targs) -> None:

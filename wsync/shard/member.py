@@ -60,12 +60,13 @@ def digests_doc(d: dict[int, str]) -> dict[str, str]:
 
 
 class Member:
-    """One rank's link to the coordinator. on_message(msg) runs on this link's reader thread."""
+    """One rank's link to the coordinator. on_message(msg) runs on this link's reader thread; on_join() there
+    too, each time the link comes up (after the join went out)."""
 
     def __init__(self, address: str, join: dict, on_message, *, token=None, link_opts: dict | None = None,
-                 retry_s: float = 0.5):
+                 retry_s: float = 0.5, on_join=None):
         self.address, self.join = address, join
-        self._on_message, self._retry_s = on_message, retry_s
+        self._on_message, self._retry_s, self._on_join = on_message, retry_s, on_join
         self._opts = with_token({**LINK_OPTS, **(link_opts or {})}, token)
         self._cv = threading.Condition()
         self._send_lock = threading.Lock()
@@ -124,6 +125,8 @@ class Member:
             with self._cv:
                 self._link, self.error = link, None
                 self._cv.notify_all()
+            if self._on_join is not None:  # what this rank must say again to a coordinator that restarted
+                self._on_join()
             while not self._closed:
                 try:
                     msg = link.recv(timeout=0.5)

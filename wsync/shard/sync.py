@@ -123,7 +123,9 @@ class ShardPublisher:
                                                backend=backend, **publisher_config)
             self.addresses = {r: pub.address for r, pub in self.publishers.items()}
             join = {"role": "trainer", "rank": rank, "plan": plan.hash, "addresses": digests_doc(self.addresses)}
-            self.member = Member(self.coordinator_address, join, self._on_message, token=token, link_opts=link_opts)
+            self._announced: dict | None = None  # the last "published" said, said again on every join
+            self.member = Member(self.coordinator_address, join, self._on_message, token=token, link_opts=link_opts,
+                                 on_join=self._announce_again)
             self.member.wait_up(connect_timeout)  # a version published before the link is up would get no round
         except BaseException:
             if hasattr(self, "member"):
@@ -154,7 +156,14 @@ class ShardPublisher:
                 sums = streams.sums(self.kernels, self._dst[r])
             partials[r] = partial_digest(sums)
             self.publishers[r].publish(self._bound[r], version)
-        self.member.send("published", {"version": version, "partials": digests_doc(partials)})
+        self._announced = {"version": version, "partials": digests_doc(partials)}
+        self.member.send("published", self._announced)
+
+    def _announce_again(self) -> None:
+        """A coordinator that restarted (or a link that came back) learns of the newest version from here: one
+        published while it was gone still gets its round."""
+        if self._announced is not None:
+            self.member.send("published", self._announced)
 
     @staticmethod
     def _src_tables(local: dict, order) -> dict | None:
