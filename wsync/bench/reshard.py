@@ -4,7 +4,7 @@
 
 Two paths move the same versions of the same model (a Qwen3-shaped state,
 FSDP2 Shard(0) over the trainer ranks, vLLM's TP layout over the engine ranks), in one run,
-each in its own processes (rank processes: reshard_ranks.py; tcp loopback):
+each in its own processes (rank processes: reshard_ranks.py; tcp loopback, or --transport gloo|ucx|local):
 
 - **sharded**: each trainer rank publishes its pieces straight to the engine
   ranks that need them (wsync.shard), and every engine rank commits together;
@@ -128,8 +128,8 @@ def _traffic(rows: list[dict], path: str, n: int) -> list[dict]:
 
 
 def run(m: int = 4, n: int = 2, dims: dict | None = None, density: float = 0.01, full_versions: int = 3,
-        delta_versions: int = 5) -> dict:
-    spec = {"m": m, "n": n, "dims": dims or DIMS, "density": density}
+        delta_versions: int = 5, transport: str = "tcp") -> dict:
+    spec = {"m": m, "n": n, "dims": dims or DIMS, "density": density, "transport": transport}
     from .reshard_ranks import make_plan
 
     plan = make_plan(spec)
@@ -137,6 +137,7 @@ def run(m: int = 4, n: int = 2, dims: dict | None = None, density: float = 0.01,
     ranks = _Ranks(spec)
     res = {"kind": "wsync bench reshard", "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "hardware": hardware.describe(), "trainer_ranks": m, "engine_ranks": n, "dims": spec["dims"],
+           "transport": transport,
            "density": density, "model_bytes": model_bytes, "plan_bytes_by_trainer": plan.bytes_by_trainer(),
            "plan_bytes_by_engine": plan.bytes_by_engine(), "modes": {}}
     try:
@@ -175,7 +176,8 @@ def _summary(lanes: dict, m: int, n: int, same: bool) -> dict:
 def render(res: dict) -> str:
     mb = res["model_bytes"] / 1e6
     lines = [f"{res['trainer_ranks']} trainer ranks (FSDP2 Shard(0)) -> {res['engine_ranks']} engine ranks (vLLM TP), "
-             f"Qwen3-shaped {mb:.1f} MB bf16, {res['density']:.0%} changed per version, tcp loopback; "
+             f"Qwen3-shaped {mb:.1f} MB bf16, {res['density']:.0%} changed per version, "
+             f"{res.get('transport', 'tcp')} on loopback; "
              f"{res['hardware'].get('cpu')}, {res['hardware'].get('cores')} cores", "",
              "| mode | path | publish -> committed | vs gather | busiest rank | share of total (target) | total |",
              "|---|---|---:|---:|---:|---:|---:|"]
@@ -196,7 +198,7 @@ def render(res: dict) -> str:
 def main(a) -> None:
     dims = dict(QUICK if a.quick else DIMS)
     dims.update({k: v for k, v in (("layers", a.layers), ("hidden", a.hidden), ("vocab", a.vocab)) if v})
-    res = run(a.trainers, a.engines, dims, a.density, a.full_versions, a.delta_versions)
+    res = run(a.trainers, a.engines, dims, a.density, a.full_versions, a.delta_versions, a.transport)
     print(render(res))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
@@ -213,6 +215,9 @@ def add_parsers(bench) -> None:
     p.add_argument("--density", type=float, default=0.01, help="fraction of values changed per version")
     p.add_argument("--full-versions", type=int, default=3, help="timed full versions after a warm-up one")
     p.add_argument("--delta-versions", type=int, default=5, help="timed delta versions after the keyframe")
+    p.add_argument("--transport", default="tcp", choices=("tcp", "gloo", "ucx", "local"),
+                   help="both paths' data links: the sharded path's (trainer, engine) pairs and the gather path's "
+                        "rank-0 Publisher (gloo: a broadcast group of rank 0 and every engine rank); default tcp")
     p.add_argument("--quick", action="store_true", help="a tiny model: a smoke test, not numbers to compare")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     p.set_defaults(fn=main)

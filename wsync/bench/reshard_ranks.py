@@ -11,6 +11,7 @@ byte for byte.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -95,10 +96,11 @@ def trainer_main(rank: int, spec: dict, conn, dist_port: int) -> None:
             path, codec, shards = cmd[0], cmd[1], Shards(plan, rank, spec["density"])
             if path == "sharded":
                 pub = ShardPublisher(plan, rank, coordinator=cmd[2] or "tcp://127.0.0.1:0",
-                                     host_coordinator=cmd[2] is None, codec=codec, timeout=600.0)
+                                     host_coordinator=cmd[2] is None, codec=codec, timeout=600.0,
+                                     transport=spec.get("transport", "tcp"))
                 conn.send(pub.coordinator_address)
             else:
-                pub = Publisher("tcp://127.0.0.1:0", codec=codec) if rank == 0 else None
+                pub = Publisher(gather_address(spec), codec=codec) if rank == 0 else None
                 full = {n: torch.empty(p.shape, dtype=torch.bfloat16) for n, p in plan.trainer.params.items()} \
                     if rank == 0 else {}
                 conn.send(pub.address if pub else None)
@@ -120,6 +122,18 @@ def trainer_main(rank: int, spec: dict, conn, dist_port: int) -> None:
         elif cmd[0] == "exit":
             dist.destroy_process_group()
             return
+
+
+def gather_address(spec: dict) -> str:
+    """Where trainer rank 0 publishes the gathered state on the gather path: the transport the sharded path's pairs
+    use, so the two differ only in who sends what (over gloo: one broadcast group of rank 0 and every engine rank,
+    the gather-and-broadcast most frameworks run)."""
+    transport = spec.get("transport", "tcp")
+    if transport == "local":
+        return f"local://ws-bench-{os.getpid()}"
+    if transport in ("gloo", "nccl"):
+        return f"{transport}://127.0.0.1:0?world_size={spec['n'] + 1}"
+    return f"{transport}://127.0.0.1:0"
 
 
 def _gather(plan, rank: int, m: int, shards: Shards, full: dict, pub, version: int) -> int:
