@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import time
 import tracemalloc
 
 import numpy as np
@@ -413,3 +414,37 @@ def test_a_version_that_can_never_apply_surfaces_instead_of_looping():
         with pytest.raises(MismatchError, match="fp8"):
             sub.wait_for(0, timeout=60)
         assert sub.version is None and 3 <= sub.stats["failures"] <= 6  # backed off, not a hot loop
+
+
+def test_on_commit_once_per_committed_version_in_order(gen):
+    """One poll commits a keyframe and the deltas after it: one call each, in order; a refused delta gives none,
+    the keyframe that replaces it one; a hook that raises never stops the subscriber."""
+    trainer, model = tiny_qwen(0), tiny_qwen(1)
+    seen: list[dict] = []
+
+    def hook(c: dict) -> None:
+        seen.append(c)
+        if c["version"] == 1:
+            raise RuntimeError("a broken hook")
+
+    with Publisher(ADDR, token=TOKEN, keyframe_every=100) as pub, \
+            Subscriber(pub.address, engine=engines.HF(model), token=TOKEN, apply="poll", on_commit=hook) as sub:
+        pub.wait_for_subscribers(1, timeout=30)
+        publish_steps(pub, trainer, gen, [0, 1, 2])
+        pub.flush(timeout=30)  # all three staged, none applied
+        assert seen == [] and sub.poll() == 2 and same_bytes(trainer, model)
+        assert [(c["version"], c["keyframe"]) for c in seen] == [(0, True), (1, False), (2, False)]
+        assert all(c["bytes"] > 0 and c["apply_s"] >= 0 for c in seen)
+        assert seen[0]["bytes"] > seen[1]["bytes"]  # the keyframe is raw, the deltas are small
+        with torch.no_grad():
+            model.model.norm.weight.view(torch.int16)[0] += 1  # drift: the next delta must be refused
+        publish_steps(pub, trainer, gen, [3])
+        pub.flush(timeout=30)
+        assert sub.poll() is None and isinstance(sub.error, VersionError) and len(seen) == 3
+        sub.wait_announced(timeout=30)
+        deadline = time.monotonic() + 30
+        while sub.version != 3 and time.monotonic() < deadline:
+            sub.poll()  # the keyframe of version 3 that the refusal asked for
+            time.sleep(0.02)
+        assert sub.version == 3 and same_bytes(trainer, model)
+        assert [(c["version"], c["keyframe"]) for c in seen] == [(0, True), (1, False), (2, False), (3, True)]

@@ -17,31 +17,9 @@ import os
 import queue
 import secrets
 import threading
-import time
 import traceback
 
 from .sampler import SamplerConfig, Worker
-
-
-def _recording():
-    """A wsync Subscriber that keeps a line per version it commits (one poll may commit several: a keyframe and
-    the deltas after it), where the plain one keeps only the last."""
-    import wsync
-
-    class Recording(wsync.Subscriber):
-        def __init__(self, *args, **kw):
-            self.log: queue.Queue = queue.Queue()
-            super().__init__(*args, **kw)
-
-        def _apply(self, st) -> bool:
-            t = time.perf_counter()
-            ok = super()._apply(st)
-            if ok:
-                self.log.put({"version": st.version, "bytes": st.nbytes, "keyframe": st.keyframe,
-                              "apply_s": time.perf_counter() - t})
-            return ok
-
-    return Recording
 
 
 class RayWorker(Worker):
@@ -50,16 +28,19 @@ class RayWorker(Worker):
     def __init__(self, *args, life: str, **kw):
         self.life = life
         self.requests: queue.Queue = queue.Queue()
+        self.commits: queue.Queue = queue.Queue()  # a line per version the Subscriber commits (its on_commit)
         super().__init__(*args, **kw)
 
     def _subscriber(self, address: str, **kw):
-        return _recording()(address, **kw)
+        import wsync
+
+        return wsync.Subscriber(address, on_commit=self.commits.put, **kw)
 
     def _applied(self, version: int, seconds: float) -> None:
         super()._applied(version, seconds)
         while True:
             try:
-                line = self.sub.log.get_nowait()
+                line = self.commits.get_nowait()
             except queue.Empty:
                 return
             self._put({"kind": "applied", "worker": self.index, **line})

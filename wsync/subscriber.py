@@ -14,6 +14,12 @@ failed is kept in ``error`` and named by wait_for's timeout; a listener that
 refuses us (token, protocol version) is dialled less and less often, and after
 GIVE_UP refusals in a row wait_for raises the refusal instead of waiting on.
 
+``on_commit``, if given, is called once per version the engine commits, in
+order, with ``{"version", "bytes", "keyframe", "apply_s"}`` (one poll may commit
+several: a keyframe and the deltas after it). A refused version gives no call.
+It runs in the applying thread (the receiver's, or poll()'s caller's) after the
+commit and the ack; an exception in it is logged and never stops the subscriber.
+
 Threads: the receiver thread stages versions; applying happens there
 (apply="background") or in whoever calls poll(), one caller at a time
 (_apply_lock). Everything both sides read or write (staged versions, the
@@ -72,12 +78,13 @@ class Subscriber:
     def __init__(self, address: str, *, engine, token=None, apply: str = "background", backend: str | None = None,
                  connect_opts: dict | None = None, retry_s: float = 0.5, progress=None, relay: str | None = None,
                  relay_opts: dict | None = None, served: list | None = None, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1"):
+                 metrics_host: str = "127.0.0.1", on_commit=None):
         if apply not in ("background", "poll"):
             raise ValueError(f"apply must be 'background' or 'poll', got {apply!r}")
         self.address, self.engine, self.mode, self.backend = address, engine, apply, backend
         self._token, self._opts, self._retry_s = token, connect_opts or {}, retry_s
         self.progress = progress  # called as progress(version, bucket, buckets, bytes) as buckets arrive
+        self.on_commit = on_commit  # called as on_commit({version, bytes, keyframe, apply_s}) per committed version
         self.newest_seen: int | None = None  # newest version the publisher has announced
         self._lockstep = parse_address(address).scheme in ("gloo", "nccl")
         self._cv = threading.Condition()
@@ -434,6 +441,11 @@ class Subscriber:
             self._ack(st.version)
         if self.relay is not None:
             self.relay.publish(self._bound if self._bound is not None else self.engine.tensors(), version=st.version)
+        if self.on_commit is not None:
+            try:
+                self.on_commit({"version": st.version, "bytes": st.nbytes, "keyframe": st.keyframe, "apply_s": apply_s})
+            except Exception:  # noqa: BLE001 - the caller's hook; the version is committed whatever it does
+                log.exception("on_commit raised for version %s (ignored)", st.version)
         return True
 
 
