@@ -136,7 +136,10 @@ def cluster(tmp_path_factory):
                                                 "--num-cpus", "1", "--resources", '{"wsync_trainer": 2}',
                                                 "--include-dashboard", "false", "--temp-dir", str(tmp / "h")],
                              env, tmp / "h.log"))
-        _wait_listening(net, net.ns["s1"], HEAD_IP, RAY_PORT, env, 60)  # the GCS, seen across the bridge
+        try:
+            _wait_listening(net, net.ns["s1"], HEAD_IP, RAY_PORT, env, 60)  # the GCS, seen across the bridge
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; the head's log ends:\n{(tmp / 'h.log').read_text()[-3000:]}") from None
         for name in ("s1", "s2"):
             nodes.append(RayNode(net, net.ns[name], ["--address", f"{HEAD_IP}:{RAY_PORT}", "--node-ip-address",
                                                      NODES[name], "--num-cpus", "1", "--resources",
@@ -195,7 +198,8 @@ def _drive(cluster, fault: str) -> dict:
     out = tmp / f"run-{fault}.json"
     argv = [sys.executable, "-c", DRIVER, f"{HEAD_IP}:{RAY_PORT}", str(out), fault, net.ns["s2"], net.dev["s2"]]
     p = subprocess.run(net.exec(net.ns["h"], argv), env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    logs = "".join(f"\n--- {n}.log\n" + (tmp / f"{n}.log").read_text()[-1500:] for n in NODES)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:] + logs
     return json.loads(out.read_text())
 
 
