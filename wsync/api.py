@@ -66,8 +66,8 @@ def encode(base, new, *, codec: str = "delta", tier: str | None = "packed", vers
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
     tier = None if codec == "raw" else tier
-    if codec == "delta" and tier not in ("sparse", "packed"):
-        raise ValueError(f"delta tier must be 'sparse' or 'packed', got {tier!r}")
+    if codec == "delta" and tier not in ("sparse", "packed", "v2"):
+        raise ValueError(f"delta tier must be 'sparse', 'packed' or 'v2', got {tier!r}")
     k = backends.kernels(backend)
     new_state, files, metadata = _load(new)
     members = _members_of(new_state, members)
@@ -507,6 +507,9 @@ def _changed(spec: TensorSpec, payload: Payload) -> int:
                       lambda x: np.count_nonzero(x))
     if not spec.kind.startswith("delta"):
         return spec.numel
+    if spec.kind == "delta-v2":  # the model's first varint
+        from .codecs.v2_ref import get_varint
+        return get_varint(payload.parts(spec)["model"], 0, f"{spec.name}: v2 model", spec.numel)[0]
     nc = nchunks(spec.numel)
     table = payload.parts(spec)["table"]
     if spec.kind == "delta-sparse":

@@ -35,8 +35,9 @@ PARTS = {
     ("delta", "xor"): ("data",),
     ("delta", "delta-sparse"): ("table", "gaps", "steps", "escapes"),
     ("delta", "delta-packed"): ("table", "gaps_lo", "gaps_hi", "steps", "escapes"),
+    ("delta", "delta-v2"): ("model", "index", "pos", "steps"),  # codecs/v2_ref.py
 }
-TIERS = {"raw": (None,), "delta": ("sparse", "packed")}
+TIERS = {"raw": (None,), "delta": ("sparse", "packed", "v2")}
 
 
 @dataclass(kw_only=True)
@@ -238,7 +239,7 @@ def _check_lengths(spec: TensorSpec, where: str) -> None:
         raise FormatError(f"{where}: raw data is {spec.parts['data']} bytes, but {spec.dtype}{list(spec.shape)} needs {spec.nbytes}")
     if spec.kind == "delta-sparse" and spec.parts["table"] != 8 * spec.nchunks:
         raise FormatError(f"{where}: chunk table is {spec.parts['table']} bytes, expected {8 * spec.nchunks}")
-    if spec.kind == "delta-sparse" and spec.length >= spec.nbytes:  # the encoder stores such a change whole
+    if spec.kind in ("delta-sparse", "delta-v2") and spec.length >= spec.nbytes:  # the encoder stores such a change whole
         raise FormatError(f"{where}: {spec.length} bytes of delta sections for a {spec.nbytes}-byte tensor")
     if spec.kind.startswith("delta") and spec.base_checksum is None:
         raise FormatError(f"{where}: a delta tensor needs a base_checksum")

@@ -1,9 +1,12 @@
-"""The lossless delta codec: changed elements only, in two tiers.
+"""The lossless delta codec: changed elements only, in three tiers.
 
 `sparse` stores the fixed-width sections of delta_ref (GPU-friendly, no entropy
 coder). `packed` runs each section through zstd, with the u16 gaps split into
 low- and high-byte planes first: the high bytes are nearly all zero and the low
 bytes nearly uniform, and zstd's Huffman stage models each far better alone.
+`v2` codes the same changes near their entropy with the base as context
+(v2_ref: positions Golomb-coded per base exponent class, steps rANS-coded per
+class); decoding it needs the base, so it happens at apply, not in unpack.
 
 Per tensor the encoder picks, from counts it knows before building anything:
   same   nothing changed, nothing stored
@@ -21,7 +24,7 @@ import numpy as np
 from ..errors import FormatError
 from ..snapshot import TensorBits
 from ..tables import Table, as_array
-from . import delta_ref
+from . import delta_ref, v2_ref
 from .base import Applied, Decoded, Encoded, Overwritten, frombuffer, write_whole, zstd_compress, zstd_decompress
 from .delta_ref import DeltaSections
 
@@ -50,6 +53,11 @@ def measure(base: TensorBits, new: TensorBits, *, tier: str, kernels, own: bool 
             data = (new.bits.gather() if isinstance(new.bits, Table) else new.bits.copy()) if own else new.bits
             return Encoded("raw", {"data": data}, verbatim=True, **sums)
         return Encoded("xor", {"data": as_array(base.bits) ^ as_array(new.bits)}, **sums)
+    if tier == "v2":
+        parts = _v2_encode(kernels, as_array(base.bits), sec, new.dtype)
+        if sum(len(p) for p in parts.values()) >= new.nbytes:  # tiny or odd: the model costs more than it saves
+            return Encoded("xor", {"data": as_array(base.bits) ^ as_array(new.bits)}, **sums)
+        return Encoded("delta-v2", parts, sections=sec, **sums)
     if tier == "sparse":
         return Encoded("delta-sparse", {"table": sec.table, "gaps": sec.gaps, "steps": sec.steps,
                                         "escapes": sec.escapes}, sections=sec, **sums)
@@ -77,9 +85,20 @@ def decode_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype) -> Dec
         return Decoded(frombuffer(parts["data"], bits_dt, "data"))
     if spec.kind == "xor":
         return Decoded(as_array(base.bits) ^ _xor_data(spec, parts, bits_dt))
-    sec = _sections(spec, parts, bits_dt)
+    sec = _v2_decode(kernels, as_array(base.bits), parts, dtype) if spec.kind == "delta-v2" \
+        else _sections(spec, parts, bits_dt)
     pos, values, base_sum = kernels.delta_decode_checksummed(base.bits, sec, dtype.order)
     return Decoded(values, pos, base_sum)
+
+
+def _v2_encode(kernels, old: np.ndarray, sec: DeltaSections, dtype) -> dict:
+    fn = getattr(kernels, "v2_encode", None)
+    return fn(old, sec, dtype) if fn is not None else v2_ref.encode(old, sec, dtype)
+
+
+def _v2_decode(kernels, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
+    fn = getattr(kernels, "v2_decode", None)
+    return fn(old, parts, dtype) if fn is not None else v2_ref.decode(old, parts, dtype)
 
 
 def unpack(spec, parts: dict, dtype, limit: int | None = None) -> DeltaSections | None:
@@ -90,6 +109,8 @@ def unpack(spec, parts: dict, dtype, limit: int | None = None) -> DeltaSections 
     allocated. Without a base, the tensor's size is only what the manifest declares, so a caller that has
     not checked it against anything passes a limit.
     """
+    if spec.kind == "delta-v2":  # its decoding needs the base: apply does it
+        return None
     return _sections(spec, parts, dtype.bits_dtype, limit) if spec.kind.startswith("delta") else None
 
 
@@ -111,7 +132,12 @@ def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace
                            base_sum=True)
     if spec.kind == "xor":
         return _apply_xor(base, _xor_data(spec, parts, bits_dt), kernels, inplace)
-    sec = unpacked if unpacked is not None else _sections(spec, parts, bits_dt)
+    if unpacked is not None:
+        sec = unpacked
+    elif spec.kind == "delta-v2":
+        sec = _v2_decode(kernels, as_array(base.bits), parts, dtype)
+    else:
+        sec = _sections(spec, parts, bits_dt)
     if inplace:
         overwritten, before, after = kernels.delta_apply_inplace(base.bits, sec, dtype.order)
         return Applied(base.bits, after, before, overwritten)
