@@ -49,9 +49,10 @@ Index (part `index`, varints): per chunk, the byte lengths of its position
 bitstream and of its rANS stream; they tile `pos` and `steps` exactly. Padding
 bits at a bitstream's end are zero.
 
-A segment is stored as a delta only when v1's sparse sections would be
-smaller than the tensor; a decoder refuses a K that breaks that rule, so a
-delta never makes a receiver allocate more than v1 would. Decoding validates
+A segment is stored as a delta only when something changed and v1's sparse
+sections would be smaller than the tensor (K >= 1 and 8 * nchunks + 3 * K <
+n * W); a decoder refuses a K that breaks that rule, so a delta never makes a
+receiver allocate more than v1 would. Decoding validates
 every count, length, parameter and frequency; bad input raises FormatError.
 """
 from __future__ import annotations
@@ -387,8 +388,8 @@ def read_model(model, numel: int, nbytes: int, itemsize: int) -> tuple[int, list
     """(K, m per class, class -> frequencies), validated against a segment of numel elements."""
     what = "v2 model"
     k, at = get_varint(model, 0, what, numel)
-    if delta_ref.sparse_size(numel, itemsize, k, 0) >= nbytes:  # the encoder stores such a change whole
-        raise FormatError(f"{what}: {k} changes in {numel} elements is too dense for a delta")
+    if k == 0 or delta_ref.sparse_size(numel, itemsize, k, 0) >= nbytes:  # stored as "same", or whole
+        raise FormatError(f"{what}: {k} changes in {numel} elements is too dense for a delta, or none")
     lo, at = get_varint(model, at, f"{what} first class", NCLASS)
     hi, at = get_varint(model, at, f"{what} class end", NCLASS)
     if lo > hi:
