@@ -18,6 +18,10 @@
 #include "delta_kernels.h"
 #include "ws_lora.cuh"  // the lowrank range finder, shared with the CUDA kernel
 
+// delta v2, in csrc/ws_v2_cpu.cpp
+PyObject* ws_v2_py_encode(PyObject*, PyObject* args);
+PyObject* ws_v2_py_decode(PyObject*, PyObject* args);
+
 namespace {
 
 PyObject* InvalidSections = nullptr;
@@ -587,6 +591,8 @@ PyMethodDef methods[] = {
      "each checked to lie in bits before anything is written; ValueError otherwise)."},
     {"lora_range", py_lora_range, METH_VARARGS,
      "lora_range(w_new, w_old, omega, y, m, n, k) -> None: y = (w_new - w_old) @ omega (bf16 patterns, fp32)."},
+    {"v2_encode", ws_v2_py_encode, METH_VARARGS, "delta v2 parts of v1 sections against the base (csrc/ws_v2.h)"},
+    {"v2_decode", ws_v2_py_decode, METH_VARARGS, "v1 sections of delta v2 parts against the base, or an error str"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -328,3 +328,31 @@ def test_v2_cpu_twin_is_byte_identical(rng):
         back = k.v2_decode(old, want, dt)
         for f in ("table", "gaps", "steps", "escapes"):
             assert getattr(back, f).tobytes() == getattr(sec, f).tobytes(), (name, f)
+
+
+def test_cpu_twin_refuses_what_the_reference_refuses(victim):
+    """Each mutation, decoded by both: the same error-or-result (the messages may differ)."""
+    from wsync import backends
+    from wsync.errors import BackendUnavailable
+
+    try:
+        k = backends.kernels("cpu")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    if not hasattr(k._cpu, "v2_decode"):
+        pytest.skip("the C++ backend has no v2 kernels")
+    dt, old, new, blob = victim
+    spec, parts = _segment_parts(Payload.from_bytes(blob))
+    for what, bad in _mutations(parts, np.random.default_rng(5)):
+        try:
+            want = v2_ref.decode(old, bad, dt)
+        except FormatError:
+            want = None
+        try:
+            got = k.v2_decode(old, bad, dt)
+        except FormatError:
+            got = None
+        assert (want is None) == (got is None), what
+        if want is not None:
+            for f in ("table", "gaps", "steps", "escapes"):
+                assert getattr(want, f).tobytes() == getattr(got, f).tobytes(), (what, f)

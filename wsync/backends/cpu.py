@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..codecs import v2_ref
 from ..codecs.delta_ref import DeltaSections
 from ..errors import BackendUnavailable, FormatError
 from ..tables import Table
@@ -77,6 +78,14 @@ def _section(a: np.ndarray, dtype, what: str) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def _v2_class_spec(dtype) -> tuple[int, int, int]:
+    """(kind, shift, ebits) of v2_ref.value_class for the C++ kernels: float exponent field, or bit length."""
+    if dtype.order == "float":
+        m = v2_ref.MANTISSA_BITS[dtype.name]
+        return 0, m, 8 * dtype.itemsize - 1 - m
+    return (1 if dtype.order == "int" else 2), 0, 0
+
+
 def _order(order: str) -> str:
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
@@ -93,6 +102,29 @@ class CpuKernels(Composed):
 
     def delta_encode(self, old: np.ndarray, new: np.ndarray, order: str) -> DeltaSections:
         return self._encode(old, new, order, False)[0]
+
+    def v2_encode(self, old: np.ndarray, sec: DeltaSections, dtype) -> dict:
+        """codecs/v2_ref.encode in C++ (csrc/ws_v2.h): the same bytes."""
+        if not hasattr(self._cpu, "v2_encode"):  # an extension built before v2
+            return v2_ref.encode(old, sec, dtype)
+        old = _bits(old, "old")
+        got = self._cpu.v2_encode(old, _section(sec.table, "<u4", "table"), _section(sec.gaps, "<u2", "gaps"),
+                                  _section(sec.steps, np.int8, "steps"), _section(sec.escapes, old.dtype, "escapes"),
+                                  old.dtype.itemsize, _order(dtype.order), *_v2_class_spec(dtype))
+        return dict(zip(v2_ref.PARTS, got))
+
+    def v2_decode(self, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
+        """codecs/v2_ref.decode in C++; a payload it refuses raises FormatError."""
+        if not hasattr(self._cpu, "v2_decode"):
+            return v2_ref.decode(old, parts, dtype)
+        old = _bits(old, "old")
+        got = self._cpu.v2_decode(old, *(parts[p] for p in v2_ref.PARTS), old.dtype.itemsize, _order(dtype.order),
+                                  *_v2_class_spec(dtype))
+        if isinstance(got, str):
+            raise FormatError(got)
+        table, gaps, steps, esc = got
+        return DeltaSections(np.frombuffer(table, "<u4"), np.frombuffer(gaps, "<u2"), np.frombuffer(steps, np.int8),
+                             np.frombuffer(esc, old.dtype))
 
     def delta_decode(self, old, sec: DeltaSections, order: str) -> tuple[np.ndarray, np.ndarray]:
         old = _bits(old, "old")

@@ -1,0 +1,440 @@
+// Delta codec v2 on the CPU (wsync/codecs/v2_ref.py is the spec; these give the same bytes).
+//
+// encode: from the base and v1's sparse sections (delta_kernels.h made them in its one pass over both
+// tensors) to the four v2 parts. Pass 1 walks each chunk of the base once, counting classes and taking
+// each change's rank in its class; the model is summed from those; pass 2 codes each chunk. Chunks run
+// on the thread pool. decode: the model and index parsed here, each chunk by ws_v2.cuh's decode_chunk,
+// then back to v1 sections, which the existing kernels apply.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "delta_kernels.h"
+#include "parallel.h"
+#include "ws_v2.cuh"
+
+namespace wsync {
+namespace v2 {
+
+using namespace ws::v2;
+
+struct ClassSpec {
+  int kind, shift, ebits;  // see ws::v2::value_class
+};
+
+inline void put_varint(std::vector<uint8_t>& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(uint8_t((v & 0x7F) | 0x80));
+    v >>= 7;
+  }
+  out.push_back(uint8_t(v));
+}
+
+// false: truncated, overlong or over limit
+inline bool get_varint(const uint8_t* buf, int64_t len, int64_t& at, uint64_t limit, uint64_t& v) {
+  v = 0;
+  int shift = 0;
+  for (int i = 0; i < 10 && at + i < len; ++i) {
+    const uint8_t b = buf[at + i];
+    if (shift == 63 && (b & 0x7E)) return false;
+    v |= uint64_t(b & 0x7F) << shift;
+    shift += 7;
+    if (!(b & 0x80)) {
+      at += i + 1;
+      return v <= limit;
+    }
+  }
+  return false;
+}
+
+struct BitWriter {
+  std::vector<uint8_t> out;
+  uint64_t acc = 0;
+  int n = 0;
+  void put(uint64_t v, int nbits) {  // nbits <= 32
+    if (!nbits) return;
+    acc |= (v & ((uint64_t(1) << nbits) - 1)) << n;
+    n += nbits;
+    while (n >= 8) {
+      out.push_back(uint8_t(acc));
+      acc >>= 8;
+      n -= 8;
+    }
+  }
+  void ones(uint64_t count) {
+    for (; count >= 32; count -= 32) put(0xFFFFFFFFu, 32);
+    put((uint64_t(1) << count) - 1, int(count));
+  }
+  void finish() {
+    if (n) out.push_back(uint8_t(acc));
+    acc = 0;
+    n = 0;
+  }
+};
+
+inline int floor_log2(uint64_t s) { return 63 - __builtin_clzll(s); }
+
+inline void put_truncated(BitWriter& w, uint64_t v, uint64_t s) {
+  if (s == 1) return;
+  const int k = floor_log2(s);
+  const uint64_t u = (uint64_t(2) << k) - s;
+  if (v < u) {
+    w.put(v, k);
+  } else {
+    w.put((v + u) >> 1, k);
+    w.put((v + u) & 1, 1);
+  }
+}
+
+inline void put_gap(BitWriter& w, uint64_t g, uint64_t m, uint64_t r) {
+  const uint64_t q = g / m;
+  w.ones(q);
+  w.put(0, 1);
+  put_truncated(w, g - q * m, std::min(m, r - q * m));
+}
+
+inline void put_end(BitWriter& w, uint64_t m, uint64_t r) { w.ones((r + m - 1) / m); }
+
+inline void put_escape(BitWriter& w, int64_t d) {
+  w.put(d < 0 ? 1 : 0, 1);
+  const uint64_t v = (d < 0 ? uint64_t(0) - uint64_t(d) : uint64_t(d)) - SMALL;
+  const int n = floor_log2(v);
+  for (int z = n; z > 0; z -= std::min(z, 32)) w.put(0, std::min(z, 32));
+  w.put(1, 1);
+  if (n > 32) {
+    w.put(v & 0xFFFFFFFFu, 32);
+    w.put((v >> 32) & ((uint64_t(1) << (n - 32)) - 1), n - 32);
+  } else {
+    w.put(v & ((uint64_t(1) << n) - 1), n);
+  }
+}
+
+inline uint64_t golomb_param(uint64_t n, uint64_t k) {
+  return k == 0 ? 0 : std::max<uint64_t>(1, (n * 2839 + k * 2048) / (k * 4096));
+}
+
+inline void quantize(const uint64_t* counts, uint32_t* f) {
+  uint64_t total = 0;
+  for (int s = 0; s < NSYM; ++s) total += counts[s];
+  int top = 0;
+  int64_t sum = 0;
+  for (int s = 0; s < NSYM; ++s) {
+    f[s] = counts[s] == 0 ? 0 : uint32_t(std::max<uint64_t>(1, counts[s] * PROB_SCALE / total));
+    sum += f[s];
+    if (counts[s] > counts[top]) top = s;
+  }
+  f[top] = uint32_t(int64_t(f[top]) + int64_t(PROB_SCALE) - sum);
+}
+
+inline int symbol(int64_t d) {
+  if (d >= -SMALL && d < 0) return int(d + SMALL);
+  if (d > 0 && d <= SMALL) return int(d + SMALL - 1);
+  return ESC;
+}
+
+struct Parts {
+  std::vector<uint8_t> model, index, pos, steps;
+};
+
+// Per change, what pass 1 learns: offset in chunk, class, rank in class, step.
+struct Change {
+  uint32_t off, rank;
+  uint32_t cls;
+  int64_t d;
+};
+
+// The steps of v1 sections, chunk by chunk: d = key(new) - key(old) for escapes.
+template <class T, int O>
+void chunk_changes(const T* old, int64_t n, int64_t c, const uint32_t* table, const int64_t* offsets,
+                   const uint8_t* gaps, const int8_t* steps, const uint8_t* escapes, std::vector<Change>& out) {
+  const int64_t nc = nchunks(n);
+  const int64_t k0 = offsets[c], cnt = table[c];
+  int64_t e = offsets[nc + c];
+  const T* base = old + c * kChunk;
+  int64_t o = -1;
+  out.resize(size_t(cnt));
+  using S = std::make_signed_t<T>;
+  for (int64_t i = 0; i < cnt; ++i) {
+    o += int64_t(load<uint16_t>(gaps, k0 + i)) + 1;
+    int64_t d = steps[k0 + i];
+    if (d == kEscape) {
+      const T nv = load<T>(escapes, e++);
+      d = int64_t(S(T(key<T, O>(nv) - key<T, O>(base[o]))));
+    }
+    out[size_t(i)] = Change{uint32_t(o), 0, 0, d};
+  }
+}
+
+template <class T, int O>
+bool encode(const T* old, int64_t n, const uint32_t* table, const uint8_t* gaps, const int8_t* steps,
+            const uint8_t* escapes, ClassSpec cs, Parts& parts) {
+  const int64_t nc = nchunks(n);
+  std::vector<int64_t> offsets(static_cast<size_t>(2 * nc));
+  int64_t total, total_esc;
+  table_offsets(table, nc, offsets.data(), &total, &total_esc);
+  std::vector<std::vector<Change>> ch(static_cast<size_t>(nc));
+  std::vector<std::vector<uint32_t>> pops(static_cast<size_t>(nc), std::vector<uint32_t>(static_cast<size_t>(NCLASS)));
+  // pass 1: each chunk's changes with their class and rank; the chunk's class counts
+  parallel_for(nc, 1, [&](int64_t c) {
+    std::vector<Change>& v = ch[size_t(c)];
+    chunk_changes<T, O>(old, n, c, table, offsets.data(), gaps, steps, escapes, v);
+    const T* base = old + c * kChunk;
+    const uint32_t len = uint32_t(chunk_len(n, c));
+    uint32_t h[4][NCLASS] = {};
+    uint32_t o = 0;
+    auto count_to = [&](uint32_t end) {
+      for (; o + 4 <= end; o += 4) {
+        h[0][value_class<T>(base[o], cs.kind, cs.shift, cs.ebits)]++;
+        h[1][value_class<T>(base[o + 1], cs.kind, cs.shift, cs.ebits)]++;
+        h[2][value_class<T>(base[o + 2], cs.kind, cs.shift, cs.ebits)]++;
+        h[3][value_class<T>(base[o + 3], cs.kind, cs.shift, cs.ebits)]++;
+      }
+      for (; o < end; ++o) h[0][value_class<T>(base[o], cs.kind, cs.shift, cs.ebits)]++;
+    };
+    for (Change& x : v) {
+      count_to(x.off);
+      x.cls = value_class<T>(base[x.off], cs.kind, cs.shift, cs.ebits);
+      x.rank = h[0][x.cls] + h[1][x.cls] + h[2][x.cls] + h[3][x.cls];
+    }
+    count_to(len);
+    for (int k = 0; k < NCLASS; ++k) pops[size_t(c)][size_t(k)] = h[0][k] + h[1][k] + h[2][k] + h[3][k];
+  });
+  // the model
+  std::vector<uint64_t> n_c(NCLASS), k_c(NCLASS), counts(size_t(NCLASS) * NSYM);
+  for (int64_t c = 0; c < nc; ++c) {
+    for (int k = 0; k < NCLASS; ++k) n_c[size_t(k)] += pops[size_t(c)][size_t(k)];
+    for (const Change& x : ch[size_t(c)]) {
+      k_c[x.cls]++;
+      counts[size_t(x.cls) * NSYM + size_t(symbol(x.d))]++;
+    }
+  }
+  std::vector<uint64_t> m(NCLASS);
+  std::vector<uint32_t> freq(size_t(NCLASS) * NSYM), cum(size_t(NCLASS) * NSYM);
+  int lo = NCLASS, hi = 0;
+  for (int k = 0; k < NCLASS; ++k) {
+    m[size_t(k)] = golomb_param(n_c[size_t(k)], k_c[size_t(k)]);
+    if (!m[size_t(k)]) continue;
+    lo = std::min(lo, k);
+    hi = k + 1;
+    quantize(&counts[size_t(k) * NSYM], &freq[size_t(k) * NSYM]);
+    uint32_t s = 0;
+    for (int j = 0; j < NSYM; ++j) {
+      cum[size_t(k) * NSYM + size_t(j)] = s;
+      s += freq[size_t(k) * NSYM + size_t(j)];
+    }
+  }
+  if (lo > hi) lo = hi = 0;
+  parts.model.clear();
+  put_varint(parts.model, uint64_t(total));
+  put_varint(parts.model, uint64_t(lo));
+  put_varint(parts.model, uint64_t(hi));
+  for (int k = lo; k < hi; ++k) {
+    put_varint(parts.model, m[size_t(k)]);
+    if (m[size_t(k)])
+      for (int j = 0; j < NSYM; ++j) put_varint(parts.model, freq[size_t(k) * NSYM + size_t(j)]);
+  }
+  // pass 2: each chunk's position bitstream and rANS stream
+  std::vector<std::vector<uint8_t>> pos_out(static_cast<size_t>(nc)), steps_out(static_cast<size_t>(nc));
+  parallel_for(nc, 1, [&](int64_t c) {
+    std::vector<Change>& v = ch[size_t(c)];
+    std::stable_sort(v.begin(), v.end(), [](const Change& a, const Change& b) { return a.cls < b.cls; });
+    const std::vector<uint32_t>& pop = pops[size_t(c)];
+    BitWriter w;
+    size_t i = 0;
+    for (int k = lo; k < hi; ++k) {
+      if (!m[size_t(k)] || !pop[size_t(k)]) continue;
+      uint64_t nxt = 0;
+      for (; i < v.size() && v[i].cls == uint32_t(k); ++i) {
+        put_gap(w, v[i].rank - nxt, m[size_t(k)], pop[size_t(k)] - nxt);
+        nxt = v[i].rank + 1;
+      }
+      put_end(w, m[size_t(k)], pop[size_t(k)] - nxt);
+    }
+    for (const Change& x : v)
+      if (symbol(x.d) == ESC) put_escape(w, x.d);
+    w.finish();
+    pos_out[size_t(c)] = std::move(w.out);
+    if (v.empty()) return;
+    std::vector<uint8_t> rev;
+    rev.reserve(2 * v.size() + 4);
+    uint32_t x = RANS_L;
+    for (size_t j = v.size(); j-- > 0;) {
+      const int s = symbol(v[j].d);
+      const uint32_t f = freq[size_t(v[j].cls) * NSYM + size_t(s)];
+      const uint32_t x_max = ((RANS_L >> PROB_BITS) << 8) * f;
+      while (x >= x_max) {
+        rev.push_back(uint8_t(x));
+        x >>= 8;
+      }
+      x = ((x / f) << PROB_BITS) + (x % f) + cum[size_t(v[j].cls) * NSYM + size_t(s)];
+    }
+    for (int b = 0; b < 4; ++b) {
+      rev.push_back(uint8_t(x >> 24));
+      x <<= 8;
+    }
+    steps_out[size_t(c)].assign(rev.rbegin(), rev.rend());
+  });
+  parts.index.clear();
+  parts.pos.clear();
+  parts.steps.clear();
+  for (int64_t c = 0; c < nc; ++c) {
+    put_varint(parts.index, pos_out[size_t(c)].size());
+    put_varint(parts.index, steps_out[size_t(c)].size());
+    parts.pos.insert(parts.pos.end(), pos_out[size_t(c)].begin(), pos_out[size_t(c)].end());
+    parts.steps.insert(parts.steps.end(), steps_out[size_t(c)].begin(), steps_out[size_t(c)].end());
+  }
+  return true;
+}
+
+// ---- decode ------------------------------------------------------------------------------
+
+struct Decoded {  // v1 sections
+  std::vector<uint32_t> table;
+  std::vector<uint16_t> gaps;
+  std::vector<int8_t> steps;
+  std::vector<uint8_t> escapes;  // uW little-endian
+};
+
+inline const char* err_text(int e) {
+  switch (e) {
+    case BITS_SHORT: return "position bitstream ends early";
+    case BITS_LEFT: return "bits left over after the last code";
+    case TOO_MANY: return "more changes than the model declares";
+    case STEPS_NO_CHANGE: return "steps for a chunk without changes";
+    case RANS_SHORT: return "rANS stream ends early";
+    case RANS_STATE: return "rANS state outside [2^23, 2^31)";
+    case RANS_END: return "rANS stream does not end where it should (corrupt)";
+    case ESC_LONG: return "escape longer than a step of this width";
+    case ESC_RANGE: return "escape step does not fit the element";
+  }
+  return "corrupt";
+}
+
+// Parses and checks the model (as v2_ref.read_model); false with a message.
+inline bool read_model(const uint8_t* buf, int64_t len, int64_t numel, int width, uint64_t& k, int& lo, int& hi,
+                       Model& md, std::string& err) {
+  int64_t at = 0;
+  uint64_t v;
+  if (!get_varint(buf, len, at, uint64_t(numel), v)) return err = "v2 model: bad change count", false;
+  k = v;
+  if (k == 0 || 8 * nchunks(numel) + 3 * int64_t(k) >= numel * width)
+    return err = "v2 model: " + std::to_string(k) + " changes in " + std::to_string(numel) +
+                 " elements is too dense for a delta, or none", false;
+  uint64_t l, h;
+  if (!get_varint(buf, len, at, NCLASS, l) || !get_varint(buf, len, at, NCLASS, h) || l > h)
+    return err = "v2 model: bad class range", false;
+  lo = int(l);
+  hi = int(h);
+  for (int c = 0; c < NCLASS; ++c) md.m[c] = 0;
+  for (int c = lo; c < hi; ++c) {
+    uint64_t mc;
+    if (!get_varint(buf, len, at, uint64_t(1) << 32, mc))
+      return err = "v2 model class " + std::to_string(c) + ": bad Golomb parameter", false;
+    md.m[c] = mc;
+    if (!md.m[c]) continue;
+    uint32_t sum = 0;
+    for (int s = 0; s < NSYM; ++s) {
+      if (!get_varint(buf, len, at, PROB_SCALE, v))
+        return err = "v2 model class " + std::to_string(c) + ": bad frequency", false;
+      md.freq[c][s] = uint32_t(v);
+      md.cum[c][s] = sum;
+      sum += uint32_t(v);
+    }
+    if (sum != PROB_SCALE)
+      return err = "v2 model class " + std::to_string(c) + ": frequencies sum to " + std::to_string(sum), false;
+    for (int s = 0; s < NSYM; ++s)
+      std::fill(md.slot[c] + md.cum[c][s], md.slot[c] + md.cum[c][s] + md.freq[c][s], uint8_t(s));
+  }
+  if (at != len) return err = "v2 model: bytes after the last class", false;
+  return true;
+}
+
+template <class T, int O>
+bool decode(const T* old, int64_t n, const uint8_t* model, int64_t model_len, const uint8_t* index,
+            int64_t index_len, const uint8_t* pos, int64_t pos_len, const uint8_t* steps, int64_t steps_len,
+            ClassSpec cs, Decoded& out, std::string& err) {
+  const int W = int(sizeof(T));
+  uint64_t k;
+  int lo, hi;
+  std::unique_ptr<Model> md(new Model);
+  if (!read_model(model, model_len, n, W, k, lo, hi, *md, err)) return false;
+  const int64_t nc = nchunks(n);
+  std::vector<int64_t> pa(static_cast<size_t>(nc + 1)), sa(static_cast<size_t>(nc + 1));
+  int64_t at = 0;
+  for (int64_t c = 0; c < nc; ++c) {
+    uint64_t a, b;
+    if (!get_varint(index, index_len, at, uint64_t(pos_len), a) ||
+        !get_varint(index, index_len, at, uint64_t(steps_len), b) || pa[size_t(c)] + int64_t(a) > pos_len ||
+        sa[size_t(c)] + int64_t(b) > steps_len)
+      return err = "v2 index: chunk lengths do not tile the position and step sections", false;
+    pa[size_t(c + 1)] = pa[size_t(c)] + int64_t(a);
+    sa[size_t(c + 1)] = sa[size_t(c)] + int64_t(b);
+  }
+  if (at != index_len || pa[size_t(nc)] != pos_len || sa[size_t(nc)] != steps_len)
+    return err = "v2 index: chunk lengths do not tile the position and step sections", false;
+  std::vector<std::vector<uint32_t>> offs(static_cast<size_t>(nc));
+  std::vector<std::vector<ws::i64>> ds(static_cast<size_t>(nc));
+  std::vector<int> errs(size_t(nc), 0);
+  std::atomic<uint64_t> used{0};
+  parallel_for(nc, 1, [&](int64_t c) {
+    const uint32_t len = uint32_t(chunk_len(n, c));
+    // scratch per thread, a chunk's worth; a chunk keeps only what it decoded, and at most what is left of K
+    thread_local std::vector<uint32_t> rank, off;
+    thread_local std::vector<uint8_t> cls, of;
+    thread_local std::vector<ws::i64> d, st;
+    rank.resize(kChunk), off.resize(kChunk), cls.resize(kChunk), of.resize(kChunk), d.resize(kChunk), st.resize(kChunk);
+    uint32_t first[NCLASS + 1], h[WALKERS * NCLASS], nxt[WALKERS * NCLASS], tgt[WALKERS * NCLASS];
+    Scratch sc{rank.data(), cls.data(), d.data(), first, h, nxt, tgt, of.data()};
+    uint32_t count = 0;
+    const uint64_t budget = k - std::min<uint64_t>(k, used.load());
+    errs[size_t(c)] = decode_chunk<T>(old + c * kChunk, len, pos + pa[size_t(c)], uint64_t(pa[size_t(c + 1)] - pa[size_t(c)]),
+                                      steps + sa[size_t(c)], uint64_t(sa[size_t(c + 1)] - sa[size_t(c)]), *md, lo, hi,
+                                      cs.kind, cs.shift, cs.ebits, budget, sc, off.data(), st.data(), &count);
+    if (errs[size_t(c)]) return;
+    used += count;
+    offs[size_t(c)].assign(off.begin(), off.begin() + count);
+    ds[size_t(c)].assign(st.begin(), st.begin() + count);
+  });
+  for (int64_t c = 0; c < nc; ++c)
+    if (errs[size_t(c)]) return err = "v2 chunk " + std::to_string(c) + ": " + err_text(errs[size_t(c)]), false;
+  uint64_t got = 0;
+  for (auto& o : offs) got += o.size();
+  if (got != k)
+    return err = "v2: decoded " + std::to_string(got) + " changes, the model declares " + std::to_string(k), false;
+  // v1 sections
+  out.table.assign(size_t(2 * nc), 0);
+  out.gaps.resize(size_t(k));
+  out.steps.resize(size_t(k));
+  out.escapes.clear();
+  size_t j = 0;
+  for (int64_t c = 0; c < nc; ++c) {
+    const T* base = old + c * kChunk;
+    int64_t prev = -1;
+    for (size_t i = 0; i < offs[size_t(c)].size(); ++i, ++j) {
+      const uint32_t o = offs[size_t(c)][i];
+      const int64_t d = ds[size_t(c)][i];
+      out.gaps[j] = uint16_t(int64_t(o) - prev - 1);
+      prev = o;
+      if (d >= -127 && d <= 127) {
+        out.steps[j] = int8_t(d);
+      } else {
+        out.steps[j] = kEscape;
+        const T nv = unkey<T, O>(T(key<T, O>(base[o]) + T(uint64_t(d))));
+        const size_t at2 = out.escapes.size();
+        out.escapes.resize(at2 + sizeof(T));
+        std::memcpy(&out.escapes[at2], &nv, sizeof(T));
+        out.table[size_t(nc + c)]++;
+      }
+    }
+    out.table[size_t(c)] = uint32_t(offs[size_t(c)].size());
+  }
+  return true;
+}
+
+}  // namespace v2
+}  // namespace wsync
