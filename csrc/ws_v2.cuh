@@ -276,22 +276,33 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
       placed += stop - sc.nxt[w * NCLASS + c];
     }
   }
-  for (u32 i = 0; i < q; ++i) {
-    const int nw = i < q_last ? WALKERS : WALKERS - 1;
-    for (int w = 0; w < nw; ++w) {
-      const u32 o = b[w] + i;
-      const int at = w * NCLASS + int(sc.of[o]);
-      const u32 r = sc.h[at]++;
-      if (r == sc.tgt[at]) {
-        const u32 j = sc.nxt[at]++;
-        off[out_at[w]] = o;
-        step[out_at[w]] = sc.d[j];
-        ++out_at[w];
-        const int c = at - w * NCLASS;
-        sc.tgt[at] = j + 1 < sc.first[c + 1] ? sc.rank[j + 1] : ~0u;
-      }
-    }
+  u32* h = sc.h;
+  u32* tgt = sc.tgt;
+  const u8* of = sc.of;
+  // one walker's step at element o; the branch is taken once per change, so it predicts well
+#define WS_V2_WALK(w, o)                                                   \
+  {                                                                        \
+    const int at = (w) * NCLASS + int(of[o]);                              \
+    if (h[at]++ == tgt[at]) {                                              \
+      const u32 j = sc.nxt[at]++;                                          \
+      off[out_at[w]] = (o);                                                \
+      step[out_at[w]] = sc.d[j];                                           \
+      ++out_at[w];                                                         \
+      tgt[at] = j + 1 < sc.first[int(of[o]) + 1] ? sc.rank[j + 1] : ~0u;  \
+    }                                                                      \
   }
+  for (u32 i = 0; i < q_last; ++i) {
+    WS_V2_WALK(0, b[0] + i)
+    WS_V2_WALK(1, b[1] + i)
+    WS_V2_WALK(2, b[2] + i)
+    WS_V2_WALK(3, b[3] + i)
+  }
+  for (u32 i = q_last; i < q; ++i) {
+    WS_V2_WALK(0, b[0] + i)
+    WS_V2_WALK(1, b[1] + i)
+    WS_V2_WALK(2, b[2] + i)
+  }
+#undef WS_V2_WALK
   *count = k;
   return OK;
 }

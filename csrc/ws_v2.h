@@ -16,6 +16,7 @@
 
 #include "delta_kernels.h"
 #include "parallel.h"
+#include "streams.h"
 #include "ws_v2.cuh"
 
 namespace wsync {
@@ -137,6 +138,20 @@ inline int symbol(int64_t d) {
   return ESC;
 }
 
+// The base's chunk c (len elements) as a pointer: into the stream where the chunk lies in one piece, else
+// gathered into buf (a multi-tensor segment's chunks run across tensors).
+template <class T>
+const T* chunk_of(const Stream& s, int64_t n, int64_t c, std::vector<T>& buf) {
+  const int64_t b0 = c * kChunk * int64_t(sizeof(T)), b1 = b0 + chunk_len(n, c) * int64_t(sizeof(T));
+  const int64_t i = s.find(b0);
+  if (i < s.n && b1 <= s.starts[i + 1]) return at<const T>(s.base(i), b0);
+  buf.resize(size_t(kChunk));
+  for_pieces(s, b0, b1, [&](uintptr_t base, int64_t lo, int64_t hi) {
+    std::memcpy(reinterpret_cast<uint8_t*>(buf.data()) + (lo - b0), at<const uint8_t>(base, lo), size_t(hi - lo));
+  });
+  return buf.data();
+}
+
 struct Parts {
   std::vector<uint8_t> model, index, pos, steps;
 };
@@ -150,12 +165,11 @@ struct Change {
 
 // The steps of v1 sections, chunk by chunk: d = key(new) - key(old) for escapes.
 template <class T, int O>
-void chunk_changes(const T* old, int64_t n, int64_t c, const uint32_t* table, const int64_t* offsets,
+void chunk_changes(const T* base, int64_t n, int64_t c, const uint32_t* table, const int64_t* offsets,
                    const uint8_t* gaps, const int8_t* steps, const uint8_t* escapes, std::vector<Change>& out) {
   const int64_t nc = nchunks(n);
   const int64_t k0 = offsets[c], cnt = table[c];
   int64_t e = offsets[nc + c];
-  const T* base = old + c * kChunk;
   int64_t o = -1;
   out.resize(size_t(cnt));
   using S = std::make_signed_t<T>;
@@ -171,7 +185,7 @@ void chunk_changes(const T* old, int64_t n, int64_t c, const uint32_t* table, co
 }
 
 template <class T, int O>
-bool encode(const T* old, int64_t n, const uint32_t* table, const uint8_t* gaps, const int8_t* steps,
+bool encode(const Stream& old, int64_t n, const uint32_t* table, const uint8_t* gaps, const int8_t* steps,
             const uint8_t* escapes, ClassSpec cs, Parts& parts) {
   const int64_t nc = nchunks(n);
   std::vector<int64_t> offsets(static_cast<size_t>(2 * nc));
@@ -182,8 +196,9 @@ bool encode(const T* old, int64_t n, const uint32_t* table, const uint8_t* gaps,
   // pass 1: each chunk's changes with their class and rank; the chunk's class counts
   parallel_for(nc, 1, [&](int64_t c) {
     std::vector<Change>& v = ch[size_t(c)];
-    chunk_changes<T, O>(old, n, c, table, offsets.data(), gaps, steps, escapes, v);
-    const T* base = old + c * kChunk;
+    thread_local std::vector<T> gathered;
+    const T* base = chunk_of<T>(old, n, c, gathered);
+    chunk_changes<T, O>(base, n, c, table, offsets.data(), gaps, steps, escapes, v);
     const uint32_t len = uint32_t(chunk_len(n, c));
     uint32_t h[4][NCLASS] = {};
     uint32_t o = 0;
@@ -355,7 +370,7 @@ inline bool read_model(const uint8_t* buf, int64_t len, int64_t numel, int width
 }
 
 template <class T, int O>
-bool decode(const T* old, int64_t n, const uint8_t* model, int64_t model_len, const uint8_t* index,
+bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_len, const uint8_t* index,
             int64_t index_len, const uint8_t* pos, int64_t pos_len, const uint8_t* steps, int64_t steps_len,
             ClassSpec cs, Decoded& out, std::string& err) {
   const int W = int(sizeof(T));
@@ -377,9 +392,11 @@ bool decode(const T* old, int64_t n, const uint8_t* model, int64_t model_len, co
   }
   if (at != index_len || pa[size_t(nc)] != pos_len || sa[size_t(nc)] != steps_len)
     return err = "v2 index: chunk lengths do not tile the position and step sections", false;
-  std::vector<std::vector<uint32_t>> offs(static_cast<size_t>(nc));
-  std::vector<std::vector<ws::i64>> ds(static_cast<size_t>(nc));
-  std::vector<int> errs(size_t(nc), 0);
+  // per chunk, its v1 sections: gaps, i8 steps, escaped new values
+  std::vector<std::vector<uint16_t>> gs(static_cast<size_t>(nc));
+  std::vector<std::vector<int8_t>> ss(static_cast<size_t>(nc));
+  std::vector<std::vector<T>> es(static_cast<size_t>(nc));
+  std::vector<int> errs(static_cast<size_t>(nc), 0);
   std::atomic<uint64_t> used{0};
   parallel_for(nc, 1, [&](int64_t c) {
     const uint32_t len = uint32_t(chunk_len(n, c));
@@ -387,51 +404,55 @@ bool decode(const T* old, int64_t n, const uint8_t* model, int64_t model_len, co
     thread_local std::vector<uint32_t> rank, off;
     thread_local std::vector<uint8_t> cls, of;
     thread_local std::vector<ws::i64> d, st;
+    thread_local std::vector<T> gathered;
     rank.resize(kChunk), off.resize(kChunk), cls.resize(kChunk), of.resize(kChunk), d.resize(kChunk), st.resize(kChunk);
     uint32_t first[NCLASS + 1], h[WALKERS * NCLASS], nxt[WALKERS * NCLASS], tgt[WALKERS * NCLASS];
     Scratch sc{rank.data(), cls.data(), d.data(), first, h, nxt, tgt, of.data()};
+    const T* base = chunk_of<T>(old, n, c, gathered);
     uint32_t count = 0;
     const uint64_t budget = k - std::min<uint64_t>(k, used.load());
-    errs[size_t(c)] = decode_chunk<T>(old + c * kChunk, len, pos + pa[size_t(c)], uint64_t(pa[size_t(c + 1)] - pa[size_t(c)]),
+    errs[size_t(c)] = decode_chunk<T>(base, len, pos + pa[size_t(c)], uint64_t(pa[size_t(c + 1)] - pa[size_t(c)]),
                                       steps + sa[size_t(c)], uint64_t(sa[size_t(c + 1)] - sa[size_t(c)]), *md, lo, hi,
                                       cs.kind, cs.shift, cs.ebits, budget, sc, off.data(), st.data(), &count);
     if (errs[size_t(c)]) return;
     used += count;
-    offs[size_t(c)].assign(off.begin(), off.begin() + count);
-    ds[size_t(c)].assign(st.begin(), st.begin() + count);
+    std::vector<uint16_t>& g = gs[size_t(c)];
+    std::vector<int8_t>& s8 = ss[size_t(c)];
+    g.resize(count);
+    s8.resize(count);
+    int64_t prev = -1;
+    for (uint32_t i = 0; i < count; ++i) {
+      g[i] = uint16_t(int64_t(off[i]) - prev - 1);
+      prev = off[i];
+      const int64_t dd = st[i];
+      if (dd >= -127 && dd <= 127) {
+        s8[i] = int8_t(dd);
+      } else {
+        s8[i] = kEscape;
+        es[size_t(c)].push_back(unkey<T, O>(T(key<T, O>(base[off[i]]) + T(uint64_t(dd)))));
+      }
+    }
   });
   for (int64_t c = 0; c < nc; ++c)
     if (errs[size_t(c)]) return err = "v2 chunk " + std::to_string(c) + ": " + err_text(errs[size_t(c)]), false;
-  uint64_t got = 0;
-  for (auto& o : offs) got += o.size();
+  uint64_t got = 0, got_esc = 0;
+  for (int64_t c = 0; c < nc; ++c) got += gs[size_t(c)].size(), got_esc += es[size_t(c)].size();
   if (got != k)
     return err = "v2: decoded " + std::to_string(got) + " changes, the model declares " + std::to_string(k), false;
-  // v1 sections
-  out.table.assign(size_t(2 * nc), 0);
+  out.table.assign(static_cast<size_t>(2 * nc), 0);
   out.gaps.resize(size_t(k));
   out.steps.resize(size_t(k));
-  out.escapes.clear();
-  size_t j = 0;
+  out.escapes.resize(size_t(got_esc) * sizeof(T));
+  size_t j = 0, e = 0;
   for (int64_t c = 0; c < nc; ++c) {
-    const T* base = old + c * kChunk;
-    int64_t prev = -1;
-    for (size_t i = 0; i < offs[size_t(c)].size(); ++i, ++j) {
-      const uint32_t o = offs[size_t(c)][i];
-      const int64_t d = ds[size_t(c)][i];
-      out.gaps[j] = uint16_t(int64_t(o) - prev - 1);
-      prev = o;
-      if (d >= -127 && d <= 127) {
-        out.steps[j] = int8_t(d);
-      } else {
-        out.steps[j] = kEscape;
-        const T nv = unkey<T, O>(T(key<T, O>(base[o]) + T(uint64_t(d))));
-        const size_t at2 = out.escapes.size();
-        out.escapes.resize(at2 + sizeof(T));
-        std::memcpy(&out.escapes[at2], &nv, sizeof(T));
-        out.table[size_t(nc + c)]++;
-      }
-    }
-    out.table[size_t(c)] = uint32_t(offs[size_t(c)].size());
+    const size_t cnt = gs[size_t(c)].size(), ne = es[size_t(c)].size();
+    std::memcpy(&out.gaps[j], gs[size_t(c)].data(), cnt * 2);
+    std::memcpy(&out.steps[j], ss[size_t(c)].data(), cnt);
+    if (ne) std::memcpy(&out.escapes[e * sizeof(T)], es[size_t(c)].data(), ne * sizeof(T));
+    out.table[size_t(c)] = uint32_t(cnt);
+    out.table[size_t(nc + c)] = uint32_t(ne);
+    j += cnt;
+    e += ne;
   }
   return true;
 }

@@ -30,6 +30,39 @@ struct Buf {
   int64_t size() const { return int64_t(view.len); }
 };
 
+// The base: a buffer, or a multi-tensor segment's (addrs, starts) int64 table of pieces (wsync/tables.py).
+// Its pieces' addresses come from wsync's own code and are trusted, as delta_cpu.cpp's StreamArg does.
+struct Base {
+  Buf buf, addrs, starts;
+  int64_t one_addr = 0, one_starts[2] = {0, 0};
+  wsync::Stream s;
+  bool get(PyObject* obj, int width) {
+    if (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) == 2) {
+      if (!addrs.get(PyTuple_GET_ITEM(obj, 0)) || !starts.get(PyTuple_GET_ITEM(obj, 1))) return false;
+      const int64_t np = addrs.size() / 8;
+      const int64_t* st = reinterpret_cast<const int64_t*>(starts.data());
+      bool ok = addrs.size() % 8 == 0 && starts.size() == 8 * (np + 1) && st[0] == 0;
+      for (int64_t i = 0; ok && i < np; ++i) ok = st[i + 1] >= st[i] && (st[i + 1] - st[i]) % width == 0;
+      if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "v2: bad piece table for the base");
+        return false;
+      }
+      s.addrs = reinterpret_cast<const int64_t*>(addrs.data());
+      s.starts = st;
+      s.n = np;
+      return true;
+    }
+    if (!buf.get(obj)) return false;
+    one_addr = int64_t(reinterpret_cast<uintptr_t>(buf.view.buf));
+    one_starts[1] = buf.size();
+    s.addrs = &one_addr;
+    s.starts = one_starts;
+    s.n = 1;
+    return true;
+  }
+  int64_t size() const { return s.bytes(); }
+};
+
 int order_of(const char* s) {
   if (!std::strcmp(s, "float")) return wsync::kFloat;
   if (!std::strcmp(s, "int")) return wsync::kInt;
@@ -65,8 +98,9 @@ PyObject* ws_v2_py_encode(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OOOOOisiii:v2_encode", &o_old, &o_table, &o_gaps, &o_steps, &o_esc, &width,
                         &order_name, &kind, &shift, &ebits))
     return nullptr;
-  Buf old, table, gaps, steps, esc;
-  if (!old.get(o_old) || !table.get(o_table) || !gaps.get(o_gaps) || !steps.get(o_steps) || !esc.get(o_esc))
+  Base old;
+  Buf table, gaps, steps, esc;
+  if (!old.get(o_old, width > 0 ? width : 1) || !table.get(o_table) || !gaps.get(o_gaps) || !steps.get(o_steps) || !esc.get(o_esc))
     return nullptr;
   const int order = order_of(order_name);
   if (!check(width, order, kind, shift, ebits, old.size())) return nullptr;
@@ -95,7 +129,7 @@ PyObject* ws_v2_py_encode(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   wsync::dispatch(width, order, [&](auto zero, auto o) {
     using T = decltype(zero);
-    wsync::v2::encode<T, decltype(o)::value>(reinterpret_cast<const T*>(old.data()), n, t, gaps.data(),
+    wsync::v2::encode<T, decltype(o)::value>(old.s, n, t, gaps.data(),
                                              reinterpret_cast<const int8_t*>(steps.data()), esc.data(), cs, parts);
   });
   Py_END_ALLOW_THREADS
@@ -110,8 +144,9 @@ PyObject* ws_v2_py_decode(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OOOOOisiii:v2_decode", &o_old, &o_model, &o_index, &o_pos, &o_steps, &width,
                         &order_name, &kind, &shift, &ebits))
     return nullptr;
-  Buf old, model, index, pos, steps;
-  if (!old.get(o_old) || !model.get(o_model) || !index.get(o_index) || !pos.get(o_pos) || !steps.get(o_steps))
+  Base old;
+  Buf model, index, pos, steps;
+  if (!old.get(o_old, width > 0 ? width : 1) || !model.get(o_model) || !index.get(o_index) || !pos.get(o_pos) || !steps.get(o_steps))
     return nullptr;
   const int order = order_of(order_name);
   if (!check(width, order, kind, shift, ebits, old.size())) return nullptr;
@@ -123,7 +158,7 @@ PyObject* ws_v2_py_decode(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   wsync::dispatch(width, order, [&](auto zero, auto o) {
     using T = decltype(zero);
-    ok = wsync::v2::decode<T, decltype(o)::value>(reinterpret_cast<const T*>(old.data()), n, model.data(),
+    ok = wsync::v2::decode<T, decltype(o)::value>(old.s, n, model.data(),
                                                   model.size(), index.data(), index.size(), pos.data(), pos.size(),
                                                   steps.data(), steps.size(), cs, out, err);
   });

@@ -123,10 +123,25 @@ def golden_states():
     return golden_states()
 
 
-def test_golden_v2_segments_are_pinned(golden_states):
-    """The delta-v2 segments' bytes (the other kinds use zstd, whose bytes follow its version)."""
+def _backends():
+    from wsync import backends
+    from wsync.errors import BackendUnavailable
+
+    out = ["ref"]
+    try:
+        if hasattr(backends.kernels("cpu")._cpu, "v2_encode"):
+            out.append("cpu")
+    except BackendUnavailable:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_golden_v2_segments_are_pinned(golden_states, backend):
+    """The delta-v2 segments' bytes (the other kinds use zstd, whose bytes follow its version), from every
+    backend: the golden bf16 segment is two tensors whose chunk crosses from one to the other."""
     base, new = golden_states
-    got = wsync.encode(base, new, version=2, base_version=1, tier="v2", backend="ref")
+    got = wsync.encode(base, new, version=2, base_version=1, tier="v2", backend=backend)
     want = Payload.read(GOLDEN / "delta_v2.wsd")
     kinds = [s.kind for s in want.manifest.tensors]
     assert kinds.count("delta-v2") == 2
@@ -137,12 +152,13 @@ def test_golden_v2_segments_are_pinned(golden_states):
             assert bytes(got.frame(g)) == bytes(want.frame(w))
 
 
-def test_golden_v2_file_applies():
+@pytest.mark.parametrize("backend", _backends())
+def test_golden_v2_file_applies(backend):
     from wsync.checkpoint import read_safetensors
 
     base, _ = read_safetensors(GOLDEN / "base.safetensors")
     new, _ = read_safetensors(GOLDEN / "new.safetensors")
-    out = wsync.apply_state(base, Payload.read(GOLDEN / "delta_v2.wsd"))
+    out = wsync.apply_state(base, Payload.read(GOLDEN / "delta_v2.wsd"), backend=backend)
     for k in new:
         assert bits_equal(out[k].bits, new[k].bits), k
 
@@ -356,3 +372,19 @@ def test_cpu_twin_refuses_what_the_reference_refuses(victim):
         if want is not None:
             for f in ("table", "gaps", "steps", "escapes"):
                 assert getattr(want, f).tobytes() == getattr(got, f).tobytes(), (what, f)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_many_tensor_segment_round_trips(backend, rng):
+    """Twenty bf16 tensors of odd sizes form one segment whose chunks run across tensors (a Table base)."""
+    dt = dtypes.DTYPES["BF16"]
+    sizes = [int(x) for x in rng.integers(1, 30_000, 20)]
+    base, target = {}, {}
+    for i, n in enumerate(sizes):
+        _, old, new = _pair("BF16", n, rng, density=0.01)
+        base[f"t{i}"], target[f"t{i}"] = TensorBits(dt, (n,), old), TensorBits(dt, (n,), new)
+    p = wsync.encode(base, target, tier="v2", backend=backend)
+    ref = wsync.encode(base, target, tier="v2", backend="ref")
+    assert p.to_bytes() == ref.to_bytes()
+    out = api.apply_state(base, p.to_bytes(), backend=backend)
+    assert all(bits_equal(out[k].bits, target[k].bits) for k in target)

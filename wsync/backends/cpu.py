@@ -16,7 +16,7 @@ import numpy as np
 from ..codecs import v2_ref
 from ..codecs.delta_ref import DeltaSections
 from ..errors import BackendUnavailable, FormatError
-from ..tables import Table
+from ..tables import Table, as_array
 from .base import Composed, Overwritten, check_out
 
 # setup.py leaves the compiler's complaint here when the optional build fails.
@@ -106,9 +106,9 @@ class CpuKernels(Composed):
     def v2_encode(self, old: np.ndarray, sec: DeltaSections, dtype) -> dict:
         """codecs/v2_ref.encode in C++ (csrc/ws_v2.h): the same bytes."""
         if not hasattr(self._cpu, "v2_encode"):  # an extension built before v2
-            return v2_ref.encode(old, sec, dtype)
+            return v2_ref.encode(as_array(old), sec, dtype)
         old = _bits(old, "old")
-        got = self._cpu.v2_encode(old, _section(sec.table, "<u4", "table"), _section(sec.gaps, "<u2", "gaps"),
+        got = self._cpu.v2_encode(_arg(old), _section(sec.table, "<u4", "table"), _section(sec.gaps, "<u2", "gaps"),
                                   _section(sec.steps, np.int8, "steps"), _section(sec.escapes, old.dtype, "escapes"),
                                   old.dtype.itemsize, _order(dtype.order), *_v2_class_spec(dtype))
         return dict(zip(v2_ref.PARTS, got))
@@ -116,9 +116,9 @@ class CpuKernels(Composed):
     def v2_decode(self, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
         """codecs/v2_ref.decode in C++; a payload it refuses raises FormatError."""
         if not hasattr(self._cpu, "v2_decode"):
-            return v2_ref.decode(old, parts, dtype)
+            return v2_ref.decode(as_array(old), parts, dtype)
         old = _bits(old, "old")
-        got = self._cpu.v2_decode(old, *(parts[p] for p in v2_ref.PARTS), old.dtype.itemsize, _order(dtype.order),
+        got = self._cpu.v2_decode(_arg(old), *(parts[p] for p in v2_ref.PARTS), old.dtype.itemsize, _order(dtype.order),
                                   *_v2_class_spec(dtype))
         if isinstance(got, str):
             raise FormatError(got)

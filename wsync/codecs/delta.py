@@ -54,7 +54,7 @@ def measure(base: TensorBits, new: TensorBits, *, tier: str, kernels, own: bool 
             return Encoded("raw", {"data": data}, verbatim=True, **sums)
         return Encoded("xor", {"data": as_array(base.bits) ^ as_array(new.bits)}, **sums)
     if tier == "v2":
-        parts = _v2_encode(kernels, as_array(base.bits), sec, new.dtype)
+        parts = _v2_encode(kernels, base.bits, sec, new.dtype)
         if sum(len(p) for p in parts.values()) >= new.nbytes:  # tiny or odd: the model costs more than it saves
             return Encoded("xor", {"data": as_array(base.bits) ^ as_array(new.bits)}, **sums)
         return Encoded("delta-v2", parts, sections=sec, **sums)
@@ -85,20 +85,21 @@ def decode_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype) -> Dec
         return Decoded(frombuffer(parts["data"], bits_dt, "data"))
     if spec.kind == "xor":
         return Decoded(as_array(base.bits) ^ _xor_data(spec, parts, bits_dt))
-    sec = _v2_decode(kernels, as_array(base.bits), parts, dtype) if spec.kind == "delta-v2" \
+    sec = _v2_decode(kernels, base.bits, parts, dtype) if spec.kind == "delta-v2" \
         else _sections(spec, parts, bits_dt)
     pos, values, base_sum = kernels.delta_decode_checksummed(base.bits, sec, dtype.order)
     return Decoded(values, pos, base_sum)
 
 
-def _v2_encode(kernels, old: np.ndarray, sec: DeltaSections, dtype) -> dict:
+def _v2_encode(kernels, old, sec: DeltaSections, dtype) -> dict:
+    """old: the base's bits, an array or a Table (the C++ kernels read a Table's pieces where they lie)."""
     fn = getattr(kernels, "v2_encode", None)
-    return fn(old, sec, dtype) if fn is not None else v2_ref.encode(old, sec, dtype)
+    return fn(old, sec, dtype) if fn is not None else v2_ref.encode(as_array(old), sec, dtype)
 
 
-def _v2_decode(kernels, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
+def _v2_decode(kernels, old, parts: dict, dtype) -> DeltaSections:
     fn = getattr(kernels, "v2_decode", None)
-    return fn(old, parts, dtype) if fn is not None else v2_ref.decode(old, parts, dtype)
+    return fn(old, parts, dtype) if fn is not None else v2_ref.decode(as_array(old), parts, dtype)
 
 
 def unpack(spec, parts: dict, dtype, limit: int | None = None) -> DeltaSections | None:
@@ -135,7 +136,7 @@ def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace
     if unpacked is not None:
         sec = unpacked
     elif spec.kind == "delta-v2":
-        sec = _v2_decode(kernels, as_array(base.bits), parts, dtype)
+        sec = _v2_decode(kernels, base.bits, parts, dtype)
     else:
         sec = _sections(spec, parts, bits_dt)
     if inplace:
