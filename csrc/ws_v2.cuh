@@ -39,6 +39,14 @@ struct Model {
   u8 slot[NCLASS][PROB_SCALE];
 };
 
+// The same, as flat arrays (what a kernel gets): freq/cum [NCLASS * NSYM], slot [NCLASS * PROB_SCALE].
+struct ModelView {
+  const u64* m;
+  const u32* freq;
+  const u32* cum;
+  const u8* slot;
+};
+
 // v2_ref.value_class. kind: 0 float (shift = mantissa bits, ebits = exponent bits), 1 int, 2 uint.
 template <class T>
 WS_HD u32 value_class(T x, int kind, int shift, int ebits) {
@@ -170,7 +178,7 @@ WS_HD void quarter_bounds(u32 len, u32* b) {
 // Decode one chunk of len elements against old[0..len). On success writes *count changes in position
 // order: off[i] (offset in chunk) and step[i]. budget: changes the chunk may hold at most.
 template <class T>
-WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* sb, u64 slen, const Model& md,
+WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* sb, u64 slen, ModelView md,
                        int lo, int hi, int kind, int shift, int ebits, u64 budget, Scratch sc, u32* off, i64* step,
                        u32* count) {
   const int width_bits = int(8 * sizeof(T));
@@ -230,8 +238,8 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     for (u32 i = 0; i < k; ++i) {
       const int c = sc.cls[i];
       const u32 slot = x & (PROB_SCALE - 1);
-      const int s = md.slot[c][slot];
-      x = md.freq[c][s] * (x >> PROB_BITS) + slot - md.cum[c][s];
+      const int s = md.slot[c * PROB_SCALE + int(slot)];
+      x = md.freq[c * NSYM + s] * (x >> PROB_BITS) + slot - md.cum[c * NSYM + s];
       while (x < RANS_L) {
         if (at >= slen) return RANS_SHORT;
         x = (x << 8) | sb[at++];

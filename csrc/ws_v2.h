@@ -378,6 +378,7 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
   int lo, hi;
   std::unique_ptr<Model> md(new Model);
   if (!read_model(model, model_len, n, W, k, lo, hi, *md, err)) return false;
+  const ModelView mv{md->m, &md->freq[0][0], &md->cum[0][0], &md->slot[0][0]};
   const int64_t nc = nchunks(n);
   std::vector<int64_t> pa(static_cast<size_t>(nc + 1)), sa(static_cast<size_t>(nc + 1));
   int64_t at = 0;
@@ -412,7 +413,7 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
     uint32_t count = 0;
     const uint64_t budget = k - std::min<uint64_t>(k, used.load());
     errs[size_t(c)] = decode_chunk<T>(base, len, pos + pa[size_t(c)], uint64_t(pa[size_t(c + 1)] - pa[size_t(c)]),
-                                      steps + sa[size_t(c)], uint64_t(sa[size_t(c + 1)] - sa[size_t(c)]), *md, lo, hi,
+                                      steps + sa[size_t(c)], uint64_t(sa[size_t(c + 1)] - sa[size_t(c)]), mv, lo, hi,
                                       cs.kind, cs.shift, cs.ebits, budget, sc, off.data(), st.data(), &count);
     if (errs[size_t(c)]) return;
     used += count;

@@ -277,4 +277,7 @@ def test_every_kernel_in_csrc_runs_under_three_schedules(sim):
         k.engine.digests([rng.integers(0, 256, 5000, dtype=np.uint8)])
         w = rng.integers(0, 1 << 16, (3, 70), dtype=np.uint16)
         k.engine.lora_range(w, w ^ np.uint16(1), rng.standard_normal((70, 5)).astype(np.float32))
+        from test_codec_v2_cuda_sim import v2_round_trip  # delta v2's decoder (csrc/ws_v2_cuda.cu), one width each
+
+        v2_round_trip(rt)
         assert in_source <= set(rt.launched), f"never launched under {schedule}: {sorted(in_source - set(rt.launched))}"
