@@ -96,8 +96,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("base", type=Path, help="the checkpoint the engine holds: a .safetensors file or a checkpoint folder")
     e.add_argument("new", type=Path, help="the checkpoint to send, same tensor names, shapes and dtypes")
     e.add_argument("-o", "--output", type=Path, required=True, help="payload file to write (.wsd)")
-    e.add_argument("--tier", choices=["sparse", "packed"], default="packed",
-                   help="packed: smallest, for TCP/WAN; sparse: fixed width, fastest to apply (default packed)")
+    e.add_argument("--tier", choices=["sparse", "packed", "v2"], default="packed",
+                   help="packed: small, for TCP/WAN; v2: about 1.5x smaller than packed, 3x slower to apply "
+                        "(slow links; docs/codec_v2.md); sparse: fixed width, fastest to apply (default packed)")
     e.add_argument("--codec", choices=["delta", "raw"], default="delta",
                    help="delta: only what changed; raw: all of NEW, applies without BASE (default delta)")
     e.add_argument("--version", type=int, help="version number recorded in the payload (default: none)")
