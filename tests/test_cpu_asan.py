@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = 1500  # ~20 s under ASan on 2 cores, with the build
+SOURCES = ("delta_cpu.cpp", "xxh3_avx2.cpp", "ws_v2_cpu.cpp")  # setup.py's, for wsync._cpu
 
 
 def _libasan(gxx: str) -> str | None:
@@ -32,7 +33,7 @@ def _build(gxx: str, out: Path) -> Path:
     so = out / f"_cpu{sysconfig.get_config_var('EXT_SUFFIX')}"
     cmd = [gxx, "-std=c++17", "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-pthread",
            "-shared", "-fPIC", f"-I{ROOT / 'csrc'}", f"-I{sysconfig.get_paths()['include']}",
-           *(str(ROOT / "csrc" / f) for f in ("delta_cpu.cpp", "xxh3_avx2.cpp")), "-o", str(so)]
+           *(str(ROOT / "csrc" / f) for f in SOURCES), "-o", str(so)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"ASan build failed:\n{r.stderr[-3000:]}"
     return so

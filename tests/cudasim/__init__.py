@@ -73,6 +73,8 @@ def _digest(cxx: str, flags: list[str], sources: list[Path], include_dirs: list[
     h = hashlib.sha256()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     h.update(f"{cxx}\n{version}\n{flags}\n".encode())
+    # which files are compiled, not only which bytes are visible: two builds over one directory differ
+    h.update(("\n".join(map(str, sources)) + "\0").encode())
     files = set(sources)
     for d in include_dirs:
         files.update(p for p in d.iterdir() if p.suffix in (".h", ".cuh", ".cu", ".inc"))
