@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, WsyncError
 from .staged import Staged
 
 BACKEND = "wsync"  # the name registered with vLLM's WeightTransferEngineFactory
@@ -183,6 +183,39 @@ class WsyncWorkerExtension:
 
     def wsync_close(self) -> None:
         self.wsync_sub.close()
+
+    # The sharded sync (vllm_shard.py): this worker is engine rank tp_rank of a routing plan it computes itself.
+
+    def wsync_shard_subscribe(self, coordinator: str, token_id: str | None, trainer: dict, params: dict,
+                              vllm_opts: dict | None = None) -> str:
+        """trainer: {"ranks": M, "placements": "fsdp" | {...}}; params: trainer name -> [shape, dtype].
+        Returns the plan's hash (the trainer ranks' must be the same)."""
+        from vllm.distributed import parallel_state as ps
+
+        from ..integrations.common import engine_token
+        from . import vllm_shard
+
+        if ps.get_pp_group().world_size != 1:
+            raise WsyncError("the sharded sync takes tensor parallelism only (pipeline_parallel_size must be 1)")
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        plan = vllm_shard.build_plan(params, trainer, self.vllm_config.model_config.hf_config.to_dict(), tp,
+                                     **(vllm_opts or {}))
+        self.wsync_shard = vllm_shard.ShardedWorker(self.get_model(), plan, rank, coordinator=coordinator,
+                                                    token=engine_token(token_id), device=getattr(self, "device", None))
+        return plan.hash
+
+    def wsync_shard_update(self, version: int, timeout: float | None = 600.0) -> int:
+        with _vllm_config(self):  # the layers' re-processing reads the current config
+            return self.wsync_shard.update(version, timeout)
+
+    def wsync_shard_status(self) -> dict:
+        return self.wsync_shard.status()
+
+    def wsync_shard_digests(self) -> dict:
+        return self.wsync_shard.digests()
+
+    def wsync_shard_close(self) -> None:
+        self.wsync_shard.close()
 
     # LoRA adapters from memory (vllm_lora.py): one Subscriber and one adapter per lora_int_id.
     # Over the dev-mode HTTP route /collective_rpc arguments arrive as strings: config may be JSON text.
