@@ -167,7 +167,7 @@ struct Scratch {
 
 // The chunk is cut in WALKERS quarters walked side by side: each class count is a chain of increments
 // through memory, and four independent chains keep the core busy while one waits on the last.
-constexpr int WALKERS = 4;
+constexpr int WALKERS = 4;  // the walks in decode_chunk are unrolled for four
 
 template <class T>
 WS_HD void quarter_bounds(u32 len, u32* b) {
@@ -184,7 +184,9 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
   const int width_bits = int(8 * sizeof(T));
   u32 b[WALKERS + 1];
   quarter_bounds<T>(len, b);
-  const u32 q = b[1] - b[0], q_last = b[WALKERS] - b[WALKERS - 1];  // only the last quarter may be short
+  // Quarters never grow with w ([q, .., q, r, 0, ..] for a short chunk): the last is the shortest, and all
+  // walk side by side through it; then each longer quarter finishes alone.
+  const u32 common = b[WALKERS] - b[WALKERS - 1];
   classes<T>(old, len, kind, shift, ebits, sc.of);
   for (int i = 0; i < WALKERS * NCLASS; ++i) sc.h[i] = 0;
   {
@@ -193,17 +195,14 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     const u8* c2 = sc.of + b[2];
     const u8* c3 = sc.of + b[3];
     u32* h = sc.h;
-    for (u32 i = 0; i < q_last; ++i) {
+    for (u32 i = 0; i < common; ++i) {
       h[c0[i]]++;
       h[NCLASS + c1[i]]++;
       h[2 * NCLASS + c2[i]]++;
       h[3 * NCLASS + c3[i]]++;
     }
-    for (u32 i = q_last; i < q; ++i) {
-      h[c0[i]]++;
-      h[NCLASS + c1[i]]++;
-      h[2 * NCLASS + c2[i]]++;
-    }
+    for (int w = 0; w + 1 < WALKERS; ++w)
+      for (u32 o = b[w] + common; o < b[w + 1]; ++o) h[w * NCLASS + sc.of[o]]++;
   }
   BitReader rd{pb, 8 * plen, 0};
   u32 k = 0;
@@ -299,17 +298,14 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
       tgt[at] = j + 1 < sc.first[int(of[o]) + 1] ? sc.rank[j + 1] : ~0u;  \
     }                                                                      \
   }
-  for (u32 i = 0; i < q_last; ++i) {
+  for (u32 i = 0; i < common; ++i) {
     WS_V2_WALK(0, b[0] + i)
     WS_V2_WALK(1, b[1] + i)
     WS_V2_WALK(2, b[2] + i)
     WS_V2_WALK(3, b[3] + i)
   }
-  for (u32 i = q_last; i < q; ++i) {
-    WS_V2_WALK(0, b[0] + i)
-    WS_V2_WALK(1, b[1] + i)
-    WS_V2_WALK(2, b[2] + i)
-  }
+  for (int w = 0; w + 1 < WALKERS; ++w)
+    for (u32 o = b[w] + common; o < b[w + 1]; ++o) WS_V2_WALK(w, o)
 #undef WS_V2_WALK
   *count = k;
   return OK;

@@ -374,6 +374,28 @@ def test_cpu_twin_refuses_what_the_reference_refuses(victim):
                 assert getattr(want, f).tobytes() == getattr(got, f).tobytes(), (what, f)
 
 
+@pytest.mark.parametrize("tail", [1, 2, 3, 5, 6, 9, 4099])
+def test_cpu_twin_decodes_a_short_last_chunk(tail):
+    """A last chunk of 1, 2 or 5 elements left a quarter of it empty while an earlier one was short: the
+    walkers read past the chunk into stale scratch (regression: valid payloads were refused)."""
+    from wsync import backends
+    from wsync.errors import BackendUnavailable
+
+    try:
+        k = backends.kernels("cpu")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    for seed in range(3):  # the chunk before it leaves its classes in the thread's scratch
+        dt, old, new = _pair("BF16", 3 * 65536 + tail, np.random.default_rng(seed), density=0.01)
+        new[-tail:] = old[-tail:] ^ np.uint16(1)
+        sec = delta_ref.encode(old, new, dt.order)
+        parts = v2_ref.encode(old, sec, dt)
+        assert {p: bytes(v) for p, v in k.v2_encode(old, sec, dt).items()} == parts
+        back = k.v2_decode(old, parts, dt)
+        for f in ("table", "gaps", "steps", "escapes"):
+            assert getattr(back, f).tobytes() == getattr(sec, f).tobytes(), (tail, seed, f)
+
+
 @pytest.mark.parametrize("backend", _backends())
 def test_many_tensor_segment_round_trips(backend, rng):
     """Twenty bf16 tensors of odd sizes form one segment whose chunks run across tensors (a Table base)."""
