@@ -39,7 +39,9 @@ def _build(gxx: str, out: Path) -> Path:
     return so
 
 
-def test_fuzz_cases_under_asan(tmp_path):
+def asan_build(tmp_path: Path) -> tuple[Path, dict]:
+    """wsync._cpu built with ASan, and the environment a driver process loads it in; skips without g++ or
+    libasan."""
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ not found: cannot build the AddressSanitizer variant of wsync._cpu")
@@ -48,9 +50,18 @@ def test_fuzz_cases_under_asan(tmp_path):
         pytest.skip(f"{gxx} has no libasan.so (install the compiler's libasan package)")
     so = _build(gxx, tmp_path)
     env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:halt_on_error=1", WSYNC_THREADS="2",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "asan_driver.py"), str(so), str(CASES), "7"],
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    return so, env
+
+
+def run_driver(driver: str, so: Path, env: dict, *args) -> None:
+    """Runs tests/<driver> on the ASan build; ASan must stay silent and the driver print "ok"."""
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / driver), str(so), *map(str, args)],
                        capture_output=True, text=True, env=env, cwd=ROOT / "tests", timeout=600)
     assert "AddressSanitizer" not in r.stderr, r.stderr[-5000:]
     assert r.returncode == 0, r.stderr[-5000:]
     assert r.stdout.startswith("ok"), r.stdout
+
+
+def test_fuzz_cases_under_asan(tmp_path):
+    run_driver("asan_driver.py", *asan_build(tmp_path), CASES, 7)
