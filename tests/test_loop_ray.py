@@ -17,14 +17,9 @@ import time
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-try:
-    import ray
-except ImportError:
-    if os.environ.get("WSYNC_REQUIRE_RAY") == "1":
-        pytest.fail("WSYNC_REQUIRE_RAY=1 but ray is not installed (pip install ray==2.60.0)", pytrace=False)
-    pytest.skip("ray is not installed (pip install ray==2.60.0)", allow_module_level=True)
+from ray_helpers import require_ray
+
+ray = require_ray()
 
 from trainer.decode import DecodeConfig  # noqa: E402
 from trainer.grpo import GRPOConfig  # noqa: E402

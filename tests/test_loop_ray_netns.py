@@ -27,14 +27,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-try:
-    import ray  # noqa: F401
-except ImportError:
-    if os.environ.get("WSYNC_REQUIRE_RAY") == "1":
-        pytest.fail("WSYNC_REQUIRE_RAY=1 but ray is not installed (pip install ray==2.60.0)", pytrace=False)
-    pytest.skip("ray is not installed (pip install ray==2.60.0)", allow_module_level=True)
+from ray_helpers import require_ray
+
+require_ray()
 
 PREFIX = f"wsx{os.getpid() % 100000}"
 SUBNET = f"10.231.{os.getpid() % 200 + 20}"  # lives only inside this test's namespaces
