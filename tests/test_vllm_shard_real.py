@@ -12,8 +12,10 @@ the engine is what is new). After every version:
   (xxh3-128 of the committed copy handed to vLLM, and of vLLM's own parameter where it is written in place);
 - vLLM's greedy tokens equal transformers' on the prompts decided by a margin (test_vllm_real's check): vLLM's
   kernels computed with the new weights, through the layers the CPU backend keeps prepacked.
-And a version committed on every worker is not served until the driver's update: the workers go on with the
-previous one in between.
+A version committed on every worker is not served until the driver's update: the workers go on with the
+previous one in between. At version 3 trainer rank 1 corrupts its piece for worker 0 after hashing it: the
+coordinator aborts the version on both workers, both go on serving version 2 (digests, and vLLM's tokens are
+version 2's), and version 4 commits on both (the bad source sends a keyframe).
 
 Run with the vLLM venv's python (README, "vLLM on a CPU machine"); WSYNC_REQUIRE_VLLM=1 makes a missing vLLM
 a failure.
@@ -37,7 +39,8 @@ from wsync.integrations.common import token_id  # noqa: E402
 
 TOKEN = b"vllm-shard-test"
 EXTENSION = "wsync.engines.vllm.WsyncWorkerExtension"
-VERSIONS = 5
+VERSIONS = 6
+CORRUPT_AT = 3  # trainer rank 1 flips a byte of its piece for engine rank 0 after hashing it, at this version
 TRAINER = {"ranks": 2, "placements": "fsdp"}
 
 
@@ -63,6 +66,15 @@ def trainer_rank(rank: int, path: str, coordinator: str, cmds, out) -> None:
     gen = torch.Generator().manual_seed(1)
     pub = ShardPublisher(plan, rank, coordinator=coordinator, host_coordinator=rank == 0, token=TOKEN,
                          timeout=300.0)
+    if rank == 1:  # a piece corrupted between the trainer's hash and the wire (memory, a bug): bytes, not digests
+        send = pub.publishers[0].publish
+
+        def publish(state, version):
+            if version == CORRUPT_AT:
+                first = pub.buffers[0][next(iter(pub.buffers[0]))]
+                first.view(torch.int16).view(-1)[0] ^= 0x0100
+            return send(state, version)
+        pub.publishers[0].publish = publish
     out.put(("ready", rank, plan.hash))
     try:
         while (v := cmds.get()) is not None:
@@ -135,7 +147,7 @@ def test_two_trainer_ranks_into_vllm_tp2(setup):
     assert all(0.45 * total < b < 0.55 * total for b in per_rank), (per_rank, total)
 
     gen = torch.Generator().manual_seed(1)
-    every, changed = reference(model)[0], 0
+    (every, ref), changed = reference(model), 0  # ref: the prompts decided by a margin, at the served version
     for v in range(VERSIONS):
         rl_version(model, gen)
         state = model.state_dict()
@@ -144,11 +156,20 @@ def test_two_trainer_ranks_into_vllm_tp2(setup):
         for q in cmds:
             q.put(v)
         settled = [out.get(timeout=300) for _ in range(2)]
+        status = llm.collective_rpc("wsync_shard_status")
+        if v == CORRUPT_AT:  # one worker staged a bad piece: neither commits, both serve the version before
+            for kind, rank, s in settled:
+                assert kind == "settled" and s["version"] == v and s["outcome"] == "aborted", s
+            assert [st["committed"] for st in status] == [v - 1] * 2 and [st["served"] for st in status] == [v - 1] * 2
+            assert llm.collective_rpc("wsync_shard_digests") == digests_before
+            assert vllm_shard.update(llm, v - 1, 10.0) == v - 1
+            assert llm.reset_prefix_cache()
+            assert vllm_tokens(llm, ref) == list(ref.values()), "a worker serves something other than v - 1"
+            continue
         for kind, rank, s in settled:
             assert kind == "settled" and s["version"] == v and s["outcome"] == "committed", s
             assert s["digest"] == s["expected"], s  # the engine's digest, from its ranks', is the trainer's
         # committed on every worker, not yet served: vLLM still computes with the previous version
-        status = llm.collective_rpc("wsync_shard_status")
         assert [st["committed"] for st in status] == [v, v] and [st["served"] for st in status] == served_before
         assert llm.collective_rpc("wsync_shard_digests") == digests_before
 
