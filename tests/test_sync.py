@@ -440,7 +440,11 @@ def test_on_commit_once_per_committed_version_in_order(gen):
             model.model.norm.weight.view(torch.int16)[0] += 1  # drift: the next delta must be refused
         publish_steps(pub, trainer, gen, [3])
         pub.flush(timeout=30)
-        assert sub.poll() is None and isinstance(sub.error, VersionError) and len(seen) == 3
+        # the delta is refused; the keyframe the refusal asks for may arrive while this poll still runs
+        polled = sub.poll()
+        assert polled in (None, 3) and sub.stats["failures"] == 1, (polled, sub.stats)
+        if polled is None:
+            assert isinstance(sub.error, VersionError) and len(seen) == 3
         sub.wait_announced(timeout=30)
         deadline = time.monotonic() + 30
         while sub.version != 3 and time.monotonic() < deadline:
