@@ -159,9 +159,8 @@ struct Scratch {
   u8* cls;     // [cap] class, coding order
   i64* d;      // [cap] step, coding order
   u32* first;  // [NCLASS + 1] coding index of the class's first change
-  u32* h;      // [WALKERS * NCLASS] class counts per quarter of the chunk, then counts seen while placing
+  u32* h;      // [WALKERS * NCLASS] class counts per quarter of the chunk, then countdowns while placing
   u32* nxt;    // [WALKERS * NCLASS] coding index of the class's next change each walker places
-  u32* tgt;    // [WALKERS * NCLASS] its rank (or ~0u)
   u8* of;      // [cap] class of each element of the chunk
 };
 
@@ -260,8 +259,9 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     if (pad) return BITS_LEFT;
   }
   // Place the changes. A class's change of rank r sits where that class's count reaches r. Walker w starts
-  // its counts at the classes' counts in the quarters before its own (h becomes those running counts) and
-  // places the ranks that fall in its quarter, into its own stretch of the output: in position order.
+  // at the classes' counts in the quarters before its own and places the ranks that fall in its quarter,
+  // into its own stretch of the output: in position order. h becomes a countdown per (walker, class): the
+  // elements of that class to pass before the next change to place (~0u: none left; it never reaches 0).
   u32 out_at[WALKERS];
   u32 placed = 0;
   for (int c = 0; c < NCLASS; ++c) {
@@ -269,10 +269,9 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     const u32 end = sc.first[c + 1];
     for (int w = 0; w < WALKERS; ++w) {
       const u32 here = sc.h[w * NCLASS + c];
-      sc.h[w * NCLASS + c] = before;
       while (j < end && sc.rank[j] < before) ++j;
       sc.nxt[w * NCLASS + c] = j;
-      sc.tgt[w * NCLASS + c] = j < end ? sc.rank[j] : ~0u;
+      sc.h[w * NCLASS + c] = j < end ? sc.rank[j] - before : ~0u;  // rank[j] >= before
       before += here;
     }
   }
@@ -284,19 +283,19 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     }
   }
   u32* h = sc.h;
-  u32* tgt = sc.tgt;
   const u8* of = sc.of;
-  // one walker's step at element o; the branch is taken once per change, so it predicts well
-#define WS_V2_WALK(w, o)                                                   \
-  {                                                                        \
-    const int at = (w) * NCLASS + int(of[o]);                              \
-    if (h[at]++ == tgt[at]) {                                              \
-      const u32 j = sc.nxt[at]++;                                          \
-      off[out_at[w]] = (o);                                                \
-      step[out_at[w]] = sc.d[j];                                           \
-      ++out_at[w];                                                         \
-      tgt[at] = j + 1 < sc.first[int(of[o]) + 1] ? sc.rank[j + 1] : ~0u;  \
-    }                                                                      \
+  // one walker's step at element o; the branch is taken once per change, so it predicts well. Ranks of a
+  // class strictly increase, so the next countdown is the gap between them.
+#define WS_V2_WALK(w, o)                                                                      \
+  {                                                                                           \
+    const int at = (w) * NCLASS + int(of[o]);                                                 \
+    if (h[at]-- == 0) {                                                                       \
+      const u32 j = sc.nxt[at]++;                                                             \
+      off[out_at[w]] = (o);                                                                   \
+      step[out_at[w]] = sc.d[j];                                                              \
+      ++out_at[w];                                                                            \
+      h[at] = j + 1 < sc.first[int(of[o]) + 1] ? sc.rank[j + 1] - sc.rank[j] - 1 : ~0u;     \
+    }                                                                                         \
   }
   for (u32 i = 0; i < common; ++i) {
     WS_V2_WALK(0, b[0] + i)

@@ -407,8 +407,8 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
     thread_local std::vector<ws::i64> d, st;
     thread_local std::vector<T> gathered;
     rank.resize(kChunk), off.resize(kChunk), cls.resize(kChunk), of.resize(kChunk), d.resize(kChunk), st.resize(kChunk);
-    uint32_t first[NCLASS + 1], h[WALKERS * NCLASS], nxt[WALKERS * NCLASS], tgt[WALKERS * NCLASS];
-    Scratch sc{rank.data(), cls.data(), d.data(), first, h, nxt, tgt, of.data()};
+    uint32_t first[NCLASS + 1], h[WALKERS * NCLASS], nxt[WALKERS * NCLASS];
+    Scratch sc{rank.data(), cls.data(), d.data(), first, h, nxt, of.data()};
     const T* base = chunk_of<T>(old, n, c, gathered);
     uint32_t count = 0;
     const uint64_t budget = k - std::min<uint64_t>(k, used.load());

@@ -19,7 +19,7 @@ cudasim = pytest.importorskip("cudasim")
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 C = delta_ref.CHUNK_ELEMS
-TABLES = v2_ref.NCLASS + 1 + 3 * 4 * v2_ref.NCLASS
+TABLES = v2_ref.NCLASS + 1 + 2 * 4 * v2_ref.NCLASS
 
 
 @pytest.fixture(scope="module")
