@@ -1,6 +1,6 @@
-"""vLLM as a wsync engine: a weight-transfer backend, a worker extension, and runtime LoRA.
+"""vLLM as a wsync engine: a weight-transfer backend, a worker extension, runtime LoRA and the sharded sync.
 
-Nothing here imports vLLM until it is used. Three ways in, newest first:
+Nothing here imports vLLM until it is used. The ways in:
 
 1. **Weight-transfer backend** (vLLM >= 0.12's ``WeightTransferEngineFactory``;
    checked against 0.33.0). Start vLLM with
@@ -30,6 +30,10 @@ Nothing here imports vLLM until it is used. Three ways in, newest first:
        llm.collective_rpc("wsync_lora_subscribe", args=(address, token_id(TOKEN), "policy", 1, config))
        llm.collective_rpc("wsync_lora_update", args=(v,))
        llm.generate(prompts, params, lora_request=vllm_lora.lora_request("policy", 1, v))
+
+4. **Sharded sync** (vllm_shard.py): each tensor-parallel worker is an engine rank of a routing plan and
+   takes only its own slices from the trainer ranks that hold them (``wsync_shard_subscribe``), serving a
+   version only when ``vllm_shard.update(llm, v)`` says so, on every worker at once.
 
 In 1 and 2 each worker receives the checkpoint-named state and hands the
 changed tensors to ``model.load_weights``, which does the fusing and the
@@ -198,6 +202,9 @@ class WsyncWorkerExtension:
         if ps.get_pp_group().world_size != 1:
             raise WsyncError("the sharded sync takes tensor parallelism only (pipeline_parallel_size must be 1)")
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        if getattr(self, "wsync_shard", None) is not None:  # subscribing again replaces the last one
+            self.wsync_shard.close()
+            self.wsync_shard = None
         plan = vllm_shard.build_plan(params, trainer, self.vllm_config.model_config.hf_config.to_dict(), tp,
                                      **(vllm_opts or {}))
         self.wsync_shard = vllm_shard.ShardedWorker(self.get_model(), plan, rank, coordinator=coordinator,
