@@ -107,6 +107,9 @@ class Lane:
         dt_s = time.perf_counter() - t0
         if self.engine.digest() != self.want(state):
             raise SystemExit(f"{self.name}: version {version} is not exact on the engine")
+        # the subscriber can commit a version before the encoder thread records its bytes (packed pieces
+        # stream while they are written): flush() returns once that record is made
+        self.pub.flush(timeout=60)
         self.rows.append({"version": version, "bytes": self.pub.stats["bytes"][version], "seconds": dt_s,
                           "keyframe": self.sub.stats["last"]["keyframe"]})
 

@@ -356,6 +356,9 @@ def _dtensor_rank(rank: int, port: int, out: str) -> None:
         doc = {"held": [[h.name, [list(x) for x in h.box]] for h in held], "shapes": shapes, "same": same,
                "layout_ranks": layout.ranks}
         Path(out).write_text(json.dumps(doc))
+        # every rank past its last collective before any tears the group down: a rank that closed its
+        # links while a peer was still reading the last all-gather aborted that peer (SIGABRT, CI)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -227,7 +227,10 @@ class Publisher:
 
     def stats_snapshot(self) -> dict:
         """A consistent copy of the counters: versions encoded, bytes and encode seconds per version, and the
-        bytes the catch-up history holds. Safe from any thread; the caller may keep or change it."""
+        bytes the catch-up history holds. Safe from any thread; the caller may keep or change it.
+
+        A version is counted once its encoding ends, which can be after a subscriber has committed it
+        (pieces stream while they are packed): flush() first to read a version just published."""
         with self._stats_lock:
             snap = copy.deepcopy(self._stats)
         with self._cv:
