@@ -72,60 +72,102 @@ WS_HD void classes(const T* old, u32 len, int kind, int shift, int ebits, u8* ou
     const u64 mask = (u64(1) << ebits) - 1;
     const int drop = shift + (ebits > 8 ? ebits - 8 : 0);
     const u64 m2 = ebits > 8 ? 0xFF : mask;
-    for (u32 o = 0; o < len; ++o) out[o] = u8((u64(old[o]) >> drop) & m2);
+    const T tm = T(m2);  // in T's width, so the loop vectorises over T's lanes, not u64's
+    for (u32 o = 0; o < len; ++o) out[o] = u8(T(old[o] >> drop) & tm);
   } else {
     for (u32 o = 0; o < len; ++o) out[o] = u8(value_class<T>(old[o], kind, shift, ebits));
   }
 }
 
+// Bit scans (x != 0): the GPU's intrinsics, or the compiler's builtins (g++ and the CPU harness's own).
+WS_HD int ctz64(u64 x) {
+#if defined(__CUDA_ARCH__)
+  return __ffsll((long long)x) - 1;
+#else
+  return __builtin_ctzll(x);
+#endif
+}
+WS_HD int log2_64(u64 x) {
+#if defined(__CUDA_ARCH__)
+  return 63 - __clzll((long long)x);
+#else
+  return 63 - __builtin_clzll(x);
+#endif
+}
+
+// The position bitstream, least significant bit of each byte first. Reads go through a 64-bit window at
+// pos (peek), so a code of up to 57 bits costs one load, not a loop over its bits.
+constexpr int WINDOW = 57;
+
 struct BitReader {
   const u8* data;
-  u64 nbits;
+  u64 nbits;  // 8 * bytes
   u64 pos;
-  WS_HD bool get(int n, u64* out) {  // n <= 32
-    if (pos + u64(n) > nbits) return false;
-    u64 v = 0;
-    for (int i = 0; i < n;) {
-      const u64 p = pos + u64(i);
-      const int take = (8 - int(p & 7)) < (n - i) ? (8 - int(p & 7)) : (n - i);
-      v |= (u64(data[p >> 3] >> (p & 7)) & ((1u << take) - 1)) << i;
-      i += take;
+  WS_HD u64 left() const { return nbits - pos; }
+  // The next min(57, left()) bits in the low bits (the rest zero past the end of the stream).
+  WS_HD u64 peek() const {
+    const u64 at = pos >> 3, nbytes = nbits >> 3;
+    u64 w = 0;
+#if !defined(__CUDA_ARCH__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (at + 8 <= nbytes) {
+      __builtin_memcpy(&w, data + at, 8);
+      return w >> (pos & 7);
     }
+#endif
+    const u64 end = at + 8 < nbytes ? at + 8 : nbytes;
+    for (u64 i = at; i < end; ++i) w |= u64(data[i]) << (8 * (i - at));
+    return w >> (pos & 7);
+  }
+  WS_HD bool get(int n, u64* out) {  // n <= 57
+    if (u64(n) > left()) return false;
+    *out = n ? peek() & ((u64(1) << n) - 1) : 0;
     pos += u64(n);
-    *out = v;
     return true;
   }
   WS_HD bool bit(u64* out) { return get(1, out); }
 };
 
 // v2_ref.get_gap: the next gap (< r) in *g, or *end = true for the end mark. False: the stream ended early.
+// The quotient is a run of ones (one per m) ended by a zero, or cut short by the end mark once q * m >= r
+// (then no zero follows): each window's run is counted with one bit scan.
 WS_HD bool get_gap(BitReader& rd, u64 m, u64 r, u64* g, bool* end) {
   u64 q = 0;
-  while (q * m < r) {
-    u64 b;
-    if (!rd.bit(&b)) return false;
-    if (!b) {
-      u64 s = r - q * m;
-      if (m < s) s = m;
-      u64 v = 0;
-      if (s > 1) {
-        int k = 0;  // floor(log2 s); s <= 65536 in any chunk
-        while ((s >> (k + 1)) != 0) ++k;
-        const u64 u = (u64(2) << k) - s;
-        if (!rd.get(k, &v)) return false;
-        if (v >= u) {
-          u64 lo;
-          if (!rd.bit(&lo)) return false;
-          v = ((v << 1) | lo) - u;
-        }
-      }
-      *g = q * m + v;
-      *end = false;
+  for (;;) {
+    if (q * m >= r) {  // m <= 2^32 and r <= 2^16 (read_model, the chunk): no overflow
+      *end = true;
       return true;
     }
-    ++q;
+    const u64 avail = rd.left() < u64(WINDOW) ? rd.left() : u64(WINDOW);
+    if (!avail) return false;
+    const u64 zeros = ~rd.peek() & ((u64(1) << avail) - 1);
+    const u64 ones = zeros ? u64(ctz64(zeros)) : avail;
+    if ((q + ones) * m >= r) {  // the end mark within this run: ceil(r / m) ones in all
+      rd.pos += (r + m - 1) / m - q;
+      *end = true;
+      return true;
+    }
+    q += ones;
+    rd.pos += ones;
+    if (zeros) {
+      ++rd.pos;  // the zero that ends the quotient
+      break;
+    }
   }
-  *end = true;
+  u64 s = r - q * m;
+  if (m < s) s = m;
+  u64 v = 0;
+  if (s > 1) {
+    const int k = log2_64(s);  // s <= 2^32
+    const u64 u = (u64(2) << k) - s;
+    if (!rd.get(k, &v)) return false;
+    if (v >= u) {
+      u64 lo;
+      if (!rd.bit(&lo)) return false;
+      v = ((v << 1) | lo) - u;
+    }
+  }
+  *g = q * m + v;
+  *end = false;
   return true;
 }
 
@@ -153,25 +195,59 @@ WS_HD int get_escape(BitReader& rd, int width_bits, i64* d) {
   return OK;
 }
 
+// Placement of a class's changes works over blocks of BLOCK elements: the counting pass keeps, per block,
+// each coded class's count before it (snap), so a change of rank r is found by moving to the block where
+// the count passes r and selecting inside it, with no second walk over every element.
+constexpr u32 BLOCK = 128;
+constexpr u32 NBLOCK = CHUNK / BLOCK;
+
 // Scratch of one chunk: arrays of cap entries (cap >= the chunk's length) and tables of NCLASS.
 struct Scratch {
   u32* rank;   // [cap] rank within its class, coding order
   u8* cls;     // [cap] class, coding order
   i64* d;      // [cap] step, coding order
   u32* first;  // [NCLASS + 1] coding index of the class's first change
-  u32* h;      // [WALKERS * NCLASS] class counts per quarter of the chunk, then countdowns while placing
-  u32* nxt;    // [WALKERS * NCLASS] coding index of the class's next change each walker places
-  u8* of;      // [cap] class of each element of the chunk
+  u32* h;      // [2 * WALKERS * NCLASS] class counts per quarter of the chunk, even and odd elements
+  u32* qb;     // [WALKERS * NCLASS] class counts in the quarters before each quarter
+  u8* of;      // [cap rounded up to BLOCK] class of each element of the chunk (read 8 at a time)
+  u32* snap;   // [NBLOCK * NCLASS] per block, the count before it of each class in [lo, hi)
+  u64* mark;   // [CHUNK / 64] one bit per element: a change sits there
+  u16* at;     // [cap] coding index of the change at each marked element
 };
 
-// The chunk is cut in WALKERS quarters walked side by side: each class count is a chain of increments
+// The chunk is cut in WALKERS quarters counted side by side: each class count is a chain of increments
 // through memory, and four independent chains keep the core busy while one waits on the last.
-constexpr int WALKERS = 4;  // the walks in decode_chunk are unrolled for four
+constexpr int WALKERS = 4;  // the counting loop in decode_chunk is unrolled for four
 
-template <class T>
-WS_HD void quarter_bounds(u32 len, u32* b) {
-  const u32 q = (len + WALKERS - 1) / WALKERS;
-  for (int w = 0; w <= WALKERS; ++w) b[w] = u32(w) * q < len ? u32(w) * q : len;
+// Eight classes of of[o..o+8) (o a multiple of 8; the array is aligned and long enough).
+WS_HD u64 load8(const u8* p) {
+#if defined(__CUDACC__)
+  return *reinterpret_cast<const u64*>(p);
+#else
+  u64 w;
+  __builtin_memcpy(&w, p, 8);
+  return w;
+#endif
+}
+
+// The o in [from, to) of the need-th (from 0) element of class c: eight classes at a time, each byte equal
+// to c flagged exactly (its high bit), the flags counted with one multiply. from is a multiple of 8. The
+// caller knows the element is there (the block's counts say so); to if it is not.
+WS_HD u32 select_in(const u8* of, u32 from, u32 to, u32 c, u32 need) {
+  const u64 ones = 0x0101010101010101ull, low7 = 0x7F7F7F7F7F7F7F7Full;
+  const u64 rep = ones * u64(c);
+  for (u32 o = from; o < to; o += 8) {
+    const u64 x = load8(of + o) ^ rep;
+    u64 t = ~(((x & low7) + low7) | x | low7);
+    if (to - o < 8) t &= (u64(1) << (8 * (to - o))) - 1;
+    const u32 cnt = u32(((t >> 7) * ones) >> 56);
+    if (need < cnt) {
+      for (; need; --need) t &= t - 1;
+      return o + u32(ctz64(t)) / 8;
+    }
+    need -= cnt;
+  }
+  return to;
 }
 
 // Decode one chunk of len elements against old[0..len). On success writes *count changes in position
@@ -181,27 +257,51 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
                        int lo, int hi, int kind, int shift, int ebits, u64 budget, Scratch sc, u32* off, i64* step,
                        u32* count) {
   const int width_bits = int(8 * sizeof(T));
-  u32 b[WALKERS + 1];
-  quarter_bounds<T>(len, b);
-  // Quarters never grow with w ([q, .., q, r, 0, ..] for a short chunk): the last is the shortest, and all
-  // walk side by side through it; then each longer quarter finishes alone.
-  const u32 common = b[WALKERS] - b[WALKERS - 1];
+  // Quarters start on block edges and never grow with w: when the last has a whole block at an offset, so
+  // do the others, and the four are counted side by side there.
+  const u32 q = ((len + WALKERS - 1) / WALKERS + BLOCK - 1) / BLOCK * BLOCK;
+  u32 qa[WALKERS], qz[WALKERS];  // quarter w: [qa[w], qz[w])
+  for (int w = 0; w < WALKERS; ++w) {
+    qa[w] = u32(w) * q < len ? u32(w) * q : len;
+    qz[w] = qa[w] + q < len ? qa[w] + q : len;
+  }
+  const u32 span = u32(hi - lo);  // a row of snap: the classes the model codes lie in [lo, hi)
   classes<T>(old, len, kind, shift, ebits, sc.of);
-  for (int i = 0; i < WALKERS * NCLASS; ++i) sc.h[i] = 0;
+  for (int i = 0; i < 2 * WALKERS * NCLASS; ++i) sc.h[i] = 0;
   {
-    const u8* c0 = sc.of + b[0];
-    const u8* c1 = sc.of + b[1];
-    const u8* c2 = sc.of + b[2];
-    const u8* c3 = sc.of + b[3];
     u32* h = sc.h;
-    for (u32 i = 0; i < common; ++i) {
-      h[c0[i]]++;
-      h[NCLASS + c1[i]]++;
-      h[2 * NCLASS + c2[i]]++;
-      h[3 * NCLASS + c3[i]]++;
+    const u8* of = sc.of;
+    for (u32 o = 0; o < q; o += BLOCK) {
+      for (int w = 0; w < WALKERS; ++w) {  // the counts so far in its quarter, at the block
+        if (qa[w] + o >= qz[w]) continue;
+        u32* row = sc.snap + (qa[w] + o) / BLOCK * span;
+        const u32* hw = h + w * NCLASS + lo;
+        const u32* hv = hw + WALKERS * NCLASS;
+        for (u32 a = 0; a < span; ++a) row[a] = hw[a] + hv[a];
+      }
+      if (qa[WALKERS - 1] + o + BLOCK <= qz[WALKERS - 1]) {
+        const u8* c0 = of + qa[0] + o;
+        const u8* c1 = of + qa[1] + o;
+        const u8* c2 = of + qa[2] + o;
+        const u8* c3 = of + qa[3] + o;
+        u32* v = h + WALKERS * NCLASS;  // odd elements count into a second set: eight chains, not four
+        for (u32 i = 0; i < BLOCK; i += 2) {
+          h[c0[i]]++;
+          h[NCLASS + c1[i]]++;
+          h[2 * NCLASS + c2[i]]++;
+          h[3 * NCLASS + c3[i]]++;
+          v[c0[i + 1]]++;
+          v[NCLASS + c1[i + 1]]++;
+          v[2 * NCLASS + c2[i + 1]]++;
+          v[3 * NCLASS + c3[i + 1]]++;
+        }
+      } else {
+        for (int w = 0; w < WALKERS; ++w) {
+          const u32 stop = qa[w] + o + BLOCK < qz[w] ? qa[w] + o + BLOCK : qz[w];
+          for (u32 i = qa[w] + o; i < stop; ++i) h[w * NCLASS + of[i]]++;
+        }
+      }
     }
-    for (int w = 0; w + 1 < WALKERS; ++w)
-      for (u32 o = b[w] + common; o < b[w + 1]; ++o) h[w * NCLASS + sc.of[o]]++;
   }
   BitReader rd{pb, 8 * plen, 0};
   u32 k = 0;
@@ -210,7 +310,7 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     sc.first[c] = k;
     const u64 m = md.m[c];
     u64 pop = 0;
-    for (int w = 0; w < WALKERS; ++w) pop += sc.h[w * NCLASS + c];
+    for (int w = 0; w < 2 * WALKERS; ++w) pop += sc.h[w * NCLASS + c];
     if (!m || !pop) continue;
     u64 nxt = 0;
     for (;;) {
@@ -258,54 +358,44 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     rd.get(int(left), &pad);
     if (pad) return BITS_LEFT;
   }
-  // Place the changes. A class's change of rank r sits where that class's count reaches r. Walker w starts
-  // at the classes' counts in the quarters before its own and places the ranks that fall in its quarter,
-  // into its own stretch of the output: in position order. h becomes a countdown per (walker, class): the
-  // elements of that class to pass before the next change to place (~0u: none left; it never reaches 0).
-  u32 out_at[WALKERS];
-  u32 placed = 0;
-  for (int c = 0; c < NCLASS; ++c) {
-    u32 before = 0, j = sc.first[c];
-    const u32 end = sc.first[c + 1];
+  // Place the changes. A class's change of rank r is its element where the class's count reaches r. The
+  // block counts become counts from the chunk's start (plus the quarters before); each class moves forward
+  // through the blocks as its ranks grow and selects inside the block; the marks then give position order.
+  for (int c = lo; c < hi; ++c) {
+    u32 before = 0;
     for (int w = 0; w < WALKERS; ++w) {
-      const u32 here = sc.h[w * NCLASS + c];
-      while (j < end && sc.rank[j] < before) ++j;
-      sc.nxt[w * NCLASS + c] = j;
-      sc.h[w * NCLASS + c] = j < end ? sc.rank[j] - before : ~0u;  // rank[j] >= before
-      before += here;
+      sc.qb[w * NCLASS + c] = before;
+      before += sc.h[w * NCLASS + c] + sc.h[(WALKERS + w) * NCLASS + c];
     }
   }
-  for (int w = 0; w < WALKERS; ++w) {
-    out_at[w] = placed;
-    for (int c = 0; c < NCLASS; ++c) {
-      const u32 stop = w + 1 < WALKERS ? sc.nxt[(w + 1) * NCLASS + c] : sc.first[c + 1];
-      placed += stop - sc.nxt[w * NCLASS + c];
+  for (int w = 1; w < WALKERS; ++w)
+    for (u32 o = qa[w]; o < qz[w]; o += BLOCK) {
+      u32* row = sc.snap + o / BLOCK * span;
+      const u32* add = sc.qb + w * NCLASS + lo;
+      for (u32 a = 0; a < span; ++a) row[a] += add[a];
+    }
+  const u32 nb = (len + BLOCK - 1) / BLOCK, nwords = (len + 63) / 64;
+  for (u32 i = 0; i < nwords; ++i) sc.mark[i] = 0;
+  for (int c = lo; c < hi; ++c) {
+    const u32* col = sc.snap + (c - lo);
+    u32 g = 0;
+    for (u32 j = sc.first[c]; j < sc.first[c + 1]; ++j) {
+      const u32 r = sc.rank[j];  // < the class's count in the chunk (get_gap)
+      while (g + 1 < nb && col[(g + 1) * span] <= r) ++g;
+      const u32 from = g * BLOCK, to = from + BLOCK < len ? from + BLOCK : len;
+      const u32 o = select_in(sc.of, from, to, u32(c), r - col[g * span]);
+      sc.mark[o >> 6] |= u64(1) << (o & 63);
+      sc.at[o] = u16(j);
     }
   }
-  u32* h = sc.h;
-  const u8* of = sc.of;
-  // one walker's step at element o; the branch is taken once per change, so it predicts well. Ranks of a
-  // class strictly increase, so the next countdown is the gap between them.
-#define WS_V2_WALK(w, o)                                                                      \
-  {                                                                                           \
-    const int at = (w) * NCLASS + int(of[o]);                                                 \
-    if (h[at]-- == 0) {                                                                       \
-      const u32 j = sc.nxt[at]++;                                                             \
-      off[out_at[w]] = (o);                                                                   \
-      step[out_at[w]] = sc.d[j];                                                              \
-      ++out_at[w];                                                                            \
-      h[at] = j + 1 < sc.first[int(of[o]) + 1] ? sc.rank[j + 1] - sc.rank[j] - 1 : ~0u;     \
-    }                                                                                         \
-  }
-  for (u32 i = 0; i < common; ++i) {
-    WS_V2_WALK(0, b[0] + i)
-    WS_V2_WALK(1, b[1] + i)
-    WS_V2_WALK(2, b[2] + i)
-    WS_V2_WALK(3, b[3] + i)
-  }
-  for (int w = 0; w + 1 < WALKERS; ++w)
-    for (u32 o = b[w] + common; o < b[w + 1]; ++o) WS_V2_WALK(w, o)
-#undef WS_V2_WALK
+  u32 i = 0;
+  for (u32 wi = 0; wi < nwords; ++wi)
+    for (u64 bits = sc.mark[wi]; bits; bits &= bits - 1) {
+      const u32 o = wi * 64 + u32(ctz64(bits));
+      off[i] = o;
+      step[i] = sc.d[sc.at[o]];
+      ++i;
+    }
   *count = k;
   return OK;
 }

@@ -402,13 +402,16 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
   parallel_for(nc, 1, [&](int64_t c) {
     const uint32_t len = uint32_t(chunk_len(n, c));
     // scratch per thread, a chunk's worth; a chunk keeps only what it decoded, and at most what is left of K
-    thread_local std::vector<uint32_t> rank, off;
+    thread_local std::vector<uint32_t> rank, off, snap;
     thread_local std::vector<uint8_t> cls, of;
     thread_local std::vector<ws::i64> d, st;
+    thread_local std::vector<ws::u16> at;
+    thread_local std::vector<ws::u64> mark;
     thread_local std::vector<T> gathered;
     rank.resize(kChunk), off.resize(kChunk), cls.resize(kChunk), of.resize(kChunk), d.resize(kChunk), st.resize(kChunk);
-    uint32_t first[NCLASS + 1], h[WALKERS * NCLASS], nxt[WALKERS * NCLASS];
-    Scratch sc{rank.data(), cls.data(), d.data(), first, h, nxt, of.data()};
+    snap.resize(NBLOCK * NCLASS), at.resize(kChunk), mark.resize(kChunk / 64);
+    uint32_t first[NCLASS + 1], h[2 * WALKERS * NCLASS], qb[WALKERS * NCLASS];
+    Scratch sc{rank.data(), cls.data(), d.data(), first, h, qb, of.data(), snap.data(), mark.data(), at.data()};
     const T* base = chunk_of<T>(old, n, c, gathered);
     uint32_t count = 0;
     const uint64_t budget = k - std::min<uint64_t>(k, used.load());

@@ -12,21 +12,23 @@
 namespace ws {
 namespace v2 {
 
-// Per-chunk scratch tables, in u32s: first [NCLASS + 1], then h, nxt [WALKERS * NCLASS] each.
-constexpr u32 TABLES = NCLASS + 1 + 2 * WALKERS * NCLASS;
+// Per-chunk scratch tables, in u32s: first [NCLASS + 1], h [2 * WALKERS * NCLASS], qb [WALKERS * NCLASS],
+// then the block counts snap [NBLOCK * NCLASS].
+constexpr u32 TABLES = NCLASS + 1 + 3 * WALKERS * NCLASS + NBLOCK * NCLASS;
 
 template <class T>
 __device__ void decode_chunks(const T* old, u64 n, const u64* m, const u32* freq, const u32* cum, const u8* slot,
                               int lo, int hi, int kind, int shift, int ebits, u64 k, const u8* pos, const u64* pos_at,
-                              const u8* steps, const u64* steps_at, u32* rank, u8* cls, i64* d, u8* of, u32* tables,
-                              u32* off, i64* step, u32* count, int* err) {
+                              const u8* steps, const u64* steps_at, u32* rank, u8* cls, i64* d, u8* of, u64* mark,
+                              u16* at16, u32* tables, u32* off, i64* step, u32* count, int* err) {
   const u64 nc = (n + CHUNK - 1) / CHUNK;
   const u64 c = u64(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= nc) return;
   const u64 at = c * CHUNK;
   const u32 len = u32(n - at < CHUNK ? n - at : CHUNK);
   u32* t = tables + c * TABLES;
-  Scratch sc{rank + at, cls + at, d + at, t, t + NCLASS + 1, t + NCLASS + 1 + WALKERS * NCLASS, of + at};
+  Scratch sc{rank + at, cls + at, d + at, t, t + NCLASS + 1, t + NCLASS + 1 + 2 * WALKERS * NCLASS, of + at,
+             t + NCLASS + 1 + 3 * WALKERS * NCLASS, mark + c * (CHUNK / 64), at16 + at};
   const ModelView md{m, freq, cum, slot};
   u32 got = 0;
   err[c] = decode_chunk<T>(old + at, len, pos + pos_at[c], pos_at[c + 1] - pos_at[c], steps + steps_at[c],
@@ -42,9 +44,9 @@ __device__ void decode_chunks(const T* old, u64 n, const u64* m, const u32* freq
   const U *old, ws::u64 n, const ws::u64 *m, const ws::u32 *freq, const ws::u32 *cum, const ws::u8 *slot, int lo, \
       int hi, int kind, int shift, int ebits, ws::u64 k, const ws::u8 *pos, const ws::u64 *pos_at,               \
       const ws::u8 *steps, const ws::u64 *steps_at, ws::u32 *rank, ws::u8 *cls, ws::i64 *d, ws::u8 *of,          \
-      ws::u32 *tables, ws::u32 *off, ws::i64 *step, ws::u32 *count, int *err
+      ws::u64 *mark, ws::u16 *at16, ws::u32 *tables, ws::u32 *off, ws::i64 *step, ws::u32 *count, int *err
 #define WS_V2_ARGS \
-  old, n, m, freq, cum, slot, lo, hi, kind, shift, ebits, k, pos, pos_at, steps, steps_at, rank, cls, d, of, tables, off, step, count, err
+  old, n, m, freq, cum, slot, lo, hi, kind, shift, ebits, k, pos, pos_at, steps, steps_at, rank, cls, d, of, mark, at16, tables, off, step, count, err
 
 extern "C" __global__ void v2_decode_1(WS_V2_PARAMS(ws::u8)) { ws::v2::decode_chunks<ws::u8>(WS_V2_ARGS); }
 extern "C" __global__ void v2_decode_2(WS_V2_PARAMS(ws::u16)) { ws::v2::decode_chunks<ws::u16>(WS_V2_ARGS); }

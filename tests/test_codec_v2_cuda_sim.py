@@ -19,7 +19,8 @@ cudasim = pytest.importorskip("cudasim")
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 C = delta_ref.CHUNK_ELEMS
-TABLES = v2_ref.NCLASS + 1 + 2 * 4 * v2_ref.NCLASS
+NBLOCK = C // 128
+TABLES = v2_ref.NCLASS + 1 + 3 * 4 * v2_ref.NCLASS + NBLOCK * v2_ref.NCLASS  # csrc/ws_v2_cuda.cu's
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,9 @@ def gpu_decode(sim, old: np.ndarray, parts: dict, dt, schedule: str = "forward",
     junk = np.random.default_rng(span)
     of = v2_ref.value_class(old[junk.integers(0, n, span)], dt).astype(np.uint8)
     cls = of[::-1].copy()
-    tables = np.zeros(nc * TABLES, np.uint32)
+    mark = junk.integers(0, 2**63, nc * C // 64).astype(np.uint64)
+    at16 = junk.integers(0, 2**16, span).astype(np.uint16)
+    tables = junk.integers(0, 2**32, nc * TABLES).astype(np.uint32)
     count, err = np.zeros(nc, np.uint32), np.zeros(nc, np.int32)
     kind, shift, ebits = _class_spec(dt)
     pos = np.frombuffer(parts["pos"] or b"\0", np.uint8)
@@ -70,7 +73,7 @@ def gpu_decode(sim, old: np.ndarray, parts: dict, dt, schedule: str = "forward",
     i32, u64 = np.int32, np.uint64
     args = (np.ascontiguousarray(old), u64(n), np.array(m, np.uint64), freq.ravel(), cum.ravel(), slot.ravel(),
             i32(lo), i32(hi), i32(kind), i32(shift), i32(ebits), u64(k), pos, pos_at, steps, steps_at,
-            rank, cls, d, of, tables, off, step, count, err)
+            rank, cls, d, of, mark, at16, tables, off, step, count, err)
     if runtime is not None:
         runtime.launch(f"v2_decode_{w}", -(-nc // runtime.block), args)
     else:
