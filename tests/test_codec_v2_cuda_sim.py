@@ -1,91 +1,41 @@
 """The CUDA decoder of delta v2 (csrc/ws_v2_cuda.cu), run on CPU fibers (tests/cudasim): byte for byte v2_ref.
 
-One thread per chunk runs ws_v2.cuh's decode_chunk; the host part (parsing the model and the index into
-flat tables, as a CUDA backend would) is written here from v2_ref's own parsers. Each case runs under the
-forward, reverse and random schedules; corrupt chunks must come back as error codes, never a fault.
+One thread per chunk runs ws_v2.cuh's decode_chunk; the host part is the CUDA backend's own
+(wsync.backends.cuda._Engine.v2_decode: parsing the model and the index, batching chunks, compacting the
+changes), over the harness's runtime, whose fresh device memory is junk as cudaMalloc's is. Each case runs
+under the forward, reverse and random schedules; corrupt chunks must come back as FormatError, never a fault.
 """
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from wsync import dtypes
+from wsync.backends import cuda
 from wsync.codecs import delta_ref, v2_ref
 from wsync.errors import FormatError
 
 cudasim = pytest.importorskip("cudasim")
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
 C = delta_ref.CHUNK_ELEMS
-NBLOCK = C // 128
-TABLES = v2_ref.NCLASS + 1 + 3 * 4 * v2_ref.NCLASS + NBLOCK * v2_ref.NCLASS  # csrc/ws_v2_cuda.cu's
 
 
 @pytest.fixture(scope="module")
 def sim():
     if cudasim.compiler() is None:
         pytest.skip("no C++ compiler on PATH: the CUDA harness compiles csrc/*.cu with g++")
-    return cudasim.load([CSRC / "ws_v2_cuda.cu"])
-
-
-def _class_spec(dt):
-    if dt.order == "float":
-        m = v2_ref.MANTISSA_BITS[dt.name]
-        return 0, m, 8 * dt.itemsize - 1 - m
-    return (1 if dt.order == "int" else 2), 0, 0
+    return cudasim.load()
 
 
 def gpu_decode(sim, old: np.ndarray, parts: dict, dt, schedule: str = "forward", runtime=None):
-    """(positions, steps) as the kernel decodes them, or FormatError naming the first failing chunk.
-    runtime: a cudasim.SimRuntime to launch through (its block size and schedule), instead of sim."""
-    n, w = len(old), old.dtype.itemsize
-    k, m, freqs = v2_ref.read_model(parts["model"], n, n * w, w)
-    nc = delta_ref.nchunks(n)
-    lens = v2_ref.read_index(parts["index"], nc, len(parts["pos"]), len(parts["steps"]))
-    lo = min([c for c in range(v2_ref.NCLASS) if m[c]], default=0)
-    hi = max([c + 1 for c in range(v2_ref.NCLASS) if m[c]], default=0)
-    freq = np.zeros((v2_ref.NCLASS, v2_ref.NSYM), np.uint32)
-    cum = np.zeros_like(freq)
-    slot = np.zeros((v2_ref.NCLASS, v2_ref.PROB_SCALE), np.uint8)
-    for c, f in freqs.items():
-        freq[c] = f
-        cum[c] = np.concatenate([[0], np.cumsum(f)[:-1]])
-        slot[c] = np.repeat(np.arange(v2_ref.NSYM, dtype=np.uint8), f)
-    pos_at = np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.uint64)
-    steps_at = np.concatenate([[0], np.cumsum([b for _, b in lens])]).astype(np.uint64)
-    span = nc * C
-    rank, d, off, step = (np.zeros(span, np.uint32), np.zeros(span, np.int64), np.zeros(span, np.uint32),
-                          np.zeros(span, np.int64))
-    # scratch as a GPU hands it out: what an earlier decode left there (classes of this tensor's values), so
-    # a walk past its chunk reads live-looking classes, not zeros
-    junk = np.random.default_rng(span)
-    of = v2_ref.value_class(old[junk.integers(0, n, span)], dt).astype(np.uint8)
-    cls = of[::-1].copy()
-    mark = junk.integers(0, 2**63, nc * C // 64).astype(np.uint64)
-    at16 = junk.integers(0, 2**16, span).astype(np.uint16)
-    tables = junk.integers(0, 2**32, nc * TABLES).astype(np.uint32)
-    count, err = np.zeros(nc, np.uint32), np.zeros(nc, np.int32)
-    kind, shift, ebits = _class_spec(dt)
-    pos = np.frombuffer(parts["pos"] or b"\0", np.uint8)
-    steps = np.frombuffer(parts["steps"] or b"\0", np.uint8)
-    i32, u64 = np.int32, np.uint64
-    args = (np.ascontiguousarray(old), u64(n), np.array(m, np.uint64), freq.ravel(), cum.ravel(), slot.ravel(),
-            i32(lo), i32(hi), i32(kind), i32(shift), i32(ebits), u64(k), pos, pos_at, steps, steps_at,
-            rank, cls, d, of, mark, at16, tables, off, step, count, err)
-    if runtime is not None:
-        runtime.launch(f"v2_decode_{w}", -(-nc // runtime.block), args)
-    else:
-        sim.launch(f"v2_decode_{w}", (nc + 31) // 32, 32, args, schedule=schedule, seed=11)
-    bad = np.flatnonzero(err)
-    if len(bad):
-        raise FormatError(f"v2 chunk {bad[0]}: error {err[bad[0]]}")
-    if int(count.sum()) != k:
-        raise FormatError(f"v2: decoded {int(count.sum())} changes, the model declares {k}")
-    p = np.concatenate([c * C + off[c * C:c * C + count[c]].astype(np.int64) for c in range(nc)])
-    s = np.concatenate([step[c * C:c * C + count[c]] for c in range(nc)])
-    return p, s
+    """The v1 sections the CUDA backend decodes, or FormatError naming the first failing chunk.
+    runtime: a cudasim.SimRuntime to launch through, instead of a new one over sim."""
+    rt = runtime if runtime is not None else cudasim.SimRuntime(sim, schedule, seed=11)
+    return cuda._Engine(rt).v2_decode(np.ascontiguousarray(old), parts, dt)
+
+
+def same_sections(a, b) -> bool:
+    return all(getattr(a, f).tobytes() == getattr(b, f).tobytes() and getattr(a, f).dtype == getattr(b, f).dtype
+               for f in ("table", "gaps", "steps", "escapes"))
 
 
 def _case(name: str, n: int, seed: int, density: float = 0.01):
@@ -101,9 +51,16 @@ def _case(name: str, n: int, seed: int, density: float = 0.01):
 @pytest.mark.parametrize("schedule", ["forward", "reverse", "random"])
 def test_kernel_decodes_what_the_reference_decodes(sim, name, n, schedule):
     dt, old, parts = _case(name, n, seed=n)
-    want_pos, want_d = v2_ref.decode_changes(old, parts, dt)
-    pos, d = gpu_decode(sim, old, parts, dt, schedule)
-    assert pos.tobytes() == want_pos.tobytes() and d.tobytes() == want_d.tobytes()
+    assert same_sections(gpu_decode(sim, old, parts, dt, schedule), v2_ref.decode(old, parts, dt))
+
+
+def test_chunks_in_several_launches(sim, monkeypatch):
+    """A tensor whose scratch does not fit one launch is decoded a chunk per launch: the same sections."""
+    monkeypatch.setattr(cuda, "V2_SCRATCH_BYTES", cuda.V2_CHUNK_SCRATCH)
+    rt = cudasim.SimRuntime(sim, "random", seed=3)
+    dt, old, parts = _case("BF16", 3 * C + 777, seed=4)
+    assert same_sections(gpu_decode(sim, old, parts, dt, runtime=rt), v2_ref.decode(old, parts, dt))
+    assert rt.launched.count("v2_decode_2") == 4
 
 
 def test_kernel_refuses_corrupt_chunks_as_the_reference_does(sim):
@@ -116,7 +73,7 @@ def test_kernel_refuses_corrupt_chunks_as_the_reference_does(sim):
             b[int(rng.integers(len(b)))] ^= 1 << int(rng.integers(8))
             bad = {**parts, part: bytes(b)}
             try:
-                want = v2_ref.decode_changes(old, bad, dt)
+                want = v2_ref.decode(old, bad, dt)
             except FormatError:
                 want = None
             try:
@@ -125,13 +82,11 @@ def test_kernel_refuses_corrupt_chunks_as_the_reference_does(sim):
                 got = None
             assert (want is None) == (got is None), part
             if want is not None:
-                assert want[0].tobytes() == got[0].tobytes() and want[1].tobytes() == got[1].tobytes()
+                assert same_sections(want, got)
 
 
 def v2_round_trip(runtime) -> None:
     """Every width's v2 kernel through a SimRuntime (tests/test_cuda_sim.py launches every kernel of csrc)."""
     for i, name in enumerate(("U8", "BF16", "F32", "I64")):
         dt, old, parts = _case(name, 3000 + i, seed=i)
-        want_pos, want_d = v2_ref.decode_changes(old, parts, dt)
-        pos, d = gpu_decode(None, old, parts, dt, runtime=runtime)
-        assert pos.tobytes() == want_pos.tobytes() and d.tobytes() == want_d.tobytes(), name
+        assert same_sections(gpu_decode(None, old, parts, dt, runtime=runtime), v2_ref.decode(old, parts, dt)), name

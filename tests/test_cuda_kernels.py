@@ -206,3 +206,36 @@ def test_public_api_round_trip_on_cuda(kern):
         ours = wsync.encode(base, new, tier=tier, backend="cuda")
         ref = wsync.encode(base, new, tier=tier, backend="ref")
         assert bytes(ours.to_bytes()) == bytes(ref.to_bytes())
+
+
+# ---- delta v2: the chunks decoded on the GPU (csrc/ws_v2_cuda.cu) ----------------------------------------------
+
+
+@pytest.mark.parametrize("name,n", [("BF16", 3 * 65536 + 4099), ("F32", 65536 + 1), ("I8", 5000), ("U64", 3000),
+                                    ("F8_E5M2", 65536 - 1)])
+def test_v2_decode_matches_reference(kern, name, n):
+    from test_codec_v2 import _pair
+
+    from wsync.codecs import v2_ref
+
+    dt, old, new = _pair(name, n, np.random.default_rng(n), density=0.01)
+    parts = v2_ref.encode(old, delta_ref.encode(old, new, dt.order), dt)
+    got, want = kern.v2_decode(old, parts, dt), v2_ref.decode(old, parts, dt)
+    assert all(getattr(got, f).tobytes() == getattr(want, f).tobytes() for f in ("table", "gaps", "steps", "escapes"))
+    bad = {**parts, "pos": parts["pos"][:-1]}
+    with pytest.raises(FormatError):
+        kern.v2_decode(old, bad, dt)
+
+
+def test_v2_decoded_on_the_device_applies_in_place(kern, torch_cuda):
+    from test_codec_v2 import _pair
+
+    from wsync.codecs import v2_ref
+
+    torch = torch_cuda
+    dt, old, new = _pair("BF16", 5 * 65536 + 17, np.random.default_rng(8), density=0.005)
+    parts = v2_ref.encode(old, delta_ref.encode(old, new, dt.order), dt)
+    live = to_cuda(torch, old, 2, "float")
+    sec = kern.v2_decode_device(live, parts, dt)
+    kern.apply_device(live, sec, "float")
+    assert from_cuda(torch, live).tobytes() == new.tobytes()

@@ -170,6 +170,26 @@ def test_everything_runs_on_the_inputs_device_and_its_torch_stream(rt, kern):
     assert {(e[2], e[3]) for e in rt.launches()} == {(1, s)}
 
 
+def test_v2_decoded_on_the_base_device_applies_on_another_stream(rt, kern):
+    """A delta-v2 tensor decoded against a CUDA base (one thread per chunk, its counts read back on its own
+    stream), applied from another stream: the apply waits for the decode's event, the bytes are the new ones."""
+    from test_codec_v2 import _pair
+
+    from wsync.codecs import v2_ref
+
+    dt, old, new = _pair("BF16", 2 * N + 5, np.random.default_rng(4), density=0.01)
+    parts = v2_ref.encode(old, delta_ref.encode(old, new, dt.order), dt)
+    live = FakeTensor(old.copy(), 1)
+    s1, s2 = rt.new_stream(1), rt.new_stream(1)
+    with rt.torch_stream(s1):
+        sec = kern.v2_decode_device(live, parts, dt)
+    assert {(e[2], e[3]) for e in rt.launches()} == {(1, s1)} and "v2_decode_2" in {e[1] for e in rt.launches()}
+    with rt.torch_stream(s2):
+        kern.apply_device(live, sec, "float", undo=False)
+    assert ("wait", s2, s1, sec.ready.seq) in rt.log
+    assert live.data.tobytes() == new.tobytes()
+
+
 def test_a_launch_with_another_devices_array_is_caught(rt):
     with pytest.raises(DeviceMismatch):
         rt.launch("delta_check", 1, (np.uint64(0), np.uint64(1), np.uint32(1),

@@ -78,14 +78,6 @@ def _section(a: np.ndarray, dtype, what: str) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
-def _v2_class_spec(dtype) -> tuple[int, int, int]:
-    """(kind, shift, ebits) of v2_ref.value_class for the C++ kernels: float exponent field, or bit length."""
-    if dtype.order == "float":
-        m = v2_ref.MANTISSA_BITS[dtype.name]
-        return 0, m, 8 * dtype.itemsize - 1 - m
-    return (1 if dtype.order == "int" else 2), 0, 0
-
-
 def _order(order: str) -> str:
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
@@ -110,7 +102,7 @@ class CpuKernels(Composed):
         old = _bits(old, "old")
         got = self._cpu.v2_encode(_arg(old), _section(sec.table, "<u4", "table"), _section(sec.gaps, "<u2", "gaps"),
                                   _section(sec.steps, np.int8, "steps"), _section(sec.escapes, old.dtype, "escapes"),
-                                  old.dtype.itemsize, _order(dtype.order), *_v2_class_spec(dtype))
+                                  old.dtype.itemsize, _order(dtype.order), *v2_ref.class_spec(dtype))
         return dict(zip(v2_ref.PARTS, got))
 
     def v2_decode(self, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
@@ -119,7 +111,7 @@ class CpuKernels(Composed):
             return v2_ref.decode(as_array(old), parts, dtype)
         old = _bits(old, "old")
         got = self._cpu.v2_decode(_arg(old), *(parts[p] for p in v2_ref.PARTS), old.dtype.itemsize, _order(dtype.order),
-                                  *_v2_class_spec(dtype))
+                                  *v2_ref.class_spec(dtype))
         if isinstance(got, str):
             raise FormatError(got)
         table, gaps, steps, esc = got

@@ -20,6 +20,10 @@ Two faces:
   tier's zstd stage runs on the host after that copy: only the `sparse`
   sections are built on the GPU.
 
+The ``v2`` tier is decoded on the GPU too (``v2_decode`` in the protocol,
+``v2_decode_device`` for a CUDA base; csrc/ws_v2_cuda.cu, one thread per
+chunk, the C++ backend's own chunk decoder); v2 is encoded on the host.
+
 Streams. Device sections and undo buffers are written on the stream that was
 current when they were made, from torch's caching allocator for that stream.
 Each carries ``ready``, an event recorded after the last kernel that writes
@@ -47,6 +51,7 @@ import numpy as np
 
 from ..checksum import BLOCK, checksum as host_checksum, combine
 from ..tables import as_array
+from ..codecs import v2_ref
 from ..codecs.delta_ref import DeltaSections, nchunks
 from ..errors import BackendUnavailable, FormatError
 from ..manifest import CHUNK_ELEMS
@@ -61,6 +66,15 @@ NO_ERROR = np.uint64(2**64 - 1)  # err[0] when no change lands outside its chunk
 ORDERS = ("float", "int", "uint")
 WIDTHS = {1: "u8", 2: "u16", 4: "u32", 8: "u64"}
 NULL = np.uint64(0)  # a null pointer argument
+# delta v2 (csrc/ws_v2_cuda.cu). Per-chunk tables, in u32s (its TABLES): first, h, qb, snap.
+V2_TABLES = v2_ref.NCLASS + 1 + 3 * 4 * v2_ref.NCLASS + CHUNK_ELEMS // 128 * v2_ref.NCLASS
+# scratch bytes of one chunk: rank u32, cls u8, d i64, of u8, at u16, off u32, step i64 per element; tables; marks
+V2_CHUNK_SCRATCH = CHUNK_ELEMS * (4 + 1 + 8 + 1 + 2 + 4 + 8) + 4 * V2_TABLES + CHUNK_ELEMS // 8
+V2_SCRATCH_BYTES = 256 << 20  # chunks are decoded in launches whose scratch fits this
+V2_ERRORS = ("", "position bitstream ends early", "bits left over after the last code",  # ws::v2::Err, in order
+             "more changes than the model declares", "steps for a chunk without changes", "rANS stream ends early",
+             "rANS state outside [2^23, 2^31)", "rANS stream does not end where it should (corrupt)",
+             "escape longer than a step of this width", "escape step does not fit the element")
 
 
 def csrc_dir() -> Path:
@@ -72,13 +86,16 @@ def csrc_dir() -> Path:
     return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "csrc"
 
 
-def kernel_source(path: Path | None = None) -> str:
-    """delta_cuda.cu with its local headers inlined.
+KERNEL_SOURCES = ("delta_cuda.cu", "ws_v2_cuda.cu")  # the kernels of the runtime module, in csrc_dir()
+
+
+def kernel_source(paths: list[Path] | None = None) -> str:
+    """The kernel sources (KERNEL_SOURCES by default) as one string, their local headers inlined once.
 
     One self-contained string, because cupy caches compiled modules by source
     text: with -I includes, an edited header would keep serving a stale cubin.
     """
-    path = path or csrc_dir() / "delta_cuda.cu"
+    paths = paths or [csrc_dir() / name for name in KERNEL_SOURCES]
     seen: set[str] = set()
 
     def expand(p: Path) -> str:
@@ -93,7 +110,7 @@ def kernel_source(path: Path | None = None) -> str:
                 out.append(line)
         return "\n".join(out)
 
-    return expand(path)
+    return "\n".join(expand(p) for p in paths)
 
 
 def check_table(n: int, table: np.ndarray, n_gaps: int, n_steps: int, n_escapes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -314,6 +331,64 @@ class _Engine:
             esc.view(dtype) if len(esc) else xp.empty(0, dtype),
         )
 
+    # ---- delta v2 ------------------------------------------------------------------
+
+    def v2_decode(self, old, parts: dict, dtype) -> DeltaSections:
+        """codecs/v2_ref.decode with the chunks decoded on the GPU (old: 1-D device bits of the base).
+
+        The host parses the model and the index with v2_ref's own checks into the flat tables the kernel
+        reads; one thread per chunk runs ws_v2.cuh's decode_chunk, the C++ backend's own, and leaves the
+        chunk's changes at its offset with a count and an error code. They are compacted on the device and
+        only the changes (position, step, base value: 24 bytes each) come back to build the v1 sections.
+        Chunks go in launches whose scratch fits V2_SCRATCH_BYTES. Anything the reference refuses raises
+        FormatError; nothing is written but scratch.
+        """
+        xp, n, w = self.xp, len(old), old.dtype.itemsize
+        width_name(old.dtype)
+        k, m, freqs = v2_ref.read_model(bytes(parts["model"]), n, n * w, w)
+        nc = nchunks(n)
+        lens = np.array(v2_ref.read_index(bytes(parts["index"]), nc, len(parts["pos"]), len(parts["steps"])),
+                        np.uint64).reshape(nc, 2)
+        at = [xp.asarray(np.concatenate([[0], np.cumsum(lens[:, i])]).astype(np.uint64)) for i in (0, 1)]
+        model = [xp.asarray(a) for a in v2_model_tables(m, freqs)]
+        coded = [c for c in range(v2_ref.NCLASS) if m[c]]
+        lo, hi = (coded[0], coded[-1] + 1) if coded else (0, 0)
+        stream = [xp.asarray(np.frombuffer(bytes(parts[p]) or b"\0", np.uint8)) for p in ("pos", "steps")]
+        head = (*model, np.int32(lo), np.int32(hi), *(np.int32(x) for x in v2_ref.class_spec(dtype)), np.uint64(k))
+        batch = max(1, min(nc, V2_SCRATCH_BYTES // V2_CHUNK_SCRATCH))
+        span = batch * CHUNK_ELEMS
+        scratch = (xp.empty(span, np.uint32), xp.empty(span, np.uint8), xp.empty(span, np.int64),
+                   xp.empty(span, np.uint8), xp.empty(span // 64, np.uint64), xp.empty(span, np.uint16),
+                   xp.empty(batch * V2_TABLES, np.uint32))
+        off, step = xp.empty(span, np.uint32), xp.empty(span, np.int64)
+        res = xp.empty(2 * batch, np.uint32)  # counts, then error codes: one copy to the host per launch
+        got: list[tuple] = []
+        for c0 in range(0, nc, batch):
+            nb = min(batch, nc - c0)
+            e0 = c0 * CHUNK_ELEMS
+            ne = min(n - e0, nb * CHUNK_ELEMS)
+            count, err = res[:nb], res[batch:batch + nb].view(np.int32)
+            self.rt.launch(f"v2_decode_{w}", -(-nb // NT),
+                           (old[e0:e0 + ne], np.uint64(ne), *head, stream[0], at[0][c0:], stream[1], at[1][c0:],
+                            *scratch, off, step, count, err))
+            host = self.rt.to_host(res)
+            codes = host[batch:batch + nb].view(np.int32)
+            bad = np.flatnonzero(codes)
+            if len(bad):
+                code = int(codes[bad[0]])
+                why = V2_ERRORS[code] if 0 < code < len(V2_ERRORS) else f"error {code}"
+                raise FormatError(f"v2 chunk {c0 + int(bad[0])}: {why}")
+            counts = host[:nb].astype(np.int64)
+            valid = (xp.arange(CHUNK_ELEMS)[None, :] < xp.asarray(counts)[:, None]).ravel()
+            flat = xp.nonzero(valid)[0]
+            pos = flat - flat % CHUNK_ELEMS + off[flat].astype(np.int64) + e0
+            got.append((self.rt.to_host(pos), self.rt.to_host(step[flat]), self.rt.to_host(old[pos])))
+        total = sum(len(g[0]) for g in got)
+        if total != k:
+            raise FormatError(f"v2: decoded {total} changes, the model declares {k}")
+        pos, d, before = (np.concatenate([g[i] for g in got]) for i in range(3))
+        return v2_ref.sections_of(n, before, pos, d, dtype.order)
+
     # ---- checksums ---------------------------------------------------------------
 
     def block_digests(self, bufs: list) -> list[np.ndarray]:
@@ -365,6 +440,19 @@ class _Engine:
         return x if x.size == 0 or self.rt.ptr(x) % align == 0 else x.copy()
 
 
+def v2_model_tables(m: list[int], freqs: dict) -> tuple[np.ndarray, ...]:
+    """A parsed v2 model (v2_ref.read_model) as ws_v2.cuh's ModelView reads it: m [NCLASS] u64, freq and
+    cum [NCLASS * NSYM] u32, slot [NCLASS * PROB_SCALE] u8 (the rANS slot -> symbol table)."""
+    freq = np.zeros((v2_ref.NCLASS, v2_ref.NSYM), np.uint32)
+    cum = np.zeros_like(freq)
+    slot = np.zeros((v2_ref.NCLASS, v2_ref.PROB_SCALE), np.uint8)
+    for c, f in freqs.items():
+        freq[c] = f
+        cum[c] = np.concatenate([[0], np.cumsum(f)[:-1]])
+        slot[c] = np.repeat(np.arange(v2_ref.NSYM, dtype=np.uint8), f)
+    return np.array(m, np.uint64), freq.ravel(), cum.ravel(), slot.ravel()
+
+
 def width_name(dtype) -> str:
     """The kernels' name for an element width; the delta kernels take 1, 2, 4 or 8 bytes."""
     itemsize = np.dtype(dtype).itemsize
@@ -411,6 +499,10 @@ class _KernelsOver(Composed):
         pos, values = self.engine.decode(self.xp.ascontiguousarray(self.xp.asarray(old)), sec, order)
         return _host(pos), _host(values).astype(old.dtype, copy=False)
 
+    def v2_decode(self, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
+        """codecs/v2_ref.decode with the chunks decoded on the GPU: the base goes up, the sections come back."""
+        return self.engine.v2_decode(self.xp.ascontiguousarray(self.xp.asarray(as_array(old))), parts, dtype)
+
     def checksum(self, buf) -> str:
         # Host bytes are hashed on the host: xxh3 runs at memory speed there, and a
         # round trip over PCIe would only add time. (CudaKernels hashes device buffers on their device.)
@@ -443,6 +535,15 @@ class CudaKernels(_KernelsOver):
         self._one_device("encode_device", old=old, new=new)
         with self._on(new):
             return self._device_sections(self.engine.encode(self.rt.bits(old), self.rt.bits(new), order))
+
+    def v2_decode_device(self, base, parts: dict, dtype) -> DeviceSections:
+        """The v1 sections of a delta-v2 tensor against a contiguous CUDA tensor (the base it was coded
+        against), decoded on its GPU and left there, for apply_device. Bad parts raise FormatError."""
+        with self._on(base):
+            sec = self.engine.v2_decode(self.rt.bits(base), parts, dtype)
+            xp = self.xp
+            return self._device_sections(DeltaSections(xp.asarray(sec.table), xp.asarray(sec.gaps),
+                                                       xp.asarray(sec.steps), xp.asarray(sec.escapes)))
 
     def apply_device(self, weights, sections: DeltaSections, order: str, undo: bool = True) -> Undo | None:
         """Apply sections in place to a contiguous CUDA tensor. Bad sections raise
@@ -642,14 +743,16 @@ class _CupyRuntime:
             raise BackendUnavailable(f"{why} ({code}); {INSTALL_HINT}") from e
         if count == 0:
             raise BackendUnavailable(f"no GPU (getDeviceCount() == 0); {INSTALL_HINT}")
-        src = csrc_dir() / "delta_cuda.cu"
-        if not src.exists():
-            raise BackendUnavailable(f"kernel source {src} not found (set WSYNC_CSRC to wsync's csrc/)")
+        srcs = [csrc_dir() / name for name in KERNEL_SOURCES]
+        for src in srcs:
+            if not src.exists():
+                raise BackendUnavailable(f"kernel source {src} not found (set WSYNC_CSRC to wsync's csrc/)")
         try:
-            self.module = cp.RawModule(code=kernel_source(src), options=("-std=c++17",))
+            self.module = cp.RawModule(code=kernel_source(srcs), options=("-std=c++17",))
             self.module.compile()
         except Exception as e:  # a missing libnvrtc, or a compiler that rejects the source
-            raise BackendUnavailable(f"NVRTC could not build {src.name}: {str(e)[:2000]}; {INSTALL_HINT}") from e
+            raise BackendUnavailable(f"NVRTC could not build {', '.join(KERNEL_SOURCES)}: {str(e)[:2000]}; "
+                                     f"{INSTALL_HINT}") from e
         self.cp = cp
         self.xp = cp
         self._fns: dict = {}

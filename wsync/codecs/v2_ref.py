@@ -94,6 +94,15 @@ def value_class(bits: np.ndarray, dtype) -> np.ndarray:
     return _bit_length(mag)
 
 
+def class_spec(dtype) -> tuple[int, int, int]:
+    """value_class as the C++ and CUDA kernels take it: (kind, shift, ebits); kind 0 is a float's exponent
+    field (shift: mantissa bits, ebits: exponent bits), 1 and 2 the bit length of an int's or uint's value."""
+    if dtype.order == "float":
+        m = MANTISSA_BITS[dtype.name]
+        return 0, m, 8 * dtype.itemsize - 1 - m
+    return (1 if dtype.order == "int" else 2), 0, 0
+
+
 def _bit_length(x: np.ndarray) -> np.ndarray:
     out = np.zeros(x.shape, np.uint8)
     x = x.astype(np.uint64)
@@ -500,10 +509,15 @@ def _decode_chunk(cls, pbytes, sbytes, m, tabs, width_bits, budget, ch):
 
 def to_sections(old: np.ndarray, pos: np.ndarray, d: np.ndarray, order: str) -> DeltaSections:
     """v1 sections (delta_ref) of changes given as increasing positions and signed int64 steps."""
-    w = old.dtype.itemsize
-    ud = (d.view(np.uint64) if w == 8 else d & ((1 << (8 * w)) - 1)).astype(old.dtype)  # d modulo 2^(8W)
-    new = delta_ref.unkey(delta_ref.monotone_key(old[pos], order) + ud, order)
-    nc = delta_ref.nchunks(len(old))
+    return sections_of(len(old), old[pos], pos, d, order)
+
+
+def sections_of(n: int, before: np.ndarray, pos: np.ndarray, d: np.ndarray, order: str) -> DeltaSections:
+    """to_sections given only the base's values at the changes (before = old[pos]) of an n-element tensor."""
+    w = before.dtype.itemsize
+    ud = (d.view(np.uint64) if w == 8 else d & ((1 << (8 * w)) - 1)).astype(before.dtype)  # d modulo 2^(8W)
+    new = delta_ref.unkey(delta_ref.monotone_key(before, order) + ud, order)
+    nc = delta_ref.nchunks(n)
     chunk, offset = pos // CHUNK_ELEMS, pos % CHUNK_ELEMS
     first = np.ones(len(pos), dtype=bool)
     first[1:] = chunk[1:] != chunk[:-1]
@@ -513,4 +527,5 @@ def to_sections(old: np.ndarray, pos: np.ndarray, d: np.ndarray, order: str) -> 
     steps = np.where(small, d, delta_ref.ESCAPE).astype(np.int8)
     counts = np.bincount(chunk, minlength=nc).astype("<u4")
     esc = np.bincount(chunk[~small], minlength=nc).astype("<u4")
-    return DeltaSections(np.concatenate([counts, esc]), gaps, steps, new[~small].astype(old.dtype.newbyteorder("<")))
+    return DeltaSections(np.concatenate([counts, esc]), gaps, steps,
+                         new[~small].astype(before.dtype.newbyteorder("<")))
