@@ -207,7 +207,7 @@ struct Scratch {
   u8* cls;     // [cap] class, coding order
   i64* d;      // [cap] step, coding order
   u32* first;  // [NCLASS + 1] coding index of the class's first change
-  u32* h;      // [2 * WALKERS * NCLASS] class counts per quarter of the chunk, even and odd elements
+  u32* h;      // [WALKERS * NCLASS] class counts per quarter of the chunk
   u32* qb;     // [WALKERS * NCLASS] class counts in the quarters before each quarter
   u8* of;      // [cap rounded up to BLOCK] class of each element of the chunk (read 8 at a time)
   u32* snap;   // [NBLOCK * NCLASS] per block, the count before it of each class in [lo, hi)
@@ -267,7 +267,7 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
   }
   const u32 span = u32(hi - lo);  // a row of snap: the classes the model codes lie in [lo, hi)
   classes<T>(old, len, kind, shift, ebits, sc.of);
-  for (int i = 0; i < 2 * WALKERS * NCLASS; ++i) sc.h[i] = 0;
+  for (int i = 0; i < WALKERS * NCLASS; ++i) sc.h[i] = 0;
   {
     u32* h = sc.h;
     const u8* of = sc.of;
@@ -276,24 +276,18 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
         if (qa[w] + o >= qz[w]) continue;
         u32* row = sc.snap + (qa[w] + o) / BLOCK * span;
         const u32* hw = h + w * NCLASS + lo;
-        const u32* hv = hw + WALKERS * NCLASS;
-        for (u32 a = 0; a < span; ++a) row[a] = hw[a] + hv[a];
+        for (u32 a = 0; a < span; ++a) row[a] = hw[a];
       }
       if (qa[WALKERS - 1] + o + BLOCK <= qz[WALKERS - 1]) {
         const u8* c0 = of + qa[0] + o;
         const u8* c1 = of + qa[1] + o;
         const u8* c2 = of + qa[2] + o;
         const u8* c3 = of + qa[3] + o;
-        u32* v = h + WALKERS * NCLASS;  // odd elements count into a second set: eight chains, not four
-        for (u32 i = 0; i < BLOCK; i += 2) {
+        for (u32 i = 0; i < BLOCK; ++i) {
           h[c0[i]]++;
           h[NCLASS + c1[i]]++;
           h[2 * NCLASS + c2[i]]++;
           h[3 * NCLASS + c3[i]]++;
-          v[c0[i + 1]]++;
-          v[NCLASS + c1[i + 1]]++;
-          v[2 * NCLASS + c2[i + 1]]++;
-          v[3 * NCLASS + c3[i + 1]]++;
         }
       } else {
         for (int w = 0; w < WALKERS; ++w) {
@@ -310,7 +304,7 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     sc.first[c] = k;
     const u64 m = md.m[c];
     u64 pop = 0;
-    for (int w = 0; w < 2 * WALKERS; ++w) pop += sc.h[w * NCLASS + c];
+    for (int w = 0; w < WALKERS; ++w) pop += sc.h[w * NCLASS + c];
     if (!m || !pop) continue;
     u64 nxt = 0;
     for (;;) {
@@ -365,7 +359,7 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     u32 before = 0;
     for (int w = 0; w < WALKERS; ++w) {
       sc.qb[w * NCLASS + c] = before;
-      before += sc.h[w * NCLASS + c] + sc.h[(WALKERS + w) * NCLASS + c];
+      before += sc.h[w * NCLASS + c];
     }
   }
   for (int w = 1; w < WALKERS; ++w)

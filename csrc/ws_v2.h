@@ -410,7 +410,7 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
     thread_local std::vector<T> gathered;
     rank.resize(kChunk), off.resize(kChunk), cls.resize(kChunk), of.resize(kChunk), d.resize(kChunk), st.resize(kChunk);
     snap.resize(NBLOCK * NCLASS), at.resize(kChunk), mark.resize(kChunk / 64);
-    uint32_t first[NCLASS + 1], h[2 * WALKERS * NCLASS], qb[WALKERS * NCLASS];
+    uint32_t first[NCLASS + 1], h[WALKERS * NCLASS], qb[WALKERS * NCLASS];
     Scratch sc{rank.data(), cls.data(), d.data(), first, h, qb, of.data(), snap.data(), mark.data(), at.data()};
     const T* base = chunk_of<T>(old, n, c, gathered);
     uint32_t count = 0;

@@ -12,9 +12,9 @@
 namespace ws {
 namespace v2 {
 
-// Per-chunk scratch tables, in u32s: first [NCLASS + 1], h [2 * WALKERS * NCLASS], qb [WALKERS * NCLASS],
-// then the block counts snap [NBLOCK * NCLASS].
-constexpr u32 TABLES = NCLASS + 1 + 3 * WALKERS * NCLASS + NBLOCK * NCLASS;
+// Per-chunk scratch tables, in u32s: first [NCLASS + 1], h and qb [WALKERS * NCLASS] each, then the block
+// counts snap [NBLOCK * NCLASS].
+constexpr u32 TABLES = NCLASS + 1 + 2 * WALKERS * NCLASS + NBLOCK * NCLASS;
 
 template <class T>
 __device__ void decode_chunks(const T* old, u64 n, const u64* m, const u32* freq, const u32* cum, const u8* slot,
@@ -27,8 +27,8 @@ __device__ void decode_chunks(const T* old, u64 n, const u64* m, const u32* freq
   const u64 at = c * CHUNK;
   const u32 len = u32(n - at < CHUNK ? n - at : CHUNK);
   u32* t = tables + c * TABLES;
-  Scratch sc{rank + at, cls + at, d + at, t, t + NCLASS + 1, t + NCLASS + 1 + 2 * WALKERS * NCLASS, of + at,
-             t + NCLASS + 1 + 3 * WALKERS * NCLASS, mark + c * (CHUNK / 64), at16 + at};
+  Scratch sc{rank + at, cls + at, d + at, t, t + NCLASS + 1, t + NCLASS + 1 + WALKERS * NCLASS, of + at,
+             t + NCLASS + 1 + 2 * WALKERS * NCLASS, mark + c * (CHUNK / 64), at16 + at};
   const ModelView md{m, freq, cum, slot};
   u32 got = 0;
   err[c] = decode_chunk<T>(old + at, len, pos + pos_at[c], pos_at[c + 1] - pos_at[c], steps + steps_at[c],
