@@ -28,6 +28,7 @@ enum Err {
   RANS_END,        // does not end where it should
   ESC_LONG,        // escape longer than the element
   ESC_RANGE,       // escape step does not fit the element
+  PLACE,           // a rank with no element to place it at (never: ranks stay under the class's count)
 };
 
 // The decoder's view of the model: per class its Golomb parameter (0: no changes), frequencies,
@@ -378,6 +379,7 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
       while (g + 1 < nb && col[(g + 1) * span] <= r) ++g;
       const u32 from = g * BLOCK, to = from + BLOCK < len ? from + BLOCK : len;
       const u32 o = select_in(sc.of, from, to, u32(c), r - col[g * span]);
+      if (o >= to) return PLACE;  // the block counts and the classes disagree: nothing is written past them
       sc.mark[o >> 6] |= u64(1) << (o & 63);
       sc.at[o] = u16(j);
     }

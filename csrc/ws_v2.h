@@ -326,6 +326,7 @@ inline const char* err_text(int e) {
     case RANS_END: return "rANS stream does not end where it should (corrupt)";
     case ESC_LONG: return "escape longer than a step of this width";
     case ESC_RANGE: return "escape step does not fit the element";
+    case PLACE: return "a change has no element to sit at";
   }
   return "corrupt";
 }

@@ -74,7 +74,8 @@ V2_SCRATCH_BYTES = 256 << 20  # chunks are decoded in launches whose scratch fit
 V2_ERRORS = ("", "position bitstream ends early", "bits left over after the last code",  # ws::v2::Err, in order
              "more changes than the model declares", "steps for a chunk without changes", "rANS stream ends early",
              "rANS state outside [2^23, 2^31)", "rANS stream does not end where it should (corrupt)",
-             "escape longer than a step of this width", "escape step does not fit the element")
+             "escape longer than a step of this width", "escape step does not fit the element",
+             "a change has no element to sit at")
 
 
 def csrc_dir() -> Path:
