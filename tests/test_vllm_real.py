@@ -62,13 +62,14 @@ def _env():
     mp.undo()
 
 
-def checkpoint(path: str):
+def checkpoint(path: str, positions: int = 256):
     """A tiny random Qwen3, saved as a checkpoint vLLM loads; returns the trainer's copy (embedding and output
-    matrices scaled up: logits spread over ~16, so most greedy steps are decided by more than MARGIN)."""
+    matrices scaled up: logits spread over ~16, so most greedy steps are decided by more than MARGIN).
+    positions: its max_position_embeddings (the longest sequence vLLM will serve it)."""
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                   max_position_embeddings=256, tie_word_embeddings=False)
+                                   max_position_embeddings=positions, tie_word_embeddings=False)
     model = transformers.Qwen3ForCausalLM(cfg)
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0, 1.0)

