@@ -5,6 +5,15 @@
 
 #include "ws_common.cuh"
 
+// The host build selects with SSE2 (every x86-64 CPU); the GPU, NVRTC and the CPU harness (which defines
+// __CUDA_ARCH__) take the portable code beside it. Both find the same elements.
+#if !defined(__CUDA_ARCH__) && defined(__SSE2__)
+#include <emmintrin.h>
+#define WS_V2_SSE2 1
+#else
+#define WS_V2_SSE2 0
+#endif
+
 namespace ws {
 namespace v2 {
 
@@ -201,6 +210,9 @@ WS_HD int get_escape(BitReader& rd, int width_bits, i64* d) {
 // the count passes r and selecting inside it, with no second walk over every element.
 constexpr u32 BLOCK = 128;
 constexpr u32 NBLOCK = CHUNK / BLOCK;
+// A class's row of block counts. Padded past NBLOCK so that the rows the counting pass writes side by side
+// (rows 2 KiB apart) do not all fall in the same few sets of a CPU's L1 cache.
+constexpr u32 SNAP_ROW = NBLOCK + 16;
 
 // Scratch of one chunk: arrays of cap entries (cap >= the chunk's length) and tables of NCLASS.
 struct Scratch {
@@ -211,7 +223,7 @@ struct Scratch {
   u32* h;      // [WALKERS * NCLASS] class counts per quarter of the chunk
   u32* qb;     // [WALKERS * NCLASS] class counts in the quarters before each quarter
   u8* of;      // [cap rounded up to BLOCK] class of each element of the chunk (read 8 at a time)
-  u32* snap;   // [NBLOCK * NCLASS] per block, the count before it of each class in [lo, hi)
+  u32* snap;   // [NCLASS * SNAP_ROW] per class in [lo, hi) (a row each), its count before each block
   u64* mark;   // [CHUNK / 64] one bit per element: a change sits there
   u16* at;     // [cap] coding index of the change at each marked element
 };
@@ -231,10 +243,52 @@ WS_HD u64 load8(const u8* p) {
 #endif
 }
 
-// The o in [from, to) of the need-th (from 0) element of class c: eight classes at a time, each byte equal
-// to c flagged exactly (its high bit), the flags counted with one multiply. from is a multiple of 8. The
-// caller knows the element is there (the block's counts say so); to if it is not.
+#if WS_V2_SSE2
+// One bit per element of of[o..o+64) equal to c (rep: c in every byte).
+inline u64 match64(const u8* of, u32 o, __m128i rep) {
+  u64 m = 0;
+  for (int v = 0; v < 4; ++v)
+    m |= u64(u32(_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(of + o + 16 * v)), rep))))
+         << (16 * v);
+  return m;
+}
+
+// The set bits of x, and the position of its k-th (from 0) when k is below that count, else 64: the bits
+// counted per byte and the bytes summed by one multiply (plain x86-64 has no popcnt), the byte that holds
+// bit k found from those running sums, then the bit inside the byte.
+inline u32 select64(u64 x, u32 k, u32* count) {
+  const u64 ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
+  u64 s = x - ((x >> 1) & 0x5555555555555555ull);
+  s = (s & 0x3333333333333333ull) + ((s >> 2) & 0x3333333333333333ull);
+  s = (s + (s >> 4)) & 0x0F0F0F0F0F0F0F0Full;
+  const u64 run = s * ones;  // byte i: the set bits of bytes 0..i
+  *count = u32(run >> 56);
+  if (k >= *count) return 64;
+  const u64 le = ((u64(k) * ones | high) - run) & high;  // bytes whose running count is <= k (no borrows)
+  const u32 byte = u32(((le >> 7) * ones) >> 56);
+  u32 bits = u32(x >> (8 * byte)) & 0xFF;
+  for (u32 r = k - (byte ? u32(run >> (8 * byte - 8)) & 0xFF : 0); r; --r) bits &= bits - 1;
+  return 8 * byte + u32(__builtin_ctz(bits));
+}
+#endif
+
+// The o in [from, to) of the need-th (from 0) element of class c. from is a multiple of 64, and of is
+// readable up to from rounded up to BLOCK. The caller knows the element is there (the block's counts say
+// so); to if it is not. On the host, 64 classes at a time (SSE2 byte compares, one bit each); on the GPU
+// eight, each byte equal to c flagged exactly (its high bit), the flags counted with one multiply.
 WS_HD u32 select_in(const u8* of, u32 from, u32 to, u32 c, u32 need) {
+#if WS_V2_SSE2
+  const __m128i rep = _mm_set1_epi8(char(c));
+  for (u32 o = from; o < to; o += 64) {
+    u64 m = match64(of, o, rep);
+    if (to - o < 64) m &= (u64(1) << (to - o)) - 1;
+    u32 cnt;
+    const u32 at = select64(m, need, &cnt);
+    if (at < 64) return o + at;
+    need -= cnt;
+  }
+  return to;
+#else
   const u64 ones = 0x0101010101010101ull, low7 = 0x7F7F7F7F7F7F7F7Full;
   const u64 rep = ones * u64(c);
   for (u32 o = from; o < to; o += 8) {
@@ -249,6 +303,27 @@ WS_HD u32 select_in(const u8* of, u32 from, u32 to, u32 c, u32 need) {
     need -= cnt;
   }
   return to;
+#endif
+}
+
+// The block (from g on) that holds a class's change of rank r: the last b < nb whose count before it,
+// row[b], is <= r (row[0] is 0; rows never decrease). Ranks come in order, so g only moves forward; on
+// the host four blocks are compared at a time.
+WS_HD u32 block_of(const u32* row, u32 g, u32 nb, u32 r) {
+#if WS_V2_SSE2
+  const __m128i rv = _mm_set1_epi32(int(r));  // counts and ranks are < 2^16: signed compares are exact
+  while (g + 4 < nb) {
+    const int m = _mm_movemask_ps(_mm_castsi128_ps(
+        _mm_cmpgt_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g + 1)), rv)));
+    if (!m) {
+      g += 4;
+      continue;
+    }
+    return g + u32(__builtin_ctz(unsigned(m)));
+  }
+#endif
+  while (g + 1 < nb && row[g + 1] <= r) ++g;
+  return g;
 }
 
 // Decode one chunk of len elements against old[0..len). On success writes *count changes in position
@@ -275,9 +350,9 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     for (u32 o = 0; o < q; o += BLOCK) {
       for (int w = 0; w < WALKERS; ++w) {  // the counts so far in its quarter, at the block
         if (qa[w] + o >= qz[w]) continue;
-        u32* row = sc.snap + (qa[w] + o) / BLOCK * span;
+        u32* col = sc.snap + (qa[w] + o) / BLOCK;
         const u32* hw = h + w * NCLASS + lo;
-        for (u32 a = 0; a < span; ++a) row[a] = hw[a];
+        for (u32 a = 0; a < span; ++a) col[a * SNAP_ROW] = hw[a];
       }
       if (qa[WALKERS - 1] + o + BLOCK <= qz[WALKERS - 1]) {
         const u8* c0 = of + qa[0] + o;
@@ -363,22 +438,21 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
       before += sc.h[w * NCLASS + c];
     }
   }
-  for (int w = 1; w < WALKERS; ++w)
-    for (u32 o = qa[w]; o < qz[w]; o += BLOCK) {
-      u32* row = sc.snap + o / BLOCK * span;
-      const u32* add = sc.qb + w * NCLASS + lo;
-      for (u32 a = 0; a < span; ++a) row[a] += add[a];
-    }
   const u32 nb = (len + BLOCK - 1) / BLOCK, nwords = (len + 63) / 64;
   for (u32 i = 0; i < nwords; ++i) sc.mark[i] = 0;
   for (int c = lo; c < hi; ++c) {
-    const u32* col = sc.snap + (c - lo);
+    if (sc.first[c] == sc.first[c + 1]) continue;  // no change of this class here: its row stays as counted
+    u32* row = sc.snap + u32(c - lo) * SNAP_ROW;
+    for (int w = 1; w < WALKERS; ++w) {
+      const u32 add = sc.qb[w * NCLASS + c];
+      for (u32 o = qa[w]; o < qz[w]; o += BLOCK) row[o / BLOCK] += add;
+    }
     u32 g = 0;
     for (u32 j = sc.first[c]; j < sc.first[c + 1]; ++j) {
       const u32 r = sc.rank[j];  // < the class's count in the chunk (get_gap)
-      while (g + 1 < nb && col[(g + 1) * span] <= r) ++g;
+      g = block_of(row, g, nb, r);
       const u32 from = g * BLOCK, to = from + BLOCK < len ? from + BLOCK : len;
-      const u32 o = select_in(sc.of, from, to, u32(c), r - col[g * span]);
+      const u32 o = select_in(sc.of, from, to, u32(c), r - row[g]);
       if (o >= to) return PLACE;  // the block counts and the classes disagree: nothing is written past them
       sc.mark[o >> 6] |= u64(1) << (o & 63);
       sc.at[o] = u16(j);

@@ -53,18 +53,20 @@ inline bool get_varint(const uint8_t* buf, int64_t len, int64_t& at, uint64_t li
   return false;
 }
 
-struct BitWriter {
+struct BitWriter {  // least significant bit first; whole 32-bit words leave the accumulator
   std::vector<uint8_t> out;
   uint64_t acc = 0;
   int n = 0;
   void put(uint64_t v, int nbits) {  // nbits <= 32
-    if (!nbits) return;
     acc |= (v & ((uint64_t(1) << nbits) - 1)) << n;
     n += nbits;
-    while (n >= 8) {
-      out.push_back(uint8_t(acc));
-      acc >>= 8;
-      n -= 8;
+    if (n >= 32) {
+      const size_t at = out.size();
+      out.resize(at + 4);
+      const uint32_t w = uint32_t(acc);
+      for (int b = 0; b < 4; ++b) out[at + size_t(b)] = uint8_t(w >> (8 * b));
+      acc >>= 32;
+      n -= 32;
     }
   }
   void ones(uint64_t count) {
@@ -72,7 +74,7 @@ struct BitWriter {
     put((uint64_t(1) << count) - 1, int(count));
   }
   void finish() {
-    if (n) out.push_back(uint8_t(acc));
+    for (; n > 0; n -= 8, acc >>= 8) out.push_back(uint8_t(acc));
     acc = 0;
     n = 0;
   }
@@ -184,6 +186,71 @@ void chunk_changes(const T* base, int64_t n, int64_t c, const uint32_t* table, c
   }
 }
 
+// rANS encoding of one symbol of frequency f (> 0) and cumulative frequency cum: x / f and x % f from one
+// multiply. For x < 2^31 and f <= 2^12, floor(x * (floor(2^43 / f) + 1) / 2^43) is floor(x / f): the
+// reciprocal's error, at most f / 2^43 per unit, stays below 1 / 2^12 over x's range.
+struct RansSym {
+  uint64_t rcp;
+  uint32_t f, cum;
+};
+
+inline RansSym rans_sym(uint32_t f, uint32_t cum) { return RansSym{f ? (uint64_t(1) << 43) / f + 1 : 0, f, cum}; }
+
+inline uint32_t rans_put(uint32_t x, const RansSym& s) {
+  const uint32_t q = uint32_t((unsigned __int128)x * s.rcp >> 43);
+  return (q << PROB_BITS) + (x - q * s.f) + s.cum;
+}
+
+// Pass 2 of one chunk: its changes (offset order, with class and rank) to the position bitstream and the
+// rANS stream. by_cls: scratch for the changes in class order.
+inline void code_chunk(const std::vector<Change>& v, const uint32_t* pop, int lo, int hi, const uint64_t* m,
+                       const RansSym* sym, std::vector<Change>& by_cls, std::vector<uint8_t>& pos,
+                       std::vector<uint8_t>& steps) {
+  // class order, stable: a counting sort over the classes [lo, hi)
+  uint32_t start[NCLASS + 1] = {};
+  for (const Change& x : v) start[x.cls + 1]++;
+  for (int k = 0; k < NCLASS; ++k) start[k + 1] += start[k];
+  by_cls.resize(v.size());
+  for (const Change& x : v) by_cls[start[x.cls]++] = x;
+  BitWriter w;
+  w.out.reserve(2 * v.size() + 64);
+  size_t i = 0;
+  for (int k = lo; k < hi; ++k) {
+    if (!m[k] || !pop[k]) continue;
+    const uint64_t mk = m[k], pk = pop[k];
+    uint64_t nxt = 0;
+    for (; i < by_cls.size() && by_cls[i].cls == uint32_t(k); ++i) {
+      put_gap(w, by_cls[i].rank - nxt, mk, pk - nxt);
+      nxt = by_cls[i].rank + 1;
+    }
+    put_end(w, mk, pk - nxt);
+  }
+  for (const Change& x : by_cls)
+    if (symbol(x.d) == ESC) put_escape(w, x.d);
+  w.finish();
+  pos = std::move(w.out);
+  steps.clear();
+  if (by_cls.empty()) return;
+  // rANS runs backwards over the changes, its bytes pushed in reverse
+  std::vector<uint8_t> rev;
+  rev.reserve(2 * by_cls.size() + 4);
+  uint32_t x = RANS_L;
+  for (size_t j = by_cls.size(); j-- > 0;) {
+    const RansSym& s = sym[size_t(by_cls[j].cls) * NSYM + size_t(symbol(by_cls[j].d))];
+    const uint32_t x_max = ((RANS_L >> PROB_BITS) << 8) * s.f;
+    while (x >= x_max) {
+      rev.push_back(uint8_t(x));
+      x >>= 8;
+    }
+    x = rans_put(x, s);
+  }
+  for (int b = 0; b < 4; ++b) {
+    rev.push_back(uint8_t(x >> 24));
+    x <<= 8;
+  }
+  steps.assign(rev.rbegin(), rev.rend());
+}
+
 template <class T, int O>
 bool encode(const Stream& old, int64_t n, const uint32_t* table, const uint8_t* gaps, const int8_t* steps,
             const uint8_t* escapes, ClassSpec cs, Parts& parts) {
@@ -192,44 +259,67 @@ bool encode(const Stream& old, int64_t n, const uint32_t* table, const uint8_t* 
   int64_t total, total_esc;
   table_offsets(table, nc, offsets.data(), &total, &total_esc);
   std::vector<std::vector<Change>> ch(static_cast<size_t>(nc));
-  std::vector<std::vector<uint32_t>> pops(static_cast<size_t>(nc), std::vector<uint32_t>(static_cast<size_t>(NCLASS)));
-  // pass 1: each chunk's changes with their class and rank; the chunk's class counts
+  std::vector<uint32_t> pops(static_cast<size_t>(nc * NCLASS));
+  // pass 1: each chunk's changes with their class and rank; the chunk's class counts. The classes of the
+  // chunk in one vectorised loop, then counted in four tables (element o in table o % 4) so that four
+  // increments are in flight at once; a change's rank is its class's count in all four when it is reached.
   parallel_for(nc, 1, [&](int64_t c) {
     std::vector<Change>& v = ch[size_t(c)];
     thread_local std::vector<T> gathered;
+    thread_local std::vector<uint8_t> of;
     const T* base = chunk_of<T>(old, n, c, gathered);
     chunk_changes<T, O>(base, n, c, table, offsets.data(), gaps, steps, escapes, v);
     const uint32_t len = uint32_t(chunk_len(n, c));
+    of.resize(size_t(kChunk));
+    classes<T>(base, len, cs.kind, cs.shift, cs.ebits, of.data());
+    const uint8_t* cl = of.data();
     uint32_t h[4][NCLASS] = {};
     uint32_t o = 0;
     auto count_to = [&](uint32_t end) {
       for (; o + 4 <= end; o += 4) {
-        h[0][value_class<T>(base[o], cs.kind, cs.shift, cs.ebits)]++;
-        h[1][value_class<T>(base[o + 1], cs.kind, cs.shift, cs.ebits)]++;
-        h[2][value_class<T>(base[o + 2], cs.kind, cs.shift, cs.ebits)]++;
-        h[3][value_class<T>(base[o + 3], cs.kind, cs.shift, cs.ebits)]++;
+        h[0][cl[o]]++;
+        h[1][cl[o + 1]]++;
+        h[2][cl[o + 2]]++;
+        h[3][cl[o + 3]]++;
       }
-      for (; o < end; ++o) h[0][value_class<T>(base[o], cs.kind, cs.shift, cs.ebits)]++;
+      for (; o < end; ++o) h[0][cl[o]]++;
     };
     for (Change& x : v) {
       count_to(x.off);
-      x.cls = value_class<T>(base[x.off], cs.kind, cs.shift, cs.ebits);
+      x.cls = cl[x.off];
       x.rank = h[0][x.cls] + h[1][x.cls] + h[2][x.cls] + h[3][x.cls];
     }
     count_to(len);
-    for (int k = 0; k < NCLASS; ++k) pops[size_t(c)][size_t(k)] = h[0][k] + h[1][k] + h[2][k] + h[3][k];
+    uint32_t* pop = &pops[size_t(c * NCLASS)];
+    for (int k = 0; k < NCLASS; ++k) pop[k] = h[0][k] + h[1][k] + h[2][k] + h[3][k];
   });
-  // the model
-  std::vector<uint64_t> n_c(NCLASS), k_c(NCLASS), counts(size_t(NCLASS) * NSYM);
-  for (int64_t c = 0; c < nc; ++c) {
-    for (int k = 0; k < NCLASS; ++k) n_c[size_t(k)] += pops[size_t(c)][size_t(k)];
-    for (const Change& x : ch[size_t(c)]) {
-      k_c[x.cls]++;
-      counts[size_t(x.cls) * NSYM + size_t(symbol(x.d))]++;
+  // the model: class populations and symbol counts, summed over groups of chunks in parallel
+  const int64_t ngroups = std::min<int64_t>(nc, 64), per = (nc + ngroups - 1) / ngroups;
+  const size_t stride = size_t(NCLASS) * (NSYM + 2);  // per class: n, k, the symbol counts
+  std::vector<uint64_t> acc(size_t(ngroups) * stride);
+  parallel_for(ngroups, 1, [&](int64_t g) {
+    uint64_t* a = &acc[size_t(g) * stride];
+    for (int64_t c = g * per; c < std::min(nc, (g + 1) * per); ++c) {
+      const uint32_t* pop = &pops[size_t(c * NCLASS)];
+      for (int k = 0; k < NCLASS; ++k) a[size_t(k) * (NSYM + 2)] += pop[k];
+      for (const Change& x : ch[size_t(c)]) {
+        uint64_t* row = a + size_t(x.cls) * (NSYM + 2);
+        row[1]++;
+        row[2 + symbol(x.d)]++;
+      }
     }
-  }
+  });
+  std::vector<uint64_t> n_c(NCLASS), k_c(NCLASS), counts(size_t(NCLASS) * NSYM);
+  for (int64_t g = 0; g < ngroups; ++g)
+    for (int k = 0; k < NCLASS; ++k) {
+      const uint64_t* row = &acc[size_t(g) * stride + size_t(k) * (NSYM + 2)];
+      n_c[size_t(k)] += row[0];
+      k_c[size_t(k)] += row[1];
+      for (int j = 0; j < NSYM; ++j) counts[size_t(k) * NSYM + size_t(j)] += row[2 + j];
+    }
   std::vector<uint64_t> m(NCLASS);
-  std::vector<uint32_t> freq(size_t(NCLASS) * NSYM), cum(size_t(NCLASS) * NSYM);
+  std::vector<uint32_t> freq(size_t(NCLASS) * NSYM);
+  std::vector<RansSym> sym(size_t(NCLASS) * NSYM);
   int lo = NCLASS, hi = 0;
   for (int k = 0; k < NCLASS; ++k) {
     m[size_t(k)] = golomb_param(n_c[size_t(k)], k_c[size_t(k)]);
@@ -239,7 +329,7 @@ bool encode(const Stream& old, int64_t n, const uint32_t* table, const uint8_t* 
     quantize(&counts[size_t(k) * NSYM], &freq[size_t(k) * NSYM]);
     uint32_t s = 0;
     for (int j = 0; j < NSYM; ++j) {
-      cum[size_t(k) * NSYM + size_t(j)] = s;
+      sym[size_t(k) * NSYM + size_t(j)] = rans_sym(freq[size_t(k) * NSYM + size_t(j)], s);
       s += freq[size_t(k) * NSYM + size_t(j)];
     }
   }
@@ -256,52 +346,27 @@ bool encode(const Stream& old, int64_t n, const uint32_t* table, const uint8_t* 
   // pass 2: each chunk's position bitstream and rANS stream
   std::vector<std::vector<uint8_t>> pos_out(static_cast<size_t>(nc)), steps_out(static_cast<size_t>(nc));
   parallel_for(nc, 1, [&](int64_t c) {
-    std::vector<Change>& v = ch[size_t(c)];
-    std::stable_sort(v.begin(), v.end(), [](const Change& a, const Change& b) { return a.cls < b.cls; });
-    const std::vector<uint32_t>& pop = pops[size_t(c)];
-    BitWriter w;
-    size_t i = 0;
-    for (int k = lo; k < hi; ++k) {
-      if (!m[size_t(k)] || !pop[size_t(k)]) continue;
-      uint64_t nxt = 0;
-      for (; i < v.size() && v[i].cls == uint32_t(k); ++i) {
-        put_gap(w, v[i].rank - nxt, m[size_t(k)], pop[size_t(k)] - nxt);
-        nxt = v[i].rank + 1;
-      }
-      put_end(w, m[size_t(k)], pop[size_t(k)] - nxt);
-    }
-    for (const Change& x : v)
-      if (symbol(x.d) == ESC) put_escape(w, x.d);
-    w.finish();
-    pos_out[size_t(c)] = std::move(w.out);
-    if (v.empty()) return;
-    std::vector<uint8_t> rev;
-    rev.reserve(2 * v.size() + 4);
-    uint32_t x = RANS_L;
-    for (size_t j = v.size(); j-- > 0;) {
-      const int s = symbol(v[j].d);
-      const uint32_t f = freq[size_t(v[j].cls) * NSYM + size_t(s)];
-      const uint32_t x_max = ((RANS_L >> PROB_BITS) << 8) * f;
-      while (x >= x_max) {
-        rev.push_back(uint8_t(x));
-        x >>= 8;
-      }
-      x = ((x / f) << PROB_BITS) + (x % f) + cum[size_t(v[j].cls) * NSYM + size_t(s)];
-    }
-    for (int b = 0; b < 4; ++b) {
-      rev.push_back(uint8_t(x >> 24));
-      x <<= 8;
-    }
-    steps_out[size_t(c)].assign(rev.rbegin(), rev.rend());
+    thread_local std::vector<Change> by_cls;
+    code_chunk(ch[size_t(c)], &pops[size_t(c * NCLASS)], lo, hi, m.data(), sym.data(), by_cls, pos_out[size_t(c)],
+               steps_out[size_t(c)]);
   });
   parts.index.clear();
-  parts.pos.clear();
-  parts.steps.clear();
+  size_t pos_len = 0, steps_len = 0;
   for (int64_t c = 0; c < nc; ++c) {
     put_varint(parts.index, pos_out[size_t(c)].size());
     put_varint(parts.index, steps_out[size_t(c)].size());
-    parts.pos.insert(parts.pos.end(), pos_out[size_t(c)].begin(), pos_out[size_t(c)].end());
-    parts.steps.insert(parts.steps.end(), steps_out[size_t(c)].begin(), steps_out[size_t(c)].end());
+    pos_len += pos_out[size_t(c)].size();
+    steps_len += steps_out[size_t(c)].size();
+  }
+  parts.pos.resize(pos_len);
+  parts.steps.resize(steps_len);
+  size_t pa = 0, sa = 0;
+  for (int64_t c = 0; c < nc; ++c) {
+    if (!pos_out[size_t(c)].empty()) std::memcpy(&parts.pos[pa], pos_out[size_t(c)].data(), pos_out[size_t(c)].size());
+    if (!steps_out[size_t(c)].empty())
+      std::memcpy(&parts.steps[sa], steps_out[size_t(c)].data(), steps_out[size_t(c)].size());
+    pa += pos_out[size_t(c)].size();
+    sa += steps_out[size_t(c)].size();
   }
   return true;
 }
@@ -410,7 +475,7 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
     thread_local std::vector<ws::u64> mark;
     thread_local std::vector<T> gathered;
     rank.resize(kChunk), off.resize(kChunk), cls.resize(kChunk), of.resize(kChunk), d.resize(kChunk), st.resize(kChunk);
-    snap.resize(NBLOCK * NCLASS), at.resize(kChunk), mark.resize(kChunk / 64);
+    snap.resize(SNAP_ROW * NCLASS), at.resize(kChunk), mark.resize(kChunk / 64);
     uint32_t first[NCLASS + 1], h[WALKERS * NCLASS], qb[WALKERS * NCLASS];
     Scratch sc{rank.data(), cls.data(), d.data(), first, h, qb, of.data(), snap.data(), mark.data(), at.data()};
     const T* base = chunk_of<T>(old, n, c, gathered);

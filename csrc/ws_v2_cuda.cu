@@ -13,8 +13,8 @@ namespace ws {
 namespace v2 {
 
 // Per-chunk scratch tables, in u32s: first [NCLASS + 1], h and qb [WALKERS * NCLASS] each, then the block
-// counts snap [NBLOCK * NCLASS].
-constexpr u32 TABLES = NCLASS + 1 + 2 * WALKERS * NCLASS + NBLOCK * NCLASS;
+// counts snap [SNAP_ROW * NCLASS].
+constexpr u32 TABLES = NCLASS + 1 + 2 * WALKERS * NCLASS + SNAP_ROW * NCLASS;
 
 template <class T>
 __device__ void decode_chunks(const T* old, u64 n, const u64* m, const u32* freq, const u32* cum, const u8* slot,

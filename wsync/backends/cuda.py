@@ -67,7 +67,7 @@ ORDERS = ("float", "int", "uint")
 WIDTHS = {1: "u8", 2: "u16", 4: "u32", 8: "u64"}
 NULL = np.uint64(0)  # a null pointer argument
 # delta v2 (csrc/ws_v2_cuda.cu). Per-chunk tables, in u32s (its TABLES): first, h, qb, snap.
-V2_TABLES = v2_ref.NCLASS + 1 + 2 * 4 * v2_ref.NCLASS + CHUNK_ELEMS // 128 * v2_ref.NCLASS
+V2_TABLES = v2_ref.NCLASS + 1 + 2 * 4 * v2_ref.NCLASS + (CHUNK_ELEMS // 128 + 16) * v2_ref.NCLASS  # snap: SNAP_ROW
 # scratch bytes of one chunk: rank u32, cls u8, d i64, of u8, at u16, off u32, step i64 per element; tables; marks
 V2_CHUNK_SCRATCH = CHUNK_ELEMS * (4 + 1 + 8 + 1 + 2 + 4 + 8) + 4 * V2_TABLES + CHUNK_ELEMS // 8
 V2_SCRATCH_BYTES = 256 << 20  # chunks are decoded in launches whose scratch fits this
