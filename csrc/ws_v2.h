@@ -82,23 +82,34 @@ struct BitWriter {  // least significant bit first; whole 32-bit words leave the
 
 inline int floor_log2(uint64_t s) { return 63 - __builtin_clzll(s); }
 
-inline void put_truncated(BitWriter& w, uint64_t v, uint64_t s) {
-  if (s == 1) return;
+// v in [0, s) in truncated binary: k = floor(log2 s) bits, or k + 1 for the top values. As one field of
+// *len bits (least significant first, as the reader takes them).
+inline uint64_t truncated(uint64_t v, uint64_t s, int* len) {
+  if (s == 1) return *len = 0, 0;
   const int k = floor_log2(s);
   const uint64_t u = (uint64_t(2) << k) - s;
-  if (v < u) {
-    w.put(v, k);
-  } else {
-    w.put((v + u) >> 1, k);
-    w.put((v + u) & 1, 1);
-  }
+  if (v < u) return *len = k, v;
+  *len = k + 1;
+  return ((v + u) >> 1) | (((v + u) & 1) << k);
 }
 
+// g < r: q = g / m ones, a zero, then g - q * m in truncated binary over min(m, r - q * m).
 inline void put_gap(BitWriter& w, uint64_t g, uint64_t m, uint64_t r) {
-  const uint64_t q = g / m;
+  const uint64_t q = (g | m) >> 32 ? g / m : uint32_t(g) / uint32_t(m);
+  int len;
+  const uint64_t rest = truncated(g - q * m, std::min(m, r - q * m), &len);
+  if (q + 1 + uint64_t(len) <= 32) {  // the usual case: the whole code in one put
+    w.put(((uint64_t(1) << q) - 1) | (rest << (q + 1)), int(q) + 1 + len);
+    return;
+  }
   w.ones(q);
   w.put(0, 1);
-  put_truncated(w, g - q * m, std::min(m, r - q * m));
+  if (len > 32) {
+    w.put(rest & 0xFFFFFFFFu, 32);
+    w.put(rest >> 32, len - 32);
+  } else {
+    w.put(rest, len);
+  }
 }
 
 inline void put_end(BitWriter& w, uint64_t m, uint64_t r) { w.ones((r + m - 1) / m); }
