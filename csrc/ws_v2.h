@@ -53,30 +53,31 @@ inline bool get_varint(const uint8_t* buf, int64_t len, int64_t& at, uint64_t li
   return false;
 }
 
-struct BitWriter {  // least significant bit first; whole 32-bit words leave the accumulator
+// Least significant bit first. Each put stores the whole accumulator (8 bytes, into slack the buffer keeps)
+// and moves on by the bytes it completed: no branch on how many bits are pending.
+struct BitWriter {
   std::vector<uint8_t> out;
-  uint64_t acc = 0;
+  size_t bytes = 0;  // complete bytes in out
+  uint64_t acc = 0;  // pending bits (fewer than 8 between puts)
   int n = 0;
   void put(uint64_t v, int nbits) {  // nbits <= 32
+    if (bytes + 16 > out.size()) out.resize(2 * out.size() + 64);
     acc |= (v & ((uint64_t(1) << nbits) - 1)) << n;
     n += nbits;
-    if (n >= 32) {
-      const size_t at = out.size();
-      out.resize(at + 4);
-      const uint32_t w = uint32_t(acc);
-      for (int b = 0; b < 4; ++b) out[at + size_t(b)] = uint8_t(w >> (8 * b));
-      acc >>= 32;
-      n -= 32;
-    }
+    std::memcpy(&out[bytes], &acc, 8);
+    bytes += size_t(n >> 3);
+    acc >>= (n & ~7);
+    n &= 7;
   }
   void ones(uint64_t count) {
     for (; count >= 32; count -= 32) put(0xFFFFFFFFu, 32);
     put((uint64_t(1) << count) - 1, int(count));
   }
-  void finish() {
-    for (; n > 0; n -= 8, acc >>= 8) out.push_back(uint8_t(acc));
+  void finish() {  // the last partial byte (already stored, its unused bits zero), then the exact size
+    out.resize(bytes + (n ? 1 : 0));
     acc = 0;
     n = 0;
+    bytes = out.size();
   }
 };
 
@@ -85,12 +86,12 @@ inline int floor_log2(uint64_t s) { return 63 - __builtin_clzll(s); }
 // v in [0, s) in truncated binary: k = floor(log2 s) bits, or k + 1 for the top values. As one field of
 // *len bits (least significant first, as the reader takes them).
 inline uint64_t truncated(uint64_t v, uint64_t s, int* len) {
-  if (s == 1) return *len = 0, 0;
-  const int k = floor_log2(s);
+  const int k = floor_log2(s);  // s == 1: k = 0 and u = 1 > v, so no bits
   const uint64_t u = (uint64_t(2) << k) - s;
-  if (v < u) return *len = k, v;
-  *len = k + 1;
-  return ((v + u) >> 1) | (((v + u) & 1) << k);
+  const bool top = v >= u;  // which of the two, as a select rather than a branch the data would mispredict
+  *len = k + int(top);
+  const uint64_t w = v + u;
+  return top ? (w >> 1) | ((w & 1) << k) : v;
 }
 
 // g < r: q = g / m ones, a zero, then g - q * m in truncated binary over min(m, r - q * m).
@@ -224,7 +225,7 @@ inline void code_chunk(const std::vector<Change>& v, const uint32_t* pop, int lo
   by_cls.resize(v.size());
   for (const Change& x : v) by_cls[start[x.cls]++] = x;
   BitWriter w;
-  w.out.reserve(2 * v.size() + 64);
+  w.out.resize(2 * v.size() + 64);
   size_t i = 0;
   for (int k = lo; k < hi; ++k) {
     if (!m[k] || !pop[k]) continue;
@@ -274,52 +275,51 @@ bool encode(const Stream& old, int64_t n, const uint32_t* table, const uint8_t* 
   // pass 1: each chunk's changes with their class and rank; the chunk's class counts. The classes of the
   // chunk in one vectorised loop, then counted in four tables (element o in table o % 4) so that four
   // increments are in flight at once; a change's rank is its class's count in all four when it is reached.
-  parallel_for(nc, 1, [&](int64_t c) {
-    std::vector<Change>& v = ch[size_t(c)];
+  // Chunks run in groups, each summing the model's counts (per class: elements, changes, symbols) for its
+  // chunks while they are at hand.
+  const int64_t ngroups = std::min<int64_t>(nc, 64), per = (nc + ngroups - 1) / ngroups;
+  const size_t stride = size_t(NCLASS) * (NSYM + 2);
+  std::vector<uint64_t> acc(size_t(ngroups) * stride);
+  parallel_for(ngroups, 1, [&](int64_t grp) {
+    uint64_t* a = &acc[size_t(grp) * stride];
     thread_local std::vector<T> gathered;
     thread_local std::vector<uint8_t> of;
-    const T* base = chunk_of<T>(old, n, c, gathered);
-    chunk_changes<T, O>(base, n, c, table, offsets.data(), gaps, steps, escapes, v);
-    const uint32_t len = uint32_t(chunk_len(n, c));
     of.resize(size_t(kChunk));
-    classes<T>(base, len, cs.kind, cs.shift, cs.ebits, of.data());
-    const uint8_t* cl = of.data();
-    uint32_t h[4][NCLASS] = {};
-    uint32_t o = 0;
-    auto count_to = [&](uint32_t end) {
-      for (; o + 4 <= end; o += 4) {
-        h[0][cl[o]]++;
-        h[1][cl[o + 1]]++;
-        h[2][cl[o + 2]]++;
-        h[3][cl[o + 3]]++;
-      }
-      for (; o < end; ++o) h[0][cl[o]]++;
-    };
-    for (Change& x : v) {
-      count_to(x.off);
-      x.cls = cl[x.off];
-      x.rank = h[0][x.cls] + h[1][x.cls] + h[2][x.cls] + h[3][x.cls];
-    }
-    count_to(len);
-    uint32_t* pop = &pops[size_t(c * NCLASS)];
-    for (int k = 0; k < NCLASS; ++k) pop[k] = h[0][k] + h[1][k] + h[2][k] + h[3][k];
-  });
-  // the model: class populations and symbol counts, summed over groups of chunks in parallel
-  const int64_t ngroups = std::min<int64_t>(nc, 64), per = (nc + ngroups - 1) / ngroups;
-  const size_t stride = size_t(NCLASS) * (NSYM + 2);  // per class: n, k, the symbol counts
-  std::vector<uint64_t> acc(size_t(ngroups) * stride);
-  parallel_for(ngroups, 1, [&](int64_t g) {
-    uint64_t* a = &acc[size_t(g) * stride];
-    for (int64_t c = g * per; c < std::min(nc, (g + 1) * per); ++c) {
-      const uint32_t* pop = &pops[size_t(c * NCLASS)];
-      for (int k = 0; k < NCLASS; ++k) a[size_t(k) * (NSYM + 2)] += pop[k];
-      for (const Change& x : ch[size_t(c)]) {
+    for (int64_t c = grp * per; c < std::min(nc, (grp + 1) * per); ++c) {
+      std::vector<Change>& v = ch[size_t(c)];
+      const T* base = chunk_of<T>(old, n, c, gathered);
+      chunk_changes<T, O>(base, n, c, table, offsets.data(), gaps, steps, escapes, v);
+      const uint32_t len = uint32_t(chunk_len(n, c));
+      classes<T>(base, len, cs.kind, cs.shift, cs.ebits, of.data());
+      const uint8_t* cl = of.data();
+      uint32_t h[4][NCLASS] = {};
+      uint32_t o = 0;
+      auto count_to = [&](uint32_t end) {
+        for (; o + 4 <= end; o += 4) {
+          h[0][cl[o]]++;
+          h[1][cl[o + 1]]++;
+          h[2][cl[o + 2]]++;
+          h[3][cl[o + 3]]++;
+        }
+        for (; o < end; ++o) h[0][cl[o]]++;
+      };
+      for (Change& x : v) {
+        count_to(x.off);
+        x.cls = cl[x.off];
+        x.rank = h[0][x.cls] + h[1][x.cls] + h[2][x.cls] + h[3][x.cls];
         uint64_t* row = a + size_t(x.cls) * (NSYM + 2);
         row[1]++;
         row[2 + symbol(x.d)]++;
       }
+      count_to(len);
+      uint32_t* pop = &pops[size_t(c * NCLASS)];
+      for (int k = 0; k < NCLASS; ++k) {
+        pop[k] = h[0][k] + h[1][k] + h[2][k] + h[3][k];
+        a[size_t(k) * (NSYM + 2)] += pop[k];
+      }
     }
   });
+  // the model
   std::vector<uint64_t> n_c(NCLASS), k_c(NCLASS), counts(size_t(NCLASS) * NSYM);
   for (int64_t g = 0; g < ngroups; ++g)
     for (int k = 0; k < NCLASS; ++k) {
