@@ -13,6 +13,13 @@
 #else
 #define WS_V2_SSE2 0
 #endif
+// The per-change helpers of decode_chunk, inlined into it on the host too (g++ left select_in a call in
+// the extension's build, and one call per change showed in profiles).
+#if defined(__CUDACC__) || !defined(__GNUC__)
+#define WS_V2_INLINE WS_HD
+#else
+#define WS_V2_INLINE __attribute__((always_inline)) inline
+#endif
 
 namespace ws {
 namespace v2 {
@@ -314,7 +321,7 @@ inline u32 select64(u64 x, u32 k) {
 // match masks (SSE2 byte compares) and a select in the one that holds it, without branches on the data;
 // on the GPU eight classes at a time, each byte equal to c flagged exactly (its high bit), the flags
 // counted with one multiply.
-WS_HD u32 select_in(const u8* of, u32 from, u32 to, u32 c, u32 need) {
+WS_V2_INLINE u32 select_in(const u8* of, u32 from, u32 to, u32 c, u32 need) {
 #if WS_V2_SSE2
   static_assert(BLOCK == 128, "select_in reads a block as two 64-bit masks");
   const __m128i rep = _mm_set1_epi8(char(c));
@@ -346,7 +353,7 @@ WS_HD u32 select_in(const u8* of, u32 from, u32 to, u32 c, u32 need) {
 // The block (from g on) that holds a class's change of rank r: the last b < nb whose count before it,
 // row[b], is <= r (row[0] is 0; rows never decrease). Ranks come in order, so g only moves forward; on
 // the host four blocks are compared at a time.
-WS_HD u32 block_of(const u32* row, u32 g, u32 nb, u32 r) {
+WS_V2_INLINE u32 block_of(const u32* row, u32 g, u32 nb, u32 r) {
 #if WS_V2_SSE2
   const __m128i rv = _mm_set1_epi32(int(r));  // counts and ranks are < 2^16: signed compares are exact
   while (g + 4 < nb) {
