@@ -252,7 +252,7 @@ struct Scratch {
   u32* first;  // [NCLASS + 1] coding index of the class's first change
   u32* h;      // [WALKERS * NCLASS] class counts per quarter of the chunk
   u32* qb;     // [WALKERS * NCLASS] class counts in the quarters before each quarter
-  u8* of;      // [cap rounded up to BLOCK] class of each element of the chunk (read 8 at a time)
+  u8* of;      // [cap rounded up to BLOCK] class of each element of the chunk (read by whole blocks)
   u32* snap;   // [NCLASS * SNAP_ROW] per class in [lo, hi) (a row each), its count before each block
   u64* mark;   // [CHUNK / 64] one bit per element: a change sits there
   u16* at;     // [cap] coding index of the change at each marked element
