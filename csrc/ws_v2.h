@@ -73,44 +73,36 @@ struct BitWriter {
     for (; count >= 32; count -= 32) put(0xFFFFFFFFu, 32);
     put((uint64_t(1) << count) - 1, int(count));
   }
-  void finish() {  // the last partial byte (already stored, its unused bits zero), then the exact size
-    out.resize(bytes + (n ? 1 : 0));
-    acc = 0;
-    n = 0;
-    bytes = out.size();
-  }
+  void finish() { out.resize(bytes + (n ? 1 : 0)); }  // the last partial byte is stored, its spare bits zero
 };
 
 inline int floor_log2(uint64_t s) { return 63 - __builtin_clzll(s); }
 
 // v in [0, s) in truncated binary: k = floor(log2 s) bits, or k + 1 for the top values. As one field of
-// *len bits (least significant first, as the reader takes them).
+// *len bits (least significant first, as the reader takes them; len <= 33).
 inline uint64_t truncated(uint64_t v, uint64_t s, int* len) {
   const int k = floor_log2(s);  // s == 1: k = 0 and u = 1 > v, so no bits
   const uint64_t u = (uint64_t(2) << k) - s;
-  const bool top = v >= u;  // which of the two, as a select rather than a branch the data would mispredict
+  const bool top = v >= u;  // a select, not a branch the data would mispredict
   *len = k + int(top);
   const uint64_t w = v + u;
   return top ? (w >> 1) | ((w & 1) << k) : v;
 }
 
-// g < r: q = g / m ones, a zero, then g - q * m in truncated binary over min(m, r - q * m).
+// g < r: q = g / m ones, a zero, then g - q * m in truncated binary over min(m, r - q * m); in one put
+// when the code fits 32 bits, as it nearly always does.
 inline void put_gap(BitWriter& w, uint64_t g, uint64_t m, uint64_t r) {
-  const uint64_t q = (g | m) >> 32 ? g / m : uint32_t(g) / uint32_t(m);
+  const uint64_t q = g / m;
   int len;
   const uint64_t rest = truncated(g - q * m, std::min(m, r - q * m), &len);
-  if (q + 1 + uint64_t(len) <= 32) {  // the usual case: the whole code in one put
+  if (q + 1 + uint64_t(len) <= 32) {
     w.put(((uint64_t(1) << q) - 1) | (rest << (q + 1)), int(q) + 1 + len);
     return;
   }
   w.ones(q);
   w.put(0, 1);
-  if (len > 32) {
-    w.put(rest & 0xFFFFFFFFu, 32);
-    w.put(rest >> 32, len - 32);
-  } else {
-    w.put(rest, len);
-  }
+  w.put(rest, std::min(len, 32));
+  if (len > 32) w.put(rest >> 32, len - 32);
 }
 
 inline void put_end(BitWriter& w, uint64_t m, uint64_t r) { w.ones((r + m - 1) / m); }
@@ -362,22 +354,13 @@ bool encode(const Stream& old, int64_t n, const uint32_t* table, const uint8_t* 
                steps_out[size_t(c)]);
   });
   parts.index.clear();
-  size_t pos_len = 0, steps_len = 0;
+  parts.pos.clear();
+  parts.steps.clear();
   for (int64_t c = 0; c < nc; ++c) {
     put_varint(parts.index, pos_out[size_t(c)].size());
     put_varint(parts.index, steps_out[size_t(c)].size());
-    pos_len += pos_out[size_t(c)].size();
-    steps_len += steps_out[size_t(c)].size();
-  }
-  parts.pos.resize(pos_len);
-  parts.steps.resize(steps_len);
-  size_t pa = 0, sa = 0;
-  for (int64_t c = 0; c < nc; ++c) {
-    if (!pos_out[size_t(c)].empty()) std::memcpy(&parts.pos[pa], pos_out[size_t(c)].data(), pos_out[size_t(c)].size());
-    if (!steps_out[size_t(c)].empty())
-      std::memcpy(&parts.steps[sa], steps_out[size_t(c)].data(), steps_out[size_t(c)].size());
-    pa += pos_out[size_t(c)].size();
-    sa += steps_out[size_t(c)].size();
+    parts.pos.insert(parts.pos.end(), pos_out[size_t(c)].begin(), pos_out[size_t(c)].end());
+    parts.steps.insert(parts.steps.end(), steps_out[size_t(c)].begin(), steps_out[size_t(c)].end());
   }
   return true;
 }
