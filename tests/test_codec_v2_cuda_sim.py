@@ -38,10 +38,14 @@ def same_sections(a, b) -> bool:
                for f in ("table", "gaps", "steps", "escapes"))
 
 
-def _case(name: str, n: int, seed: int, density: float = 0.01):
+def _pair_of(name: str, n: int, seed: int, density: float = 0.01):
     from test_codec_v2 import _pair
 
-    dt, old, new = _pair(name, n, np.random.default_rng(seed), density=density)
+    return _pair(name, n, np.random.default_rng(seed), density=density)
+
+
+def _case(name: str, n: int, seed: int, density: float = 0.01):
+    dt, old, new = _pair_of(name, n, seed, density)
     sec = delta_ref.encode(old, new, dt.order)
     return dt, old, v2_ref.encode(old, sec, dt)
 
@@ -61,6 +65,29 @@ def test_chunks_in_several_launches(sim, monkeypatch):
     dt, old, parts = _case("BF16", 3 * C + 777, seed=4)
     assert same_sections(gpu_decode(sim, old, parts, dt, runtime=rt), v2_ref.decode(old, parts, dt))
     assert rt.launched.count("v2_decode_2") == 4
+
+
+def test_cuda_backend_encodes_v2_with_the_cpp_encoder(sim, monkeypatch):
+    """No CUDA encoder: the backend's v1 sections (from the GPU kernels) go to the C++ encoder on the host,
+    the reference's bytes without the reference's Python; without the extension, the reference itself."""
+    from wsync.bits import TensorBits
+    from wsync.codecs import delta
+
+    dt, old, new = _pair_of("BF16", 3 * C + 4099, seed=5)
+    want = v2_ref.encode(old, delta_ref.encode(old, new, dt.order), dt)
+    k = cuda._KernelsOver(cudasim.SimRuntime(sim, "random", seed=6))
+    if cuda._host_kernels() is None:
+        pytest.skip("the C++ extension is not built")
+
+    def no_reference(*a, **kw):
+        raise AssertionError("the reference encoder ran")
+
+    monkeypatch.setattr(v2_ref, "encode", no_reference)
+    enc = delta.measure(TensorBits(dt, old.shape, old), TensorBits(dt, new.shape, new), tier="v2", kernels=k)
+    assert enc.kind == "delta-v2" and enc.parts == want
+    monkeypatch.undo()
+    monkeypatch.setattr(cuda, "_host_kernels", lambda: None)
+    assert k.v2_encode(old, k.delta_encode(old, new, dt.order), dt) == want
 
 
 def test_kernel_refuses_corrupt_chunks_as_the_reference_does(sim):

@@ -22,7 +22,8 @@ Two faces:
 
 The ``v2`` tier is decoded on the GPU too (``v2_decode`` in the protocol,
 ``v2_decode_device`` for a CUDA base; csrc/ws_v2_cuda.cu, one thread per
-chunk, the C++ backend's own chunk decoder); v2 is encoded on the host.
+chunk, the C++ backend's own chunk decoder); v2 is encoded on the host, by
+the C++ encoder (the reference where the extension is not built).
 
 Streams. Device sections and undo buffers are written on the stream that was
 current when they were made, from torch's caching allocator for that stream.
@@ -472,6 +473,17 @@ def _or_null(x):
     return x if len(x) else NULL
 
 
+@functools.lru_cache(maxsize=1)
+def _host_kernels():
+    """The C++ backend, for host work that has no CUDA kernel (v2 encoding); None where it is not built."""
+    from .cpu import CpuKernels
+
+    try:
+        return CpuKernels()
+    except BackendUnavailable:
+        return None
+
+
 class _KernelsOver(Composed):
     """The Kernels protocol on numpy arrays, over an _Engine (GPU or host emulation).
 
@@ -499,6 +511,13 @@ class _KernelsOver(Composed):
         old = as_array(old)
         pos, values = self.engine.decode(self.xp.ascontiguousarray(self.xp.asarray(old)), sec, order)
         return _host(pos), _host(values).astype(old.dtype, copy=False)
+
+    def v2_encode(self, old, sec: DeltaSections, dtype) -> dict:
+        """codecs/v2_ref.encode's bytes. There is no CUDA encoder: the base is a host array here and the
+        sections came back with delta_encode, so the C++ encoder runs on the host (2-3 GB/s on two cores);
+        only where the extension is not built does the reference's Python (about 40 MB/s) do it."""
+        host = _host_kernels()
+        return host.v2_encode(old, sec, dtype) if host is not None else v2_ref.encode(as_array(old), sec, dtype)
 
     def v2_decode(self, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
         """codecs/v2_ref.decode with the chunks decoded on the GPU: the base goes up, the sections come back."""
