@@ -211,6 +211,27 @@ WS_HD bool get_gap(BitReader& rd, u64 m, u64 r, u64* g, bool* end) {
   return true;
 }
 
+// get_gap's common case from one window: a quotient run ended by its zero, short of the end mark, and a
+// remainder of the full truncated-binary width (s == m: k = log2(m), u = 2^(k+1) - m, the class's own),
+// its longer form taken without a branch. False, nothing read, for anything else (the stream's last 57
+// bits, a run past the window, the last codes of a class): get_gap reads those the long way.
+WS_V2_INLINE bool gap_fast(BitReader& rd, u64 m, int k, u64 u, u64 r, u64* g) {
+  if (rd.left() < u64(WINDOW)) return false;
+  const u64 w = rd.peek();
+  const u64 zeros = ~w & ((u64(1) << WINDOW) - 1);
+  if (!zeros) return false;
+  const u64 q = u64(ctz64(zeros));
+  if ((q + 1) * m > r) return false;  // near the end mark, or a remainder narrower than m
+  const u64 at = q + 1;
+  if (at + u64(k) + 1 > u64(WINDOW)) return false;
+  u64 v = (w >> at) & ((u64(1) << k) - 1);
+  const u64 more = v >= u;
+  v = more ? ((v << 1) | ((w >> (at + u64(k))) & 1)) - u : v;
+  rd.pos += at + u64(k) + more;
+  *g = q * m + v;
+  return true;
+}
+
 // v2_ref.get_escape: a signed step of a width_bits-bit element, as i64.
 WS_HD int get_escape(BitReader& rd, int width_bits, i64* d) {
   u64 neg, b;
@@ -352,10 +373,20 @@ WS_V2_INLINE u32 select_in(const u8* of, u32 from, u32 to, u32 c, u32 need) {
 
 // The block (from g on) that holds a class's change of rank r: the last b < nb whose count before it,
 // row[b], is <= r (row[0] is 0; rows never decrease). Ranks come in order, so g only moves forward; on
-// the host four blocks are compared at a time.
+// the host sixteen, then four blocks are compared at a time.
 WS_V2_INLINE u32 block_of(const u32* row, u32 g, u32 nb, u32 r) {
 #if WS_V2_SSE2
   const __m128i rv = _mm_set1_epi32(int(r));  // counts and ranks are < 2^16: signed compares are exact
+  // Sixteen blocks a step first: a class's next change is most often a few blocks on, so one step holds
+  // it, and the branch that leaves is one the core predicts.
+  while (g + 16 < nb) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(row + g + 1);
+    const __m128i a = _mm_packs_epi32(_mm_cmpgt_epi32(_mm_loadu_si128(p), rv), _mm_cmpgt_epi32(_mm_loadu_si128(p + 1), rv));
+    const __m128i b = _mm_packs_epi32(_mm_cmpgt_epi32(_mm_loadu_si128(p + 2), rv), _mm_cmpgt_epi32(_mm_loadu_si128(p + 3), rv));
+    const int m = _mm_movemask_epi8(_mm_packs_epi16(a, b));
+    if (m) return g + u32(__builtin_ctz(unsigned(m)));
+    g += 16;
+  }
   while (g + 4 < nb) {
     const int m = _mm_movemask_ps(_mm_castsi128_ps(
         _mm_cmpgt_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g + 1)), rv)));
@@ -370,11 +401,23 @@ WS_V2_INLINE u32 block_of(const u32* row, u32 g, u32 nb, u32 r) {
   return g;
 }
 
-// Decode one chunk of len elements against old[0..len). On success writes *count changes in position
-// order: off[i] (offset in chunk) and step[i]. budget: changes the chunk may hold at most.
-template <class T>
+// Where decode_chunk's changes go when the caller wants them as two arrays (the GPU kernel): the i-th in
+// position order at off[i] (offset in chunk) and step[i].
+struct ToArrays {
+  u32* off;
+  i64* step;
+  WS_HD void operator()(u32 i, u32 o, i64 d) const {
+    off[i] = o;
+    step[i] = d;
+  }
+};
+
+// Decode one chunk of len elements against old[0..len). On success hands its *count changes to emit in
+// position order, emit(i, offset in chunk, step), and returns OK; on an error emit has not been called.
+// budget: changes the chunk may hold at most.
+template <class T, class Emit>
 WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* sb, u64 slen, ModelView md,
-                       int lo, int hi, int kind, int shift, int ebits, u64 budget, Scratch sc, u32* off, i64* step,
+                       int lo, int hi, int kind, int shift, int ebits, u64 budget, Scratch sc, Emit& emit,
                        u32* count) {
   const int width_bits = int(8 * sizeof(T));
   // Quarters start on block edges and never grow with w: when the last has a whole block at an offset, so
@@ -427,11 +470,15 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     for (int w = 0; w < WALKERS; ++w) pop += sc.h[w * NCLASS + c];
     if (!m || !pop) continue;
     u64 nxt = 0;
+    const int km = log2_64(m);  // m >= 1: the full remainder's truncated-binary width and threshold
+    const u64 um = (u64(2) << km) - m;
     for (;;) {
       u64 g;
-      bool end;
-      if (!get_gap(rd, m, pop - nxt, &g, &end)) return BITS_SHORT;
-      if (end) break;
+      if (!gap_fast(rd, m, km, um, pop - nxt, &g)) {
+        bool end;
+        if (!get_gap(rd, m, pop - nxt, &g, &end)) return BITS_SHORT;
+        if (end) break;
+      }
       if (u64(k) >= budget) return TOO_MANY;
       sc.rank[k] = u32(nxt + g);
       sc.cls[k] = u8(c);
@@ -489,7 +536,8 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     u32* row = sc.snap + u32(c - lo) * SNAP_ROW;
     for (int w = 1; w < WALKERS; ++w) {
       const u32 add = sc.qb[w * NCLASS + c];
-      for (u32 o = qa[w]; o < qz[w]; o += BLOCK) row[o / BLOCK] += add;
+      if (qa[w] < qz[w])  // a quarter's blocks by index (qa[w] is a block edge): a loop the compiler widens
+        for (u32 b = qa[w] / BLOCK, e = (qz[w] + BLOCK - 1) / BLOCK; b < e; ++b) row[b] += add;
     }
     u32 g = 0;
     for (u32 j = sc.first[c]; j < sc.first[c + 1]; ++j) {
@@ -506,8 +554,7 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
   for (u32 wi = 0; wi < nwords; ++wi)
     for (u64 bits = sc.mark[wi]; bits; bits &= bits - 1) {
       const u32 o = wi * 64 + u32(ctz64(bits));
-      off[i] = o;
-      step[i] = sc.d[sc.at[o]];
+      emit(i, o, sc.d[sc.at[o]]);
       ++i;
     }
   *count = k;

@@ -462,40 +462,47 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
   parallel_for(nc, 1, [&](int64_t c) {
     const uint32_t len = uint32_t(chunk_len(n, c));
     // scratch per thread, a chunk's worth; a chunk keeps only what it decoded, and at most what is left of K
-    thread_local std::vector<uint32_t> rank, off, snap;
+    thread_local std::vector<uint32_t> rank, snap;
     thread_local std::vector<uint8_t> cls, of;
-    thread_local std::vector<ws::i64> d, st;
-    thread_local std::vector<ws::u16> at;
+    thread_local std::vector<ws::i64> d;
+    thread_local std::vector<ws::u16> at, gap;
+    thread_local std::vector<int8_t> st;
     thread_local std::vector<ws::u64> mark;
     thread_local std::vector<T> gathered;
-    rank.resize(kChunk), off.resize(kChunk), cls.resize(kChunk), of.resize(kChunk), d.resize(kChunk), st.resize(kChunk);
-    snap.resize(SNAP_ROW * NCLASS), at.resize(kChunk), mark.resize(kChunk / 64);
+    rank.resize(kChunk), cls.resize(kChunk), of.resize(kChunk), d.resize(kChunk), gap.resize(kChunk);
+    st.resize(kChunk), snap.resize(SNAP_ROW * NCLASS), at.resize(kChunk), mark.resize(kChunk / 64);
     uint32_t first[NCLASS + 1], h[WALKERS * NCLASS], qb[WALKERS * NCLASS];
     Scratch sc{rank.data(), cls.data(), d.data(), first, h, qb, of.data(), snap.data(), mark.data(), at.data()};
     const T* base = chunk_of<T>(old, n, c, gathered);
+    std::vector<T>& esc = es[size_t(c)];
+    // Each change straight into v1's sections as decode_chunk hands it over in position order: the gap
+    // from the one before, the i8 step, or an escape (the new value) where the step does not fit.
+    struct ToSections {
+      uint16_t* gap;
+      int8_t* st;
+      std::vector<T>* esc;
+      const T* base;
+      int64_t prev;
+      void operator()(uint32_t i, uint32_t o, int64_t dd) {
+        gap[i] = uint16_t(int64_t(o) - prev - 1);
+        prev = o;
+        if (dd >= -127 && dd <= 127) {
+          st[i] = int8_t(dd);
+        } else {
+          st[i] = kEscape;
+          esc->push_back(unkey<T, O>(T(key<T, O>(base[o]) + T(uint64_t(dd)))));
+        }
+      }
+    } emit{gap.data(), st.data(), &esc, base, -1};
     uint32_t count = 0;
     const uint64_t budget = k - std::min<uint64_t>(k, used.load());
     errs[size_t(c)] = decode_chunk<T>(base, len, pos + pa[size_t(c)], uint64_t(pa[size_t(c + 1)] - pa[size_t(c)]),
                                       steps + sa[size_t(c)], uint64_t(sa[size_t(c + 1)] - sa[size_t(c)]), mv, lo, hi,
-                                      cs.kind, cs.shift, cs.ebits, budget, sc, off.data(), st.data(), &count);
+                                      cs.kind, cs.shift, cs.ebits, budget, sc, emit, &count);
     if (errs[size_t(c)]) return;
     used += count;
-    std::vector<uint16_t>& g = gs[size_t(c)];
-    std::vector<int8_t>& s8 = ss[size_t(c)];
-    g.resize(count);
-    s8.resize(count);
-    int64_t prev = -1;
-    for (uint32_t i = 0; i < count; ++i) {
-      g[i] = uint16_t(int64_t(off[i]) - prev - 1);
-      prev = off[i];
-      const int64_t dd = st[i];
-      if (dd >= -127 && dd <= 127) {
-        s8[i] = int8_t(dd);
-      } else {
-        s8[i] = kEscape;
-        es[size_t(c)].push_back(unkey<T, O>(T(key<T, O>(base[off[i]]) + T(uint64_t(dd)))));
-      }
-    }
+    gs[size_t(c)].assign(gap.data(), gap.data() + count);
+    ss[size_t(c)].assign(st.data(), st.data() + count);
   });
   for (int64_t c = 0; c < nc; ++c)
     if (errs[size_t(c)]) return err = "v2 chunk " + std::to_string(c) + ": " + err_text(errs[size_t(c)]), false;

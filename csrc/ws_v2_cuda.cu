@@ -31,9 +31,9 @@ __device__ void decode_chunks(const T* old, u64 n, const u64* m, const u32* freq
              t + NCLASS + 1 + 2 * WALKERS * NCLASS, mark + c * (CHUNK / 64), at16 + at};
   const ModelView md{m, freq, cum, slot};
   u32 got = 0;
+  ToArrays out{off + at, step + at};
   err[c] = decode_chunk<T>(old + at, len, pos + pos_at[c], pos_at[c + 1] - pos_at[c], steps + steps_at[c],
-                           steps_at[c + 1] - steps_at[c], md, lo, hi, kind, shift, ebits, k, sc, off + at, step + at,
-                           &got);
+                           steps_at[c + 1] - steps_at[c], md, lo, hi, kind, shift, ebits, k, sc, out, &got);
   count[c] = got;
 }
 
