@@ -268,7 +268,6 @@ constexpr u32 SNAP_ROW = NBLOCK + 16;
 // Scratch of one chunk: arrays of cap entries (cap >= the chunk's length) and tables of NCLASS.
 struct Scratch {
   u32* rank;   // [cap] rank within its class, coding order
-  u8* cls;     // [cap] class, coding order
   i64* d;      // [cap] step, coding order
   u32* first;  // [NCLASS + 1] coding index of the class's first change
   u32* h;      // [WALKERS * NCLASS] class counts per quarter of the chunk
@@ -462,6 +461,16 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
   }
   BitReader rd{pb, 8 * plen, 0};
   u32 k = 0;
+  // Each change's rANS step is taken as soon as its gap is read: the two streams are independent chains,
+  // and side by side the core runs them at once. A rANS error waits until every gap is read, so errors
+  // come out in the order of decoding the gaps first (v2_ref).
+  int rerr = slen < 4 ? RANS_SHORT : OK;
+  u32 x = 0;
+  u64 at = 4;
+  if (!rerr) {
+    x = u32(sb[0]) | (u32(sb[1]) << 8) | (u32(sb[2]) << 16) | (u32(sb[3]) << 24);
+    if (x < RANS_L || x >= (RANS_L << 8)) rerr = RANS_STATE;
+  }
   for (int c = 0; c <= NCLASS; ++c) sc.first[c] = 0;
   for (int c = lo; c < hi; ++c) {
     sc.first[c] = k;
@@ -472,6 +481,9 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
     u64 nxt = 0;
     const int km = log2_64(m);  // m >= 1: the full remainder's truncated-binary width and threshold
     const u64 um = (u64(2) << km) - m;
+    const u8* slots = md.slot + c * PROB_SCALE;
+    const u32* freq = md.freq + c * NSYM;
+    const u32* cum = md.cum + c * NSYM;
     for (;;) {
       u64 g;
       if (!gap_fast(rd, m, km, um, pop - nxt, &g)) {
@@ -481,30 +493,28 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
       }
       if (u64(k) >= budget) return TOO_MANY;
       sc.rank[k] = u32(nxt + g);
-      sc.cls[k] = u8(c);
-      ++k;
       nxt += g + 1;
+      if (!rerr) {
+        const u32 slot = x & (PROB_SCALE - 1);
+        const int s = slots[slot];
+        x = freq[s] * (x >> PROB_BITS) + slot - cum[s];
+        while (x < RANS_L) {
+          if (at >= slen) {
+            rerr = RANS_SHORT;
+            break;
+          }
+          x = (x << 8) | sb[at++];
+        }
+        sc.d[k] = s < SMALL ? i64(s - SMALL) : s < ESC ? i64(s - SMALL + 1) : 0;
+      }
+      ++k;
     }
   }
   for (int c = hi; c <= NCLASS; ++c) sc.first[c] = k;
   if (k == 0) {
     if (slen) return STEPS_NO_CHANGE;
   } else {
-    if (slen < 4) return RANS_SHORT;
-    u32 x = u32(sb[0]) | (u32(sb[1]) << 8) | (u32(sb[2]) << 16) | (u32(sb[3]) << 24);
-    if (x < RANS_L || x >= (RANS_L << 8)) return RANS_STATE;
-    u64 at = 4;
-    for (u32 i = 0; i < k; ++i) {
-      const int c = sc.cls[i];
-      const u32 slot = x & (PROB_SCALE - 1);
-      const int s = md.slot[c * PROB_SCALE + int(slot)];
-      x = md.freq[c * NSYM + s] * (x >> PROB_BITS) + slot - md.cum[c * NSYM + s];
-      while (x < RANS_L) {
-        if (at >= slen) return RANS_SHORT;
-        x = (x << 8) | sb[at++];
-      }
-      sc.d[i] = s < SMALL ? i64(s - SMALL) : s < ESC ? i64(s - SMALL + 1) : 0;
-    }
+    if (rerr) return rerr;
     if (x != RANS_L || at != slen) return RANS_END;
     for (u32 i = 0; i < k; ++i)
       if (sc.d[i] == 0) {

@@ -463,16 +463,16 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
     const uint32_t len = uint32_t(chunk_len(n, c));
     // scratch per thread, a chunk's worth; a chunk keeps only what it decoded, and at most what is left of K
     thread_local std::vector<uint32_t> rank, snap;
-    thread_local std::vector<uint8_t> cls, of;
+    thread_local std::vector<uint8_t> of;
     thread_local std::vector<ws::i64> d;
     thread_local std::vector<ws::u16> at, gap;
     thread_local std::vector<int8_t> st;
     thread_local std::vector<ws::u64> mark;
     thread_local std::vector<T> gathered;
-    rank.resize(kChunk), cls.resize(kChunk), of.resize(kChunk), d.resize(kChunk), gap.resize(kChunk);
+    rank.resize(kChunk), of.resize(kChunk), d.resize(kChunk), gap.resize(kChunk);
     st.resize(kChunk), snap.resize(SNAP_ROW * NCLASS), at.resize(kChunk), mark.resize(kChunk / 64);
     uint32_t first[NCLASS + 1], h[WALKERS * NCLASS], qb[WALKERS * NCLASS];
-    Scratch sc{rank.data(), cls.data(), d.data(), first, h, qb, of.data(), snap.data(), mark.data(), at.data()};
+    Scratch sc{rank.data(), d.data(), first, h, qb, of.data(), snap.data(), mark.data(), at.data()};
     const T* base = chunk_of<T>(old, n, c, gathered);
     std::vector<T>& esc = es[size_t(c)];
     // Each change straight into v1's sections as decode_chunk hands it over in position order: the gap

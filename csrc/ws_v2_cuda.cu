@@ -19,7 +19,7 @@ constexpr u32 TABLES = NCLASS + 1 + 2 * WALKERS * NCLASS + SNAP_ROW * NCLASS;
 template <class T>
 __device__ void decode_chunks(const T* old, u64 n, const u64* m, const u32* freq, const u32* cum, const u8* slot,
                               int lo, int hi, int kind, int shift, int ebits, u64 k, const u8* pos, const u64* pos_at,
-                              const u8* steps, const u64* steps_at, u32* rank, u8* cls, i64* d, u8* of, u64* mark,
+                              const u8* steps, const u64* steps_at, u32* rank, i64* d, u8* of, u64* mark,
                               u16* at16, u32* tables, u32* off, i64* step, u32* count, int* err) {
   const u64 nc = (n + CHUNK - 1) / CHUNK;
   const u64 c = u64(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -27,7 +27,7 @@ __device__ void decode_chunks(const T* old, u64 n, const u64* m, const u32* freq
   const u64 at = c * CHUNK;
   const u32 len = u32(n - at < CHUNK ? n - at : CHUNK);
   u32* t = tables + c * TABLES;
-  Scratch sc{rank + at, cls + at, d + at, t, t + NCLASS + 1, t + NCLASS + 1 + WALKERS * NCLASS, of + at,
+  Scratch sc{rank + at, d + at, t, t + NCLASS + 1, t + NCLASS + 1 + WALKERS * NCLASS, of + at,
              t + NCLASS + 1 + 2 * WALKERS * NCLASS, mark + c * (CHUNK / 64), at16 + at};
   const ModelView md{m, freq, cum, slot};
   u32 got = 0;
@@ -43,10 +43,10 @@ __device__ void decode_chunks(const T* old, u64 n, const u64* m, const u32* freq
 #define WS_V2_PARAMS(U)                                                                                         \
   const U *old, ws::u64 n, const ws::u64 *m, const ws::u32 *freq, const ws::u32 *cum, const ws::u8 *slot, int lo, \
       int hi, int kind, int shift, int ebits, ws::u64 k, const ws::u8 *pos, const ws::u64 *pos_at,               \
-      const ws::u8 *steps, const ws::u64 *steps_at, ws::u32 *rank, ws::u8 *cls, ws::i64 *d, ws::u8 *of,          \
-      ws::u64 *mark, ws::u16 *at16, ws::u32 *tables, ws::u32 *off, ws::i64 *step, ws::u32 *count, int *err
+      const ws::u8 *steps, const ws::u64 *steps_at, ws::u32 *rank, ws::i64 *d, ws::u8 *of, ws::u64 *mark,     \
+      ws::u16 *at16, ws::u32 *tables, ws::u32 *off, ws::i64 *step, ws::u32 *count, int *err
 #define WS_V2_ARGS \
-  old, n, m, freq, cum, slot, lo, hi, kind, shift, ebits, k, pos, pos_at, steps, steps_at, rank, cls, d, of, mark, at16, tables, off, step, count, err
+  old, n, m, freq, cum, slot, lo, hi, kind, shift, ebits, k, pos, pos_at, steps, steps_at, rank, d, of, mark, at16, tables, off, step, count, err
 
 extern "C" __global__ void v2_decode_1(WS_V2_PARAMS(ws::u8)) { ws::v2::decode_chunks<ws::u8>(WS_V2_ARGS); }
 extern "C" __global__ void v2_decode_2(WS_V2_PARAMS(ws::u16)) { ws::v2::decode_chunks<ws::u16>(WS_V2_ARGS); }

@@ -69,8 +69,8 @@ WIDTHS = {1: "u8", 2: "u16", 4: "u32", 8: "u64"}
 NULL = np.uint64(0)  # a null pointer argument
 # delta v2 (csrc/ws_v2_cuda.cu). Per-chunk tables, in u32s (its TABLES): first, h, qb, snap.
 V2_TABLES = v2_ref.NCLASS + 1 + 2 * 4 * v2_ref.NCLASS + (CHUNK_ELEMS // 128 + 16) * v2_ref.NCLASS  # snap: SNAP_ROW
-# scratch bytes of one chunk: rank u32, cls u8, d i64, of u8, at u16, off u32, step i64 per element; tables; marks
-V2_CHUNK_SCRATCH = CHUNK_ELEMS * (4 + 1 + 8 + 1 + 2 + 4 + 8) + 4 * V2_TABLES + CHUNK_ELEMS // 8
+# scratch bytes of one chunk: rank u32, d i64, of u8, at u16, off u32, step i64 per element; tables; marks
+V2_CHUNK_SCRATCH = CHUNK_ELEMS * (4 + 8 + 1 + 2 + 4 + 8) + 4 * V2_TABLES + CHUNK_ELEMS // 8
 V2_SCRATCH_BYTES = 256 << 20  # chunks are decoded in launches whose scratch fits this
 V2_ERRORS = ("", "position bitstream ends early", "bits left over after the last code",  # ws::v2::Err, in order
              "more changes than the model declares", "steps for a chunk without changes", "rANS stream ends early",
@@ -359,7 +359,7 @@ class _Engine:
         head = (*model, np.int32(lo), np.int32(hi), *(np.int32(x) for x in v2_ref.class_spec(dtype)), np.uint64(k))
         batch = max(1, min(nc, V2_SCRATCH_BYTES // V2_CHUNK_SCRATCH))
         span = batch * CHUNK_ELEMS
-        scratch = (xp.empty(span, np.uint32), xp.empty(span, np.uint8), xp.empty(span, np.int64),
+        scratch = (xp.empty(span, np.uint32), xp.empty(span, np.int64),
                    xp.empty(span, np.uint8), xp.empty(span // 64, np.uint64), xp.empty(span, np.uint16),
                    xp.empty(batch * V2_TABLES, np.uint32))
         off, step = xp.empty(span, np.uint32), xp.empty(span, np.int64)
