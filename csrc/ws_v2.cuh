@@ -380,9 +380,9 @@ WS_V2_INLINE u32 block_of(const u32* row, u32 g, u32 nb, u32 r) {
   // it, and the branch that leaves is one the core predicts.
   while (g + 16 < nb) {
     const __m128i* p = reinterpret_cast<const __m128i*>(row + g + 1);
-    const __m128i a = _mm_packs_epi32(_mm_cmpgt_epi32(_mm_loadu_si128(p), rv), _mm_cmpgt_epi32(_mm_loadu_si128(p + 1), rv));
-    const __m128i b = _mm_packs_epi32(_mm_cmpgt_epi32(_mm_loadu_si128(p + 2), rv), _mm_cmpgt_epi32(_mm_loadu_si128(p + 3), rv));
-    const int m = _mm_movemask_epi8(_mm_packs_epi16(a, b));
+    const auto past = [&](int i) { return _mm_cmpgt_epi32(_mm_loadu_si128(p + i), rv); };  // 4 blocks' flags
+    const int m = _mm_movemask_epi8(
+        _mm_packs_epi16(_mm_packs_epi32(past(0), past(1)), _mm_packs_epi32(past(2), past(3))));
     if (m) return g + u32(__builtin_ctz(unsigned(m)));
     g += 16;
   }
