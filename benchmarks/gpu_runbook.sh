@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu_runbook.sh            # the whole book (tens of minutes on an H100)
 #   bash benchmarks/gpu_runbook.sh --quick    # a short pass of every step (sanitizers on a subset, small bench)
+#   bash benchmarks/gpu_runbook.sh --lease    # a short lease (minutes of device time): the GPU steps only,
+#                                             # each under a time limit, the C++ extension built first
 #   bash benchmarks/gpu_runbook.sh --dry-run  # print the steps, run nothing (works without a GPU)
 #
 # Steps, each logged and timed, none stopping the others:
@@ -10,7 +12,9 @@
 #   2. the GPU kernel tests (tests/test_cuda_kernels.py) and the CPU-harness suites, byte for byte
 #      against delta_ref (they also run in CI without a GPU; here they confirm on the real thing)
 #   3. the kernel tests under compute-sanitizer: memcheck, racecheck, synccheck
-#   4. the throughput benchmark against a device-to-device copy (benchmarks/bench_cuda.py)
+#   4. the other tests marked gpu (tests/test_local.py, test_lowrank.py, test_torchdist.py)
+#   5. the throughput benchmark against a device-to-device copy, v2's GPU decoder against v1's apply
+#      (benchmarks/bench_cuda.py)
 # Everything lands in benchmarks/results/<date>-<gpu>-runbook/ (logs, bench JSON, summary.md naming the
 # device); commit that folder. Needs the dev and cuda extras: pip install -e ".[dev,cuda]" with a CUDA torch.
 set -u
@@ -18,11 +22,13 @@ cd "$(dirname "$0")/.."
 
 QUICK=0
 DRY=0
+LEASE=0
 for a in "$@"; do
     case "$a" in
         --quick) QUICK=1 ;;
+        --lease) LEASE=1 ;;
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "unknown option $a (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -45,18 +51,21 @@ SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2
 
 # The sanitizers slow kernels 10-100x: they get the tests' small and edge cases, not the hypothesis sweeps.
 SAN_TESTS="tests/test_cuda_kernels.py"
-SAN_K="bad_sections or digests or fused_detector or public_api"
-if [ "$QUICK" = 1 ]; then
-    SAN_K="bad_sections or digests"
-    BENCH_ARGS="--quick"
-else
-    BENCH_ARGS=""
+SAN_K="bad_sections or digests or fused_detector or public_api or v2"
+BENCH_ARGS=""
+if [ "$QUICK" = 1 ] || [ "$LEASE" = 1 ]; then
+    SAN_K="bad_sections or digests or v2_decode_matches"
 fi
+[ "$QUICK" = 1 ] && BENCH_ARGS="--quick"
+[ "$LEASE" = 1 ] && BENCH_ARGS="--repeat 5 --warmup 2"  # full sizes, fewer repeats
 
+# In a lease each step gets a time limit (seconds), so one that hangs cannot spend the others' time.
+LIMIT=()
 declare -a NAMES RCS SECS LOGS
 step() {  # step NAME LOGFILE COMMAND...: run it, keep its log, its exit code and its seconds
     local name=$1 log=$2
     shift 2
+    [ "${#LIMIT[@]}" -gt 0 ] && set -- "${LIMIT[@]}" "$@"
     if [ "$DRY" = 1 ]; then
         echo "[$name] $*"
         return
@@ -72,26 +81,56 @@ step() {  # step NAME LOGFILE COMMAND...: run it, keep its log, its exit code an
     echo "   -> exit $rc in $((SECONDS - t0)) s (log: $OUT/$log)"
 }
 
-step device device.log bash -c "nvidia-smi; $PY -c 'import torch, cupy; print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0)); print(\"cupy\", cupy.__version__, cupy.cuda.runtime.runtimeGetVersion())'"
-step kernels-on-gpu kernels.log "$PY" -m pytest -q -rs tests/test_cuda_kernels.py
-step harness-suites harness.log "$PY" -m pytest -q tests/test_cuda_sim.py tests/test_cuda_sim_harness.py \
-    tests/test_cuda_streams.py tests/test_cuda_xxh3.py tests/test_cuda_compile.py
-if [ -n "$SAN" ] || [ "$DRY" = 1 ]; then
-    for tool in memcheck racecheck synccheck; do
-        step "compute-sanitizer $tool" "sanitizer-$tool.log" "${SAN:-compute-sanitizer}" --tool "$tool" \
-            --error-exitcode 99 --target-processes all "$PY" -m pytest -q -x "$SAN_TESTS" -k "$SAN_K"
-    done
-else
-    echo "compute-sanitizer not found (PATH, /usr/local/cuda/bin): sanitizer steps skipped" | tee "$OUT/sanitizer-missing.log"
+limit() {  # the time limit (seconds) of the next steps, in a lease only
+    [ "$LEASE" = 1 ] && LIMIT=(timeout -k 5 "$1")
+    return 0
+}
+sanitizers() {
+    if [ -n "$SAN" ] || [ "$DRY" = 1 ]; then
+        for tool in memcheck racecheck synccheck; do
+            step "compute-sanitizer $tool" "sanitizer-$tool.log" "${SAN:-compute-sanitizer}" --tool "$tool" \
+                --error-exitcode 99 --target-processes all "$PY" -m pytest -q -x "$SAN_TESTS" -k "$SAN_K"
+        done
+    else
+        echo "compute-sanitizer not found (PATH, /usr/local/cuda/bin): sanitizer steps skipped" | tee "$OUT/sanitizer-missing.log"
+    fi
+}
+throughput() {
+    [ -n "${BUILD:-}" ] && wait "$BUILD"
+    step throughput bench.log "$PY" benchmarks/bench_cuda.py $BENCH_ARGS --json "$OUT/bench_cuda.json"
+}
+
+if [ "$LEASE" = 1 ] && [ "$DRY" = 0 ]; then  # the C++ twin: the v2 stage encodes with it; built beside the first steps
+    ( $PY setup.py build_ext --inplace -q >"$OUT/build-ext.log" 2>&1; echo "exit $?" >>"$OUT/build-ext.log" ) &
+    BUILD=$!
 fi
-step throughput bench.log "$PY" benchmarks/bench_cuda.py $BENCH_ARGS --json "$OUT/bench_cuda.json"
+limit 30
+step device device.log bash -c "nvidia-smi; $PY -c 'import torch, cupy; print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0)); print(\"cupy\", cupy.__version__, cupy.cuda.runtime.runtimeGetVersion())'"
+limit 120
+step kernels-on-gpu kernels.log "$PY" -m pytest -q -rs tests/test_cuda_kernels.py
+if [ "$LEASE" = 1 ]; then  # the readings before the slow checks; the CPU-only suites are left to CI
+    limit 150
+    throughput
+    limit 45
+    sanitizers
+    limit 60
+    step other-gpu-tests gpu-tests.log "$PY" -m pytest -q -rs -m gpu tests/test_local.py tests/test_lowrank.py \
+        tests/test_torchdist.py
+else
+    step harness-suites harness.log "$PY" -m pytest -q tests/test_cuda_sim.py tests/test_cuda_sim_harness.py \
+        tests/test_cuda_streams.py tests/test_cuda_xxh3.py tests/test_cuda_compile.py
+    step other-gpu-tests gpu-tests.log "$PY" -m pytest -q -rs -m gpu tests/test_local.py tests/test_lowrank.py \
+        tests/test_torchdist.py
+    sanitizers
+    throughput
+fi
 
 [ "$DRY" = 1 ] && exit 0
 {
     echo "# GPU runbook, $(date +%F)"
     echo
     echo "Device: $GPU ($(nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader | head -1));"
-    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); mode: $([ "$QUICK" = 1 ] && echo quick || echo full)."
+    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); mode: $([ "$LEASE" = 1 ] && echo lease || ([ "$QUICK" = 1 ] && echo quick || echo full))."
     echo
     echo "| step | exit | seconds | log |"
     echo "|---|---|---|---|"

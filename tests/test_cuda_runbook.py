@@ -27,16 +27,21 @@ def test_it_parses():
     assert subprocess.run(["bash", "-n", str(BOOK)], capture_output=True).returncode == 0
 
 
-@pytest.mark.parametrize("mode", [[], ["--quick"]])
+@pytest.mark.parametrize("mode", [[], ["--quick"], ["--lease"]])
 def test_dry_run_lists_every_step(mode):
     r = run("--dry-run", *mode)
     assert r.returncode == 0, r.stderr
     steps = [line.split("]")[0].lstrip("[") for line in r.stdout.splitlines() if line.startswith("[")]
-    assert steps == ["device", "kernels-on-gpu", "harness-suites", "compute-sanitizer memcheck",
-                     "compute-sanitizer racecheck", "compute-sanitizer synccheck", "throughput"]
+    sanitizers = ["compute-sanitizer memcheck", "compute-sanitizer racecheck", "compute-sanitizer synccheck"]
+    if mode == ["--lease"]:  # the GPU steps only, the readings first, each under a time limit
+        assert steps == ["device", "kernels-on-gpu", "throughput", *sanitizers, "other-gpu-tests"]
+        assert all(line.startswith(f"[{s}] timeout ") for s, line in zip(steps, r.stdout.splitlines()))
+    else:
+        assert steps == ["device", "kernels-on-gpu", "harness-suites", "other-gpu-tests", *sanitizers, "throughput"]
+        assert "timeout" not in r.stdout
     assert "tests/test_cuda_kernels.py" in r.stdout and "benchmarks/bench_cuda.py" in r.stdout
     assert "--json benchmarks/results/" in r.stdout
-    assert ("--quick" in r.stdout.split("[throughput]")[1]) == bool(mode)
+    assert ("--quick" in r.stdout.split("[throughput]")[1]) == (mode == ["--quick"])
 
 
 def test_without_a_gpu_it_stops_with_a_reason():
