@@ -67,6 +67,37 @@ def test_chunks_in_several_launches(sim, monkeypatch):
     assert rt.launched.count("v2_decode_2") == 4
 
 
+def test_the_runtimes_budget_sizes_the_launches(sim):
+    """A runtime that knows its free memory (cupy's) sets the scratch per launch; blocks are V2_BLOCK threads."""
+
+    class Budgeted(cudasim.SimRuntime):
+        def v2_scratch_budget(self) -> int:
+            return 2 * cuda.V2_CHUNK_SCRATCH
+
+    rt = Budgeted(sim, "random", seed=5)
+    dt, old, parts = _case("BF16", 4 * C + 9, seed=6)
+    assert same_sections(gpu_decode(sim, old, parts, dt, runtime=rt), v2_ref.decode(old, parts, dt))
+    assert rt.launched.count("v2_decode_2") == 3 and set(rt.blocks) == {cuda.V2_BLOCK}
+
+
+def test_torch_fp8_cuda_tensors_count_as_device_arrays():
+    """torch's __cuda_array_interface__ raises KeyError for dtypes numpy lacks (float8_*): found on an H200,
+    where every fp8 call of the CUDA backend failed. A stand-in with that property, as torch 2.11 has it."""
+
+    class Fp8Tensor:
+        def __init__(self, is_cuda: bool):
+            self.is_cuda = is_cuda
+
+        @property
+        def __cuda_array_interface__(self):
+            if not self.is_cuda:
+                raise AttributeError("not a CUDA tensor")
+            raise KeyError("torch.float8_e4m3fn")
+
+    assert cuda._is_device_array(Fp8Tensor(True)) and not cuda._is_device_array(Fp8Tensor(False))
+    assert not cuda._is_device_array(np.zeros(3))
+
+
 def test_cuda_backend_encodes_v2_with_the_cpp_encoder(sim, monkeypatch):
     """No CUDA encoder: the backend's v1 sections (from the GPU kernels) go to the C++ encoder on the host,
     the reference's bytes without the reference's Python; without the extension, the reference itself."""

@@ -74,6 +74,8 @@ def to_cuda(torch, bits: np.ndarray, width: int, order: str):
 
 
 def from_cuda(torch, t) -> np.ndarray:
+    if t.numel() == 0:  # torch gives an empty tensor stride 0, which refuses the view to bytes
+        return np.zeros(0, np.uint8)
     return t.contiguous().view(torch.uint8).cpu().numpy()
 
 

@@ -284,10 +284,12 @@ class SimRuntime:
         self.block = cuda.NT
         self.xp = JunkNumpy(seed)
         self.launched: list[str] = []
+        self.blocks: list[int] = []  # threads per block of each launch
 
-    def launch(self, name: str, grid: int, args: tuple) -> None:
+    def launch(self, name: str, grid: int, args: tuple, block: int | None = None) -> None:
         self.launched.append(name)
-        self.sim.launch(name, grid, self.block, args, self.schedule, self.seed * 7919 + len(self.launched))
+        self.blocks.append(block or self.block)
+        self.sim.launch(name, grid, block or self.block, args, self.schedule, self.seed * 7919 + len(self.launched))
 
     @staticmethod
     def to_host(x) -> np.ndarray:

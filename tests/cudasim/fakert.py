@@ -178,7 +178,7 @@ class FakeRuntime:
 
     # ---- the runtime interface -------------------------------------------------------------
 
-    def launch(self, name: str, grid: int, args: tuple) -> None:
+    def launch(self, name: str, grid: int, args: tuple, block: int | None = None) -> None:
         k = self.sim.kernels[name]
         for i, (a, p) in enumerate(zip(args, k.params)):
             if isinstance(a, np.ndarray):
@@ -190,7 +190,7 @@ class FakeRuntime:
         seq = self.seq.get(self.current, 0) + 1
         self.seq[self.current] = seq
         self.log.append(("launch", name, self.device, self.current))
-        self.sim.launch(name, grid, self.block, args)
+        self.sim.launch(name, grid, block or self.block, args)
         for a, p in zip(args, k.params):
             if isinstance(a, np.ndarray) and p.is_ptr and not p.is_const and a.nbytes:
                 lo = a.ctypes.data

@@ -71,7 +71,9 @@ NULL = np.uint64(0)  # a null pointer argument
 V2_TABLES = v2_ref.NCLASS + 1 + 2 * 4 * v2_ref.NCLASS + (CHUNK_ELEMS // 128 + 16) * v2_ref.NCLASS  # snap: SNAP_ROW
 # scratch bytes of one chunk: rank u32, d i64, of u8, at u16, off u32, step i64 per element; tables; marks
 V2_CHUNK_SCRATCH = CHUNK_ELEMS * (4 + 8 + 1 + 2 + 4 + 8) + 4 * V2_TABLES + CHUNK_ELEMS // 8
-V2_SCRATCH_BYTES = 256 << 20  # chunks are decoded in launches whose scratch fits this
+V2_SCRATCH_BYTES = 256 << 20  # chunks are decoded in launches whose scratch fits this, or the runtime's budget
+V2_SCRATCH_MAX = 16 << 30  # the most scratch the cupy runtime's budget takes (a quarter of free memory below it)
+V2_BLOCK = 32  # threads (chunks) per block of the v2 decoder: few, so a launch's chunks reach every SM
 V2_ERRORS = ("", "position bitstream ends early", "bits left over after the last code",  # ws::v2::Err, in order
              "more changes than the model declares", "steps for a chunk without changes", "rANS stream ends early",
              "rANS state outside [2^23, 2^31)", "rANS stream does not end where it should (corrupt)",
@@ -340,10 +342,13 @@ class _Engine:
 
         The host parses the model and the index with v2_ref's own checks into the flat tables the kernel
         reads; one thread per chunk runs ws_v2.cuh's decode_chunk, the C++ backend's own, and leaves the
-        chunk's changes at its offset with a count and an error code. They are compacted on the device and
-        only the changes (position, step, base value: 24 bytes each) come back to build the v1 sections.
-        Chunks go in launches whose scratch fits V2_SCRATCH_BYTES. Anything the reference refuses raises
-        FormatError; nothing is written but scratch.
+        chunk's changes at its offset with a count and an error code. They are compacted and turned into v1
+        sections on the device (v2_ref.sections_of over xp); only counts and error codes come to the host.
+        Chunks go in launches whose scratch fits the runtime's budget (V2_SCRATCH_BYTES, or a quarter of
+        the GPU's free memory up to V2_SCRATCH_MAX): a chunk's thread is slow (it walks 65536 elements
+        alone), so the more chunks one launch holds the faster the whole goes. Blocks are V2_BLOCK threads,
+        spreading the chunks over the multiprocessors. Anything the reference refuses raises FormatError;
+        nothing is written but scratch. The sections are xp arrays.
         """
         xp, n, w = self.xp, len(old), old.dtype.itemsize
         width_name(old.dtype)
@@ -357,7 +362,8 @@ class _Engine:
         lo, hi = (coded[0], coded[-1] + 1) if coded else (0, 0)
         stream = [xp.asarray(np.frombuffer(bytes(parts[p]) or b"\0", np.uint8)) for p in ("pos", "steps")]
         head = (*model, np.int32(lo), np.int32(hi), *(np.int32(x) for x in v2_ref.class_spec(dtype)), np.uint64(k))
-        batch = max(1, min(nc, V2_SCRATCH_BYTES // V2_CHUNK_SCRATCH))
+        budget = self.rt.v2_scratch_budget() if hasattr(self.rt, "v2_scratch_budget") else V2_SCRATCH_BYTES
+        batch = max(1, min(nc, budget // V2_CHUNK_SCRATCH))
         span = batch * CHUNK_ELEMS
         scratch = (xp.empty(span, np.uint32), xp.empty(span, np.int64),
                    xp.empty(span, np.uint8), xp.empty(span // 64, np.uint64), xp.empty(span, np.uint16),
@@ -365,14 +371,15 @@ class _Engine:
         off, step = xp.empty(span, np.uint32), xp.empty(span, np.int64)
         res = xp.empty(2 * batch, np.uint32)  # counts, then error codes: one copy to the host per launch
         got: list[tuple] = []
+        total = 0
         for c0 in range(0, nc, batch):
             nb = min(batch, nc - c0)
             e0 = c0 * CHUNK_ELEMS
             ne = min(n - e0, nb * CHUNK_ELEMS)
             count, err = res[:nb], res[batch:batch + nb].view(np.int32)
-            self.rt.launch(f"v2_decode_{w}", -(-nb // NT),
+            self.rt.launch(f"v2_decode_{w}", -(-nb // V2_BLOCK),
                            (old[e0:e0 + ne], np.uint64(ne), *head, stream[0], at[0][c0:], stream[1], at[1][c0:],
-                            *scratch, off, step, count, err))
+                            *scratch, off, step, count, err), block=V2_BLOCK)
             host = self.rt.to_host(res)
             codes = host[batch:batch + nb].view(np.int32)
             bad = np.flatnonzero(codes)
@@ -381,15 +388,18 @@ class _Engine:
                 why = V2_ERRORS[code] if 0 < code < len(V2_ERRORS) else f"error {code}"
                 raise FormatError(f"v2 chunk {c0 + int(bad[0])}: {why}")
             counts = host[:nb].astype(np.int64)
+            total += int(counts.sum())
+            if total > k:
+                raise FormatError(f"v2: decoded more than the {k} changes the model declares")
             valid = (xp.arange(CHUNK_ELEMS)[None, :] < xp.asarray(counts)[:, None]).ravel()
             flat = xp.nonzero(valid)[0]
             pos = flat - flat % CHUNK_ELEMS + off[flat].astype(np.int64) + e0
-            got.append((self.rt.to_host(pos), self.rt.to_host(step[flat]), self.rt.to_host(old[pos])))
-        total = sum(len(g[0]) for g in got)
+            got.append((pos, step[flat]))  # copies (fancy indexing): the next launch reuses off and step
         if total != k:
             raise FormatError(f"v2: decoded {total} changes, the model declares {k}")
-        pos, d, before = (np.concatenate([g[i] for g in got]) for i in range(3))
-        return v2_ref.sections_of(n, before, pos, d, dtype.order)
+        pos = xp.concatenate([g[0] for g in got]) if got else xp.zeros(0, np.int64)
+        d = xp.concatenate([g[1] for g in got]) if got else xp.zeros(0, np.int64)
+        return v2_ref.sections_of(n, old[pos], pos, d, dtype.order, xp)
 
     # ---- checksums ---------------------------------------------------------------
 
@@ -521,7 +531,9 @@ class _KernelsOver(Composed):
 
     def v2_decode(self, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
         """codecs/v2_ref.decode with the chunks decoded on the GPU: the base goes up, the sections come back."""
-        return self.engine.v2_decode(self.xp.ascontiguousarray(self.xp.asarray(as_array(old))), parts, dtype)
+        old = as_array(old)
+        sec = self.engine.v2_decode(self.xp.ascontiguousarray(self.xp.asarray(old)), parts, dtype)
+        return sections_to_host(sec, old.dtype)
 
     def checksum(self, buf) -> str:
         # Host bytes are hashed on the host: xxh3 runs at memory speed there, and a
@@ -560,10 +572,7 @@ class CudaKernels(_KernelsOver):
         """The v1 sections of a delta-v2 tensor against a contiguous CUDA tensor (the base it was coded
         against), decoded on its GPU and left there, for apply_device. Bad parts raise FormatError."""
         with self._on(base):
-            sec = self.engine.v2_decode(self.rt.bits(base), parts, dtype)
-            xp = self.xp
-            return self._device_sections(DeltaSections(xp.asarray(sec.table), xp.asarray(sec.gaps),
-                                                       xp.asarray(sec.steps), xp.asarray(sec.escapes)))
+            return self._device_sections(self.engine.v2_decode(self.rt.bits(base), parts, dtype))
 
     def apply_device(self, weights, sections: DeltaSections, order: str, undo: bool = True) -> Undo | None:
         """Apply sections in place to a contiguous CUDA tensor. Bad sections raise
@@ -707,7 +716,9 @@ def _host(x) -> np.ndarray:
 
 
 def _is_device_array(x) -> bool:
-    return hasattr(x, "__cuda_array_interface__") or bool(getattr(x, "is_cuda", False))
+    if hasattr(x, "is_cuda"):  # torch: its __cuda_array_interface__ raises KeyError on dtypes numpy lacks (fp8)
+        return bool(x.is_cuda)
+    return hasattr(x, "__cuda_array_interface__")
 
 
 def _bits(t, bytes_only: bool = False):
@@ -721,7 +732,11 @@ def _bits(t, bytes_only: bool = False):
         if not t.is_contiguous():
             raise ValueError("the tensor must be contiguous (call .contiguous() first, which copies)")
         itemsize = t.element_size()
-        x = cp.from_dlpack(t.detach().reshape(-1).view(_torch_u8()))  # u8: every DLPack consumer knows it
+        if t.numel() == 0:  # torch gives an empty tensor stride 0, which no view to u8 takes
+            with cp.cuda.Device(t.device.index):
+                x = cp.empty(0, np.uint8)
+        else:
+            x = cp.from_dlpack(t.detach().reshape(-1).view(_torch_u8()))  # u8: every DLPack consumer knows it
     elif isinstance(t, cp.ndarray):
         if not t.flags.c_contiguous:
             raise ValueError("the array must be C-contiguous")
@@ -779,12 +794,18 @@ class _CupyRuntime:
         # base address of each block cupy took from torch's allocator -> the torch tensor that owns it
         self._owners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
-    def launch(self, name: str, grid: int, args: tuple) -> None:
+    def launch(self, name: str, grid: int, args: tuple, block: int = NT) -> None:
         key = (self.cp.cuda.Device().id, name)  # a loaded function belongs to one device
         fn = self._fns.get(key)
         if fn is None:
             fn = self._fns[key] = self.module.get_function(name)
-        fn((grid,), (NT,), args)
+        fn((grid,), (block,), args)
+
+    def v2_scratch_budget(self) -> int:
+        """Bytes of scratch one v2 decode launch may take: a quarter of the device's free memory, within
+        [V2_SCRATCH_BYTES, V2_SCRATCH_MAX]."""
+        free, _ = self.cp.cuda.runtime.memGetInfo()
+        return max(V2_SCRATCH_BYTES, min(free // 4, V2_SCRATCH_MAX))
 
     def to_host(self, x) -> np.ndarray:
         return self.cp.asnumpy(x)  # on the current stream, which is the one the kernels ran on

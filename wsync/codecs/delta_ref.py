@@ -69,21 +69,22 @@ def sign_bit(dtype: np.dtype):
     return dtype.type(1 << (8 * dtype.itemsize - 1))
 
 
-def monotone_key(bits: np.ndarray, order: str) -> np.ndarray:
-    """Map bit patterns to keys that sort like the values (see module docstring)."""
+def monotone_key(bits: np.ndarray, order: str, xp=np) -> np.ndarray:
+    """Map bit patterns to keys that sort like the values (see module docstring). xp: the array module
+    of bits (cupy for the CUDA backend's device arrays)."""
     sb = sign_bit(bits.dtype)
     if order == "float":
-        return np.where(bits & sb, ~bits, bits | sb)
+        return xp.where(bits & sb, ~bits, bits | sb)
     if order == "int":
         return bits ^ sb
     return bits
 
 
-def unkey(keys: np.ndarray, order: str) -> np.ndarray:
+def unkey(keys: np.ndarray, order: str, xp=np) -> np.ndarray:
     """Inverse of monotone_key."""
     sb = sign_bit(keys.dtype)
     if order == "float":
-        return np.where(keys & sb, keys ^ sb, ~keys)
+        return xp.where(keys & sb, keys ^ sb, ~keys)
     if order == "int":
         return keys ^ sb
     return keys

@@ -512,20 +512,21 @@ def to_sections(old: np.ndarray, pos: np.ndarray, d: np.ndarray, order: str) -> 
     return sections_of(len(old), old[pos], pos, d, order)
 
 
-def sections_of(n: int, before: np.ndarray, pos: np.ndarray, d: np.ndarray, order: str) -> DeltaSections:
-    """to_sections given only the base's values at the changes (before = old[pos]) of an n-element tensor."""
+def sections_of(n: int, before: np.ndarray, pos: np.ndarray, d: np.ndarray, order: str, xp=np) -> DeltaSections:
+    """to_sections given only the base's values at the changes (before = old[pos]) of an n-element tensor.
+    xp: the array module of the arrays (the CUDA backend builds the sections on its device with cupy)."""
     w = before.dtype.itemsize
     ud = (d.view(np.uint64) if w == 8 else d & ((1 << (8 * w)) - 1)).astype(before.dtype)  # d modulo 2^(8W)
-    new = delta_ref.unkey(delta_ref.monotone_key(before, order) + ud, order)
+    new = delta_ref.unkey(delta_ref.monotone_key(before, order, xp) + ud, order, xp)
     nc = delta_ref.nchunks(n)
     chunk, offset = pos // CHUNK_ELEMS, pos % CHUNK_ELEMS
-    first = np.ones(len(pos), dtype=bool)
+    first = xp.ones(len(pos), dtype=bool)
     first[1:] = chunk[1:] != chunk[:-1]
-    prev = np.concatenate([[0], offset[:-1]]).astype(np.int64)
-    gaps = np.where(first, offset, offset - prev - 1).astype("<u2")
+    prev = xp.concatenate([xp.zeros(1, np.int64), offset[:-1].astype(np.int64)])
+    gaps = xp.where(first, offset, offset - prev - 1).astype("<u2")
     small = (d >= -127) & (d <= 127)
-    steps = np.where(small, d, delta_ref.ESCAPE).astype(np.int8)
-    counts = np.bincount(chunk, minlength=nc).astype("<u4")
-    esc = np.bincount(chunk[~small], minlength=nc).astype("<u4")
-    return DeltaSections(np.concatenate([counts, esc]), gaps, steps,
+    steps = xp.where(small, d, delta_ref.ESCAPE).astype(np.int8)
+    counts = xp.bincount(chunk, minlength=nc).astype("<u4")
+    esc = xp.bincount(chunk[~small], minlength=nc).astype("<u4")
+    return DeltaSections(xp.concatenate([counts, esc]), gaps, steps,
                          new[~small].astype(before.dtype.newbyteorder("<")))
