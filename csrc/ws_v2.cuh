@@ -1,6 +1,7 @@
-// Delta codec v2 (wsync/codecs/v2_ref.py is the spec): the decoder of one chunk, written once for the
-// C++ backend (csrc/ws_v2.h drives it over chunks on the thread pool) and for a CUDA kernel that runs one
-// chunk per thread. No STL, no allocation: the caller hands in the model and the scratch.
+// Delta codec v2 (wsync/codecs/v2_ref.py is the spec): the decoder of one chunk for the C++ backend
+// (csrc/ws_v2.h drives it over chunks on the thread pool), and the reading of a chunk's codes
+// (decode_codes) that it shares with the CUDA kernel, a warp per chunk (csrc/ws_v2_cuda.cu), which counts
+// and places over its lanes instead. No STL, no allocation: the caller hands in the model and the scratch.
 #pragma once
 
 #include "ws_common.cuh"
@@ -264,6 +265,7 @@ constexpr u32 NBLOCK = CHUNK / BLOCK;
 // A class's row of block counts. Padded past NBLOCK so that the rows the counting pass writes side by side
 // (rows 2 KiB apart) do not all fall in the same few sets of a CPU's L1 cache.
 constexpr u32 SNAP_ROW = NBLOCK + 16;
+static_assert(SNAP_ROW > NBLOCK, "a row holds a count before each block");
 
 // Scratch of one chunk: arrays of cap entries (cap >= the chunk's length) and tables of NCLASS.
 struct Scratch {
@@ -400,6 +402,98 @@ WS_V2_INLINE u32 block_of(const u32* row, u32 g, u32 nb, u32 r) {
   return g;
 }
 
+// The class counts decode_chunk's walkers leave: a class's count in the chunk is the sum of its quarters'.
+struct QuarterPop {
+  const u32* h;
+  WS_HD u64 operator()(int c) const {
+    u64 p = 0;
+    for (int w = 0; w < WALKERS; ++w) p += h[w * NCLASS + c];
+    return p;
+  }
+};
+
+// A chunk's codes in v2_ref's order: per coded class in [lo, hi) its gaps (ranks within the class) with
+// each change's rANS step taken as soon as its gap is read, then the escapes, then the padding. pop(c): the
+// class's element count in the chunk. Writes rank[j] and d[j] in coding order and first[c], the coding
+// index of class c's first change (first[hi..NCLASS] = the count), and *count. Shared by decode_chunk (the
+// C++ backend) and the GPU's warp per chunk (csrc/ws_v2_cuda.cu); budget: changes the chunk may hold.
+template <class Pop>
+WS_V2_INLINE int decode_codes(const u8* pb, u64 plen, const u8* sb, u64 slen, ModelView md, int lo, int hi,
+                              int width_bits, u64 budget, const Pop& pop, u32* rank, i64* d, u32* first,
+                              u32* count) {
+  BitReader rd{pb, 8 * plen, 0};
+  u32 k = 0;
+  // Each change's rANS step is taken as soon as its gap is read: the two streams are independent chains,
+  // and side by side the core runs them at once. A rANS error waits until every gap is read, so errors
+  // come out in the order of decoding the gaps first (v2_ref).
+  int rerr = slen < 4 ? RANS_SHORT : OK;
+  u32 x = 0;
+  u64 at = 4;
+  if (!rerr) {
+    x = u32(sb[0]) | (u32(sb[1]) << 8) | (u32(sb[2]) << 16) | (u32(sb[3]) << 24);
+    if (x < RANS_L || x >= (RANS_L << 8)) rerr = RANS_STATE;
+  }
+  for (int c = 0; c <= NCLASS; ++c) first[c] = 0;
+  for (int c = lo; c < hi; ++c) {
+    first[c] = k;
+    const u64 m = md.m[c];
+    const u64 n_c = pop(c);
+    if (!m || !n_c) continue;
+    u64 nxt = 0;
+    const int km = log2_64(m);  // m >= 1: the full remainder's truncated-binary width and threshold
+    const u64 um = (u64(2) << km) - m;
+    const u8* slots = md.slot + c * PROB_SCALE;
+    const u32* freq = md.freq + c * NSYM;
+    const u32* cum = md.cum + c * NSYM;
+    for (;;) {
+      u64 g;
+      if (!gap_fast(rd, m, km, um, n_c - nxt, &g)) {
+        bool end;
+        if (!get_gap(rd, m, n_c - nxt, &g, &end)) return BITS_SHORT;
+        if (end) break;
+      }
+      if (u64(k) >= budget) return TOO_MANY;
+      rank[k] = u32(nxt + g);
+      nxt += g + 1;
+      if (!rerr) {
+        const u32 slot = x & (PROB_SCALE - 1);
+        const int s = slots[slot];
+        x = freq[s] * (x >> PROB_BITS) + slot - cum[s];
+        while (x < RANS_L) {
+          if (at >= slen) {
+            rerr = RANS_SHORT;
+            break;
+          }
+          x = (x << 8) | sb[at++];
+        }
+        d[k] = s < SMALL ? i64(s - SMALL) : s < ESC ? i64(s - SMALL + 1) : 0;
+      }
+      ++k;
+    }
+  }
+  for (int c = hi; c <= NCLASS; ++c) first[c] = k;
+  if (k == 0) {
+    if (slen) return STEPS_NO_CHANGE;
+  } else {
+    if (rerr) return rerr;
+    if (x != RANS_L || at != slen) return RANS_END;
+    for (u32 i = 0; i < k; ++i)
+      if (d[i] == 0) {
+        const int e = get_escape(rd, width_bits, &d[i]);
+        if (e) return e;
+      }
+  }
+  const u64 left = rd.nbits - rd.pos;
+  if (left >= 8) return BITS_LEFT;
+  if (left) {
+    u64 pad;
+    rd.get(int(left), &pad);
+    if (pad) return BITS_LEFT;
+  }
+  *count = k;
+  return OK;
+}
+
 // Where decode_chunk's changes go when the caller wants them as two arrays (the GPU kernel): the i-th in
 // position order at off[i] (offset in chunk) and step[i].
 struct ToArrays {
@@ -459,75 +553,11 @@ WS_HD int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, const u8* 
       }
     }
   }
-  BitReader rd{pb, 8 * plen, 0};
   u32 k = 0;
-  // Each change's rANS step is taken as soon as its gap is read: the two streams are independent chains,
-  // and side by side the core runs them at once. A rANS error waits until every gap is read, so errors
-  // come out in the order of decoding the gaps first (v2_ref).
-  int rerr = slen < 4 ? RANS_SHORT : OK;
-  u32 x = 0;
-  u64 at = 4;
-  if (!rerr) {
-    x = u32(sb[0]) | (u32(sb[1]) << 8) | (u32(sb[2]) << 16) | (u32(sb[3]) << 24);
-    if (x < RANS_L || x >= (RANS_L << 8)) rerr = RANS_STATE;
-  }
-  for (int c = 0; c <= NCLASS; ++c) sc.first[c] = 0;
-  for (int c = lo; c < hi; ++c) {
-    sc.first[c] = k;
-    const u64 m = md.m[c];
-    u64 pop = 0;
-    for (int w = 0; w < WALKERS; ++w) pop += sc.h[w * NCLASS + c];
-    if (!m || !pop) continue;
-    u64 nxt = 0;
-    const int km = log2_64(m);  // m >= 1: the full remainder's truncated-binary width and threshold
-    const u64 um = (u64(2) << km) - m;
-    const u8* slots = md.slot + c * PROB_SCALE;
-    const u32* freq = md.freq + c * NSYM;
-    const u32* cum = md.cum + c * NSYM;
-    for (;;) {
-      u64 g;
-      if (!gap_fast(rd, m, km, um, pop - nxt, &g)) {
-        bool end;
-        if (!get_gap(rd, m, pop - nxt, &g, &end)) return BITS_SHORT;
-        if (end) break;
-      }
-      if (u64(k) >= budget) return TOO_MANY;
-      sc.rank[k] = u32(nxt + g);
-      nxt += g + 1;
-      if (!rerr) {
-        const u32 slot = x & (PROB_SCALE - 1);
-        const int s = slots[slot];
-        x = freq[s] * (x >> PROB_BITS) + slot - cum[s];
-        while (x < RANS_L) {
-          if (at >= slen) {
-            rerr = RANS_SHORT;
-            break;
-          }
-          x = (x << 8) | sb[at++];
-        }
-        sc.d[k] = s < SMALL ? i64(s - SMALL) : s < ESC ? i64(s - SMALL + 1) : 0;
-      }
-      ++k;
-    }
-  }
-  for (int c = hi; c <= NCLASS; ++c) sc.first[c] = k;
-  if (k == 0) {
-    if (slen) return STEPS_NO_CHANGE;
-  } else {
-    if (rerr) return rerr;
-    if (x != RANS_L || at != slen) return RANS_END;
-    for (u32 i = 0; i < k; ++i)
-      if (sc.d[i] == 0) {
-        const int e = get_escape(rd, width_bits, &sc.d[i]);
-        if (e) return e;
-      }
-  }
-  const u64 left = rd.nbits - rd.pos;
-  if (left >= 8) return BITS_LEFT;
-  if (left) {
-    u64 pad;
-    rd.get(int(left), &pad);
-    if (pad) return BITS_LEFT;
+  {
+    const int e = decode_codes(pb, plen, sb, slen, md, lo, hi, width_bits, budget, QuarterPop{sc.h}, sc.rank,
+                               sc.d, sc.first, &k);
+    if (e) return e;
   }
   // Place the changes. A class's change of rank r is its element where the class's count reaches r. The
   // block counts become counts from the chunk's start (plus the quarters before); each class moves forward

@@ -1,8 +1,8 @@
 """The CUDA decoder of delta v2 (csrc/ws_v2_cuda.cu), run on CPU fibers (tests/cudasim): byte for byte v2_ref.
 
-One thread per chunk runs ws_v2.cuh's decode_chunk; the host part is the CUDA backend's own
-(wsync.backends.cuda._Engine.v2_decode: parsing the model and the index, batching chunks, compacting the
-changes), over the harness's runtime, whose fresh device memory is junk as cudaMalloc's is. Each case runs
+A warp per chunk counts and places, one lane reading the codes with ws_v2.cuh's decode_codes; the host part
+is the CUDA backend's own (wsync.backends.cuda._Engine.v2_decode: parsing the model and the index, batching
+chunks, compacting the changes and building the v1 sections), over the harness's runtime, whose fresh device memory is junk as cudaMalloc's is. Each case runs
 under the forward, reverse and random schedules; corrupt chunks must come back as FormatError, never a fault.
 """
 from __future__ import annotations

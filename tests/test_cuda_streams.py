@@ -171,7 +171,7 @@ def test_everything_runs_on_the_inputs_device_and_its_torch_stream(rt, kern):
 
 
 def test_v2_decoded_on_the_base_device_applies_on_another_stream(rt, kern):
-    """A delta-v2 tensor decoded against a CUDA base (one thread per chunk, its counts read back on its own
+    """A delta-v2 tensor decoded against a CUDA base (a warp per chunk, its counts read back on its own
     stream), applied from another stream: the apply waits for the decode's event, the bytes are the new ones."""
     from test_codec_v2 import _pair
 

@@ -67,13 +67,15 @@ NO_ERROR = np.uint64(2**64 - 1)  # err[0] when no change lands outside its chunk
 ORDERS = ("float", "int", "uint")
 WIDTHS = {1: "u8", 2: "u16", 4: "u32", 8: "u64"}
 NULL = np.uint64(0)  # a null pointer argument
-# delta v2 (csrc/ws_v2_cuda.cu). Per-chunk tables, in u32s (its TABLES): first, h, qb, snap.
-V2_TABLES = v2_ref.NCLASS + 1 + 2 * 4 * v2_ref.NCLASS + (CHUNK_ELEMS // 128 + 16) * v2_ref.NCLASS  # snap: SNAP_ROW
-# scratch bytes of one chunk: rank u32, d i64, of u8, at u16, off u32, step i64 per element; tables; marks
-V2_CHUNK_SCRATCH = CHUNK_ELEMS * (4 + 8 + 1 + 2 + 4 + 8) + 4 * V2_TABLES + CHUNK_ELEMS // 8
+# delta v2 (csrc/ws_v2_cuda.cu): a warp (one block of V2_BLOCK threads) per chunk. Per-chunk tables, in u32s
+# (its TABLES): first, pop; per-chunk lane pointers (NCLASS * V2_BLOCK u32s).
+V2_BLOCK = 32
+V2_TABLES = 2 * v2_ref.NCLASS + 1
+V2_PTRS = v2_ref.NCLASS * V2_BLOCK
+# scratch bytes of one chunk: rank u32, d i64, off u32, step i64 per element; tables; lane pointers
+V2_CHUNK_SCRATCH = CHUNK_ELEMS * (4 + 8 + 4 + 8) + 4 * V2_TABLES + 4 * V2_PTRS
 V2_SCRATCH_BYTES = 256 << 20  # chunks are decoded in launches whose scratch fits this, or the runtime's budget
 V2_SCRATCH_MAX = 16 << 30  # the most scratch the cupy runtime's budget takes (a quarter of free memory below it)
-V2_BLOCK = 32  # threads (chunks) per block of the v2 decoder: few, so a launch's chunks reach every SM
 V2_ERRORS = ("", "position bitstream ends early", "bits left over after the last code",  # ws::v2::Err, in order
              "more changes than the model declares", "steps for a chunk without changes", "rANS stream ends early",
              "rANS state outside [2^23, 2^31)", "rANS stream does not end where it should (corrupt)",
@@ -341,14 +343,13 @@ class _Engine:
         """codecs/v2_ref.decode with the chunks decoded on the GPU (old: 1-D device bits of the base).
 
         The host parses the model and the index with v2_ref's own checks into the flat tables the kernel
-        reads; one thread per chunk runs ws_v2.cuh's decode_chunk, the C++ backend's own, and leaves the
-        chunk's changes at its offset with a count and an error code. They are compacted and turned into v1
-        sections on the device (v2_ref.sections_of over xp); only counts and error codes come to the host.
-        Chunks go in launches whose scratch fits the runtime's budget (V2_SCRATCH_BYTES, or a quarter of
-        the GPU's free memory up to V2_SCRATCH_MAX): a chunk's thread is slow (it walks 65536 elements
-        alone), so the more chunks one launch holds the faster the whole goes. Blocks are V2_BLOCK threads,
-        spreading the chunks over the multiprocessors. Anything the reference refuses raises FormatError;
-        nothing is written but scratch. The sections are xp arrays.
+        reads; a warp per chunk (csrc/ws_v2_cuda.cu: its lanes count and place, one reads the codes with
+        ws_v2.cuh's decode_codes, the C++ backend's own) leaves the chunk's changes at its offset with a
+        count and an error code. They are compacted and turned into v1 sections on the device
+        (v2_ref.sections_of over xp); only counts and error codes come to the host. Chunks go in launches
+        whose scratch fits the runtime's budget (V2_SCRATCH_BYTES, or a quarter of the GPU's free memory up
+        to V2_SCRATCH_MAX). Anything the reference refuses raises FormatError; nothing is written but
+        scratch. The sections are xp arrays.
         """
         xp, n, w = self.xp, len(old), old.dtype.itemsize
         width_name(old.dtype)
@@ -365,8 +366,7 @@ class _Engine:
         budget = self.rt.v2_scratch_budget() if hasattr(self.rt, "v2_scratch_budget") else V2_SCRATCH_BYTES
         batch = max(1, min(nc, budget // V2_CHUNK_SCRATCH))
         span = batch * CHUNK_ELEMS
-        scratch = (xp.empty(span, np.uint32), xp.empty(span, np.int64),
-                   xp.empty(span, np.uint8), xp.empty(span // 64, np.uint64), xp.empty(span, np.uint16),
+        scratch = (xp.empty(span, np.uint32), xp.empty(span, np.int64), xp.empty(batch * V2_PTRS, np.uint32),
                    xp.empty(batch * V2_TABLES, np.uint32))
         off, step = xp.empty(span, np.uint32), xp.empty(span, np.int64)
         res = xp.empty(2 * batch, np.uint32)  # counts, then error codes: one copy to the host per launch
@@ -377,7 +377,7 @@ class _Engine:
             e0 = c0 * CHUNK_ELEMS
             ne = min(n - e0, nb * CHUNK_ELEMS)
             count, err = res[:nb], res[batch:batch + nb].view(np.int32)
-            self.rt.launch(f"v2_decode_{w}", -(-nb // V2_BLOCK),
+            self.rt.launch(f"v2_decode_{w}", nb,
                            (old[e0:e0 + ne], np.uint64(ne), *head, stream[0], at[0][c0:], stream[1], at[1][c0:],
                             *scratch, off, step, count, err), block=V2_BLOCK)
             host = self.rt.to_host(res)
