@@ -14,8 +14,8 @@ What it measures, and the targets of the issue "Fast codec backends":
            that produced them, on the same tensors: < 10% of the step
   v2       a delta-v2 tensor (issue "codec v2") decoded on the GPU and applied
            in place, against the same delta's v1 sections applied in place and
-           against the C++ decoder on the host (no target yet: the first
-           reading of the GPU decoder)
+           the C++ decoder on the host's cores (the baseline it has to beat;
+           no target in the issue)
 Every stage checks its output too (sections against delta_ref on a slice,
 digests before and after apply/restore, fused against a bf16 cast + encode),
 because a fast wrong kernel is worth nothing. Timings use CUDA events on

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from wsync.backends import cuda
 from wsync.codecs import delta_ref, v2_ref
@@ -147,3 +149,37 @@ def v2_round_trip(runtime) -> None:
     for i, name in enumerate(("U8", "BF16", "F32", "I64")):
         dt, old, parts = _case(name, 3000 + i, seed=i)
         assert same_sections(gpu_decode(None, old, parts, dt, runtime=runtime), v2_ref.decode(old, parts, dt)), name
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 2**40)), min_size=1, max_size=40),
+       st.binary(max_size=12), st.integers(0, 3), st.sampled_from(["exact", "under", "over", "cut"]))
+def test_the_index_read_with_numpy_is_the_references(lens, junk, where, how):
+    """cuda.v2_index_lengths (numpy) returns what v2_ref.read_index returns, and refuses what it refuses:
+    good indexes, and ones with junk spliced in, cut short, or limits that the lengths do not meet."""
+    out = bytearray()
+    for a, b in lens:
+        v2_ref.put_varint(out, a)
+        v2_ref.put_varint(out, b)
+    if how == "cut":
+        out = out[: len(out) * where // 4] + junk
+    pos_len, steps_len = sum(a for a, _ in lens), sum(b for _, b in lens)
+    if how == "under":
+        pos_len -= where
+    elif how == "over":
+        steps_len += where
+    index, nc = bytes(out), len(lens)
+    try:
+        want = np.array(v2_ref.read_index(index, nc, pos_len, steps_len), np.uint64).reshape(nc, 2)
+    except FormatError:
+        with pytest.raises(FormatError):
+            cuda.v2_index_lengths(index, nc, pos_len, steps_len)
+        return
+    got = cuda.v2_index_lengths(index, nc, pos_len, steps_len)
+    assert got.dtype == np.uint64 and got.tobytes() == want.tobytes()
+
+
+def test_overlong_varints_take_the_references_path():
+    """Ten-byte varints (zero continuation bytes: legal for the reference) are left to it, and agree."""
+    index = bytes([0x80] * 9 + [0x00]) + bytes([5])
+    assert cuda.v2_index_lengths(index, 1, 0, 5).tolist() == [[0, 5]]

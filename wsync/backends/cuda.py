@@ -355,8 +355,7 @@ class _Engine:
         width_name(old.dtype)
         k, m, freqs = v2_ref.read_model(bytes(parts["model"]), n, n * w, w)
         nc = nchunks(n)
-        lens = np.array(v2_ref.read_index(bytes(parts["index"]), nc, len(parts["pos"]), len(parts["steps"])),
-                        np.uint64).reshape(nc, 2)
+        lens = v2_index_lengths(bytes(parts["index"]), nc, len(parts["pos"]), len(parts["steps"]))
         at = [xp.asarray(np.concatenate([[0], np.cumsum(lens[:, i])]).astype(np.uint64)) for i in (0, 1)]
         model = [xp.asarray(a) for a in v2_model_tables(m, freqs)]
         coded = [c for c in range(v2_ref.NCLASS) if m[c]]
@@ -391,9 +390,13 @@ class _Engine:
             total += int(counts.sum())
             if total > k:
                 raise FormatError(f"v2: decoded more than the {k} changes the model declares")
-            valid = (xp.arange(CHUNK_ELEMS)[None, :] < xp.asarray(counts)[:, None]).ravel()
-            flat = xp.nonzero(valid)[0]
-            pos = flat - flat % CHUNK_ELEMS + off[flat].astype(np.int64) + e0
+            # the slots of the batch's changes: chunk j's are j * CHUNK_ELEMS + [0, counts[j]), found from the
+            # counts' prefix sums (work per change, not per slot of the launch)
+            ends = np.cumsum(counts)
+            i = xp.arange(int(ends[-1]), dtype=np.int64)
+            ch = xp.searchsorted(xp.asarray(ends), i, side="right")
+            flat = ch * CHUNK_ELEMS + (i - xp.asarray(ends - counts)[ch])
+            pos = ch * CHUNK_ELEMS + off[flat].astype(np.int64) + e0
             got.append((pos, step[flat]))  # copies (fancy indexing): the next launch reuses off and step
         if total != k:
             raise FormatError(f"v2: decoded {total} changes, the model declares {k}")
@@ -450,6 +453,24 @@ class _Engine:
     def _aligned(self, x, align: int):
         """x itself when its data is aligned, else an aligned copy (views with odd offsets are rare)."""
         return x if x.size == 0 or self.rt.ptr(x) % align == 0 else x.copy()
+
+
+def v2_index_lengths(index: bytes, nc: int, pos_len: int, steps_len: int) -> np.ndarray:
+    """v2_ref.read_index as an (nc, 2) uint64 array, its varints read with numpy: the reference's loop took
+    ~10 ms of the GPU decode's 24 for 4096 chunks (H200 host). The common case only: varints of at most nine
+    bytes (values below 2^63) that tile the index, within their limits, summing to the sections' lengths.
+    Anything else goes to the reference, which decides, and raises, as the spec says."""
+    b = np.frombuffer(index, np.uint8)
+    ends = np.flatnonzero(b < 0x80)
+    if nc and len(ends) == 2 * nc and ends[-1] == len(b) - 1 and nc * max(pos_len, steps_len, 1) < 2**63:
+        starts = np.concatenate([[0], ends[:-1] + 1])
+        if int((ends - starts).max()) < 9:
+            shift = 7 * (np.arange(len(b)) - np.repeat(starts, ends - starts + 1))
+            lens = np.add.reduceat((b & 0x7F).astype(np.uint64) << shift.astype(np.uint64), starts).reshape(nc, 2)
+            if (int(lens[:, 0].max()) <= pos_len and int(lens[:, 1].max()) <= steps_len
+                    and int(lens[:, 0].sum()) == pos_len and int(lens[:, 1].sum()) == steps_len):
+                return lens
+    return np.array(v2_ref.read_index(index, nc, pos_len, steps_len), np.uint64).reshape(nc, 2)
 
 
 def v2_model_tables(m: list[int], freqs: dict) -> tuple[np.ndarray, ...]:
