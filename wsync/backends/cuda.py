@@ -69,7 +69,7 @@ WIDTHS = {1: "u8", 2: "u16", 4: "u32", 8: "u64"}
 NULL = np.uint64(0)  # a null pointer argument
 # delta v2 (csrc/ws_v2_cuda.cu): a warp (one block of V2_BLOCK threads) per chunk. Per-chunk tables, in u32s
 # (its TABLES): first, pop; per-chunk lane pointers (NCLASS * V2_BLOCK u32s).
-V2_BLOCK = 32
+V2_BLOCK = 32  # ws::v2::WL: the kernel is written for one warp per block
 V2_TABLES = 2 * v2_ref.NCLASS + 1
 V2_PTRS = v2_ref.NCLASS * V2_BLOCK
 # scratch bytes of one chunk: rank u32, d i64, off u32, step i64 per element; tables; lane pointers
