@@ -81,6 +81,23 @@ class Timer:
         return sorted(times)[len(times) // 2]
 
 
+class InPlace:
+    """bf16 weights w on the GPU, moved to the new version by the timed apply (forward) and back to the old
+    one, untimed, before the next (to_old, with the reverse delta's sections)."""
+
+    def __init__(self, k, w, back):
+        self.k, self.w, self.back, self.at_new = k, w, back, False
+
+    def to_old(self) -> None:
+        if self.at_new:
+            self.k.apply_device(self.w, self.back, "float", undo=False)
+            self.at_new = False
+
+    def forward(self, sections, undo: bool = False) -> None:
+        self.k.apply_device(self.w, sections, "float", undo=undo)
+        self.at_new = True
+
+
 def random_bf16(torch, n: int, seed: int):
     """n bf16 values ~ N(0, 0.02), made slice by slice so no fp32 copy of the whole tensor is ever held."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -157,20 +174,10 @@ def bench_apply(torch, k, args, timer) -> dict:
     assert k.digest_device(w) == d_old, "restore_device did not bring the old version back"
     del undo
 
-    at_new = [False]
-
-    def to_old():  # untimed, before each timed apply
-        if at_new[0]:
-            k.apply_device(w, back, "float", undo=False)
-            at_new[0] = False
-
-    def forward(undo: bool):
-        k.apply_device(w, fwd, "float", undo=undo)
-        at_new[0] = True
-
-    t_plain = timer(lambda: forward(False), before=to_old)
-    t_undo = timer(lambda: forward(True), before=to_old)
-    to_old()
+    live = InPlace(k, w, back)
+    t_plain = timer(lambda: live.forward(fwd), before=live.to_old)
+    t_undo = timer(lambda: live.forward(fwd, undo=True), before=live.to_old)
+    live.to_old()
     assert k.digest_device(w) == d_old
     return {"params": params, "density": args.density, "n_changed": len(fwd.steps),
             "apply_ms": t_plain * 1e3, "apply_with_undo_ms": t_undo * 1e3,
@@ -238,21 +245,11 @@ def bench_v2(torch, k, args, timer) -> dict:
     for got, name in ((on_gpu, "GPU"), (on_host, "C++")):
         assert all(getattr(got, f).tobytes() == getattr(v1, f).tobytes() for f in fields), f"{name} v2 decode != v1"
 
-    at_new = [False]
-
-    def to_old():
-        if at_new[0]:
-            k.apply_device(w, back, "float", undo=False)
-            at_new[0] = False
-
-    def apply(get_sections):
-        k.apply_device(w, get_sections(), "float", undo=False)
-        at_new[0] = True
-
-    t_v2 = timer(lambda: apply(lambda: k.v2_decode_device(w, parts, dt)), before=to_old)
+    live = InPlace(k, w, back)
+    t_v2 = timer(lambda: live.forward(k.v2_decode_device(w, parts, dt)), before=live.to_old)
     assert k.digest_device(w) == d_new, "v2 decoded on the GPU and applied did not give the new version"
-    t_v1 = timer(lambda: apply(lambda: fwd), before=to_old)
-    to_old()
+    t_v1 = timer(lambda: live.forward(fwd), before=live.to_old)
+    live.to_old()
     t_dec = timer(lambda: k.v2_decode_device(w, parts, dt))
     assert k.digest_device(w) == d_old
     host_times = []
@@ -261,11 +258,10 @@ def bench_v2(torch, k, args, timer) -> dict:
         host.v2_decode(base, parts, dt)
         host_times.append(time.perf_counter() - t0)
     t_host = sorted(host_times)[len(host_times) // 2]
-    nbytes = 2 * n
+    nbytes, payload = 2 * n, sum(len(bytes(p)) for p in parts.values())
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
     return {"bytes": nbytes, "density": args.density, "n_changed": len(v1.steps),
-            "v2_payload_bytes": sum(len(bytes(p)) for p in parts.values()),
-            "bits_per_change": 8 * sum(len(bytes(p)) for p in parts.values()) / max(1, len(v1.steps)),
+            "v2_payload_bytes": payload, "bits_per_change": 8 * payload / max(1, len(v1.steps)),
             "gpu_v2_decode_gbps": gbps(t_dec), "gpu_v2_decode_apply_gbps": gbps(t_v2),
             "gpu_v1_apply_gbps": gbps(t_v1), "gpu_v2_decode_apply_ms": t_v2 * 1e3, "gpu_v1_apply_ms": t_v1 * 1e3,
             "host_cpp_v2_decode_gbps": gbps(t_host), "host_cpp_v2_encode_gbps": gbps(t_host_enc),

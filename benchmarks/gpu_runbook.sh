@@ -99,6 +99,10 @@ sanitizers() {
         echo "compute-sanitizer not found (PATH, /usr/local/cuda/bin): sanitizer steps skipped" | tee "$OUT/sanitizer-missing.log"
     fi
 }
+other_gpu_tests() {
+    step other-gpu-tests gpu-tests.log "$PY" -m pytest -q -rs -m gpu tests/test_local.py tests/test_lowrank.py \
+        tests/test_torchdist.py
+}
 throughput() {
     [ -n "${BUILD:-}" ] && wait "$BUILD"
     step throughput bench.log "$PY" benchmarks/bench_cuda.py $BENCH_ARGS --json "$OUT/bench_cuda.json"
@@ -118,13 +122,11 @@ if [ "$LEASE" = 1 ]; then  # the readings before the slow checks; the CPU-only s
     limit 45
     sanitizers
     limit 60
-    step other-gpu-tests gpu-tests.log "$PY" -m pytest -q -rs -m gpu tests/test_local.py tests/test_lowrank.py \
-        tests/test_torchdist.py
+    other_gpu_tests
 else
     step harness-suites harness.log "$PY" -m pytest -q tests/test_cuda_sim.py tests/test_cuda_sim_harness.py \
         tests/test_cuda_streams.py tests/test_cuda_xxh3.py tests/test_cuda_compile.py
-    step other-gpu-tests gpu-tests.log "$PY" -m pytest -q -rs -m gpu tests/test_local.py tests/test_lowrank.py \
-        tests/test_torchdist.py
+    other_gpu_tests
     sanitizers
     throughput
 fi
