@@ -21,6 +21,7 @@
 // delta v2, in csrc/ws_v2_cpu.cpp
 PyObject* ws_v2_py_encode(PyObject*, PyObject* args);
 PyObject* ws_v2_py_decode(PyObject*, PyObject* args);
+PyObject* ws_v2_py_paths(PyObject*, PyObject*);
 
 namespace {
 
@@ -593,6 +594,7 @@ PyMethodDef methods[] = {
      "lora_range(w_new, w_old, omega, y, m, n, k) -> None: y = (w_new - w_old) @ omega (bf16 patterns, fp32)."},
     {"v2_encode", ws_v2_py_encode, METH_VARARGS, "delta v2 parts of v1 sections against the base (csrc/ws_v2.h)"},
     {"v2_decode", ws_v2_py_decode, METH_VARARGS, "v1 sections of delta v2 parts against the base, or an error str"},
+    {"v2_paths", ws_v2_py_paths, METH_NOARGS, "chunks v2 ran on the bit planes and on the portable code, so far"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -459,12 +459,21 @@ WS_V2_INLINE int decode_codes(const u8* pb, u64 plen, const u8* sb, u64 slen, Mo
         const u32 slot = x & (PROB_SCALE - 1);
         const int s = slots[slot];
         x = freq[s] * (x >> PROB_BITS) + slot - cum[s];
-        while (x < RANS_L) {
-          if (at >= slen) {
-            rerr = RANS_SHORT;
-            break;
+        // x >= f 2^11 >= 2^11 here: at most two bytes bring it back to [2^23, 2^31). With two bytes left,
+        // taken without a branch (a byte follows about one symbol in five, where no predictor can tell).
+        if (at + 2 <= slen) {
+          const u32 b0 = sb[at], b1 = sb[at + 1];
+          const u32 one = x < RANS_L, two = x < (RANS_L >> 8);
+          x = two ? (x << 16) | (b0 << 8) | b1 : one ? (x << 8) | b0 : x;
+          at += one + two;
+        } else {
+          while (x < RANS_L) {
+            if (at >= slen) {
+              rerr = RANS_SHORT;
+              break;
+            }
+            x = (x << 8) | sb[at++];
           }
-          x = (x << 8) | sb[at++];
         }
         d[k] = s < SMALL ? i64(s - SMALL) : s < ESC ? i64(s - SMALL + 1) : 0;
       }

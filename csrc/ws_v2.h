@@ -3,8 +3,10 @@
 // encode: from the base and v1's sparse sections (delta_kernels.h made them in its one pass over both
 // tensors) to the four v2 parts. Pass 1 walks each chunk of the base once, counting classes and taking
 // each change's rank in its class; the model is summed from those; pass 2 codes each chunk. Chunks run
-// on the thread pool. decode: the model and index parsed here, each chunk by ws_v2.cuh's decode_chunk,
-// then back to v1 sections, which the existing kernels apply.
+// on the thread pool. decode: the model and index parsed here, each chunk decoded, then back to v1
+// sections, which the existing kernels apply. A chunk's counting and placing run on ws_v2_planes.h's bit
+// planes where the CPU has popcnt and the chunk's classes fit its window, else on the portable code (the
+// count tables below, ws_v2.cuh's decode_chunk); both give the same bytes.
 #pragma once
 
 #include <algorithm>
@@ -18,11 +20,18 @@
 #include "parallel.h"
 #include "streams.h"
 #include "ws_v2.cuh"
+#include "ws_v2_planes.h"
 
 namespace wsync {
 namespace v2 {
 
 using namespace ws::v2;
+
+// Chunks run on the planes (true) and on the portable code, for the tests (wsync._cpu.v2_paths).
+inline std::atomic<uint64_t>& path_count(bool planes_path) {
+  static std::atomic<uint64_t> n[2];
+  return n[planes_path ? 1 : 0];
+}
 
 struct ClassSpec {
   int kind, shift, ebits;  // see ws::v2::value_class
@@ -89,10 +98,9 @@ inline uint64_t truncated(uint64_t v, uint64_t s, int* len) {
   return top ? (w >> 1) | ((w & 1) << k) : v;
 }
 
-// g < r: q = g / m ones, a zero, then g - q * m in truncated binary over min(m, r - q * m); in one put
-// when the code fits 32 bits, as it nearly always does.
-inline void put_gap(BitWriter& w, uint64_t g, uint64_t m, uint64_t r) {
-  const uint64_t q = g / m;
+// g < r: q = g / m ones (the caller divides), a zero, then g - q * m in truncated binary over min(m, r - q * m);
+// in one put when the code fits 32 bits, as it nearly always does.
+inline void put_gap(BitWriter& w, uint64_t g, uint64_t m, uint64_t r, uint64_t q) {
   int len;
   const uint64_t rest = truncated(g - q * m, std::min(m, r - q * m), &len);
   if (q + 1 + uint64_t(len) <= 32) {
@@ -138,10 +146,10 @@ inline void quantize(const uint64_t* counts, uint32_t* f) {
   f[top] = uint32_t(int64_t(f[top]) + int64_t(PROB_SCALE) - sum);
 }
 
+// -7..-1 -> 0..6, 1..7 -> 7..13, else ESC; with selects (a step's sign is a coin toss to a predictor)
 inline int symbol(int64_t d) {
-  if (d >= -SMALL && d < 0) return int(d + SMALL);
-  if (d > 0 && d <= SMALL) return int(d + SMALL - 1);
-  return ESC;
+  const uint64_t u = uint64_t(d) + SMALL;  // d in [-7, 7]: u in [0, 14]
+  return u <= 2 * SMALL && d != 0 ? int(u) - int(d > 0) : ESC;
 }
 
 // The base's chunk c (len elements) as a pointer: into the stream where the chunk lies in one piece, else
@@ -165,7 +173,8 @@ struct Parts {
 // Per change, what pass 1 learns: offset in chunk, class, rank in class, step.
 struct Change {
   uint32_t off, rank;
-  uint32_t cls;
+  uint16_t cls;
+  uint8_t sym;  // symbol(d)
   int64_t d;
 };
 
@@ -186,7 +195,7 @@ void chunk_changes(const T* base, int64_t n, int64_t c, const uint32_t* table, c
       const T nv = load<T>(escapes, e++);
       d = int64_t(S(T(key<T, O>(nv) - key<T, O>(base[o]))));
     }
-    out[size_t(i)] = Change{uint32_t(o), 0, 0, d};
+    out[size_t(i)] = Change{uint32_t(o), 0, 0, uint8_t(symbol(d)), d};
   }
 }
 
@@ -219,40 +228,47 @@ inline void code_chunk(const std::vector<Change>& v, const uint32_t* pop, int lo
   BitWriter w;
   w.out.resize(2 * v.size() + 64);
   size_t i = 0;
+  bool escapes = false;
   for (int k = lo; k < hi; ++k) {
     if (!m[k] || !pop[k]) continue;
     const uint64_t mk = m[k], pk = pop[k];
+    // The gaps are < 2^16 (ranks in a chunk): with m past that, every quotient is 0; else a 32-bit divide.
+    const uint32_t m32 = mk > 0xFFFF ? 0 : uint32_t(mk);
     uint64_t nxt = 0;
-    for (; i < by_cls.size() && by_cls[i].cls == uint32_t(k); ++i) {
-      put_gap(w, by_cls[i].rank - nxt, mk, pk - nxt);
+    for (; i < by_cls.size() && by_cls[i].cls == k; ++i) {
+      const uint64_t g = by_cls[i].rank - nxt;
+      put_gap(w, g, mk, pk - nxt, m32 ? uint32_t(g) / m32 : 0);
+      escapes |= by_cls[i].sym == ESC;
       nxt = by_cls[i].rank + 1;
     }
     put_end(w, mk, pk - nxt);
   }
-  for (const Change& x : by_cls)
-    if (symbol(x.d) == ESC) put_escape(w, x.d);
+  if (escapes)
+    for (const Change& x : by_cls)
+      if (x.sym == ESC) put_escape(w, x.d);
   w.finish();
   pos = std::move(w.out);
   steps.clear();
   if (by_cls.empty()) return;
-  // rANS runs backwards over the changes, its bytes pushed in reverse
-  std::vector<uint8_t> rev;
-  rev.reserve(2 * by_cls.size() + 4);
+  // rANS runs backwards over the changes; its bytes are written from the end of steps back (at most two a
+  // change: a state below 2^31 is under 2^19 f after two), then moved to the front
+  steps.resize(2 * by_cls.size() + 4);
+  uint8_t* const end = steps.data() + steps.size();
+  uint8_t* p = end;
   uint32_t x = RANS_L;
   for (size_t j = by_cls.size(); j-- > 0;) {
-    const RansSym& s = sym[size_t(by_cls[j].cls) * NSYM + size_t(symbol(by_cls[j].d))];
+    const RansSym& s = sym[size_t(by_cls[j].cls) * NSYM + by_cls[j].sym];
     const uint32_t x_max = ((RANS_L >> PROB_BITS) << 8) * s.f;
     while (x >= x_max) {
-      rev.push_back(uint8_t(x));
+      *--p = uint8_t(x);
       x >>= 8;
     }
     x = rans_put(x, s);
   }
-  for (int b = 0; b < 4; ++b) {
-    rev.push_back(uint8_t(x >> 24));
-    x <<= 8;
-  }
-  steps.assign(rev.rbegin(), rev.rend());
+  for (int b = 0; b < 4; ++b) *--p = uint8_t(x >> (24 - 8 * b));
+  const size_t n = size_t(end - p);
+  std::memmove(steps.data(), p, n);
+  steps.resize(n);
 }
 
 template <class T, int O>
@@ -282,6 +298,24 @@ bool encode(const Stream& old, int64_t n, const uint32_t* table, const uint8_t* 
       const T* base = chunk_of<T>(old, n, c, gathered);
       chunk_changes<T, O>(base, n, c, table, offsets.data(), gaps, steps, escapes, v);
       const uint32_t len = uint32_t(chunk_len(n, c));
+#if WS_V2_PLANES
+      if (planes::enabled()) {
+        planes::Planes& pl = planes::scratch();
+        if (planes::rank_changes<T>(base, len, cs.kind, cs.shift, cs.ebits, of.data(), pl, v.data(), v.size())) {
+          uint32_t* pop = &pops[size_t(c * NCLASS)];
+          for (int k = 0; k < NCLASS; ++k) pop[k] = uint32_t(pl.pop(k));
+          for (const Change& x : v) {
+            uint64_t* row = a + size_t(x.cls) * (NSYM + 2);
+            row[1]++;
+            row[2 + x.sym]++;
+          }
+          for (int k = 0; k < NCLASS; ++k) a[size_t(k) * (NSYM + 2)] += pop[k];
+          path_count(true).fetch_add(1, std::memory_order_relaxed);
+          continue;
+        }
+      }
+#endif
+      path_count(false).fetch_add(1, std::memory_order_relaxed);
       classes<T>(base, len, cs.kind, cs.shift, cs.ebits, of.data());
       const uint8_t* cl = of.data();
       uint32_t h[4][NCLASS] = {};
@@ -301,7 +335,7 @@ bool encode(const Stream& old, int64_t n, const uint32_t* table, const uint8_t* 
         x.rank = h[0][x.cls] + h[1][x.cls] + h[2][x.cls] + h[3][x.cls];
         uint64_t* row = a + size_t(x.cls) * (NSYM + 2);
         row[1]++;
-        row[2 + symbol(x.d)]++;
+        row[2 + x.sym]++;
       }
       count_to(len);
       uint32_t* pop = &pops[size_t(c * NCLASS)];
@@ -496,10 +530,22 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
     } emit{gap.data(), st.data(), &esc, base, -1};
     uint32_t count = 0;
     const uint64_t budget = k - std::min<uint64_t>(k, used.load());
-    errs[size_t(c)] = decode_chunk<T>(base, len, pos + pa[size_t(c)], uint64_t(pa[size_t(c + 1)] - pa[size_t(c)]),
-                                      steps + sa[size_t(c)], uint64_t(sa[size_t(c + 1)] - sa[size_t(c)]), mv, lo, hi,
-                                      cs.kind, cs.shift, cs.ebits, budget, sc, emit, &count);
-    if (errs[size_t(c)]) return;
+    const uint8_t* pb = pos + pa[size_t(c)];
+    const uint8_t* sb = steps + sa[size_t(c)];
+    const uint64_t plen = uint64_t(pa[size_t(c + 1)] - pa[size_t(c)]);
+    const uint64_t slen = uint64_t(sa[size_t(c + 1)] - sa[size_t(c)]);
+    int e = planes::FALLBACK;
+#if WS_V2_PLANES
+    if (planes::enabled())
+      e = planes::decode_chunk<T>(base, len, pb, plen, sb, slen, mv, lo, hi, cs.kind, cs.shift, cs.ebits, budget, sc,
+                                  planes::scratch(), emit, &count);
+#endif
+    path_count(e != planes::FALLBACK).fetch_add(1, std::memory_order_relaxed);
+    if (e == planes::FALLBACK)
+      e = decode_chunk<T>(base, len, pb, plen, sb, slen, mv, lo, hi, cs.kind, cs.shift, cs.ebits, budget, sc, emit,
+                          &count);
+    errs[size_t(c)] = e;
+    if (e) return;
     used += count;
     gs[size_t(c)].assign(gap.data(), gap.data() + count);
     ss[size_t(c)].assign(st.data(), st.data() + count);

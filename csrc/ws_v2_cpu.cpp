@@ -3,6 +3,8 @@
 //   v2_encode(old, table, gaps, steps, escapes, width, order, kind, shift, ebits) -> (model, index, pos, steps)
 //   v2_decode(old, model, index, pos, steps, width, order, kind, shift, ebits)
 //       -> (table, gaps, steps, escapes) as bytearrays, or a str saying what was wrong with the payload
+//   v2_paths() -> (planes, portable): chunks encoded or decoded on ws_v2_planes.h and on the portable code
+//       since the module loaded (the tests check which path their data took)
 //
 // kind/shift/ebits say how a value's class is taken (ws::v2::value_class); wsync/backends/cpu.py
 // derives them from the dtype. The kernels run with the GIL released.
@@ -166,4 +168,9 @@ PyObject* ws_v2_py_decode(PyObject*, PyObject* args) {
   if (!ok) return PyUnicode_FromString(err.c_str());
   return Py_BuildValue("(NNNN)", bytearray_of(out.table), bytearray_of(out.gaps), bytearray_of(out.steps),
                        bytearray_of(out.escapes));
+}
+
+PyObject* ws_v2_py_paths(PyObject*, PyObject*) {
+  return Py_BuildValue("(KK)", (unsigned long long)wsync::v2::path_count(true).load(),
+                       (unsigned long long)wsync::v2::path_count(false).load());
 }
