@@ -28,7 +28,9 @@
 
 #if defined(__GNUC__) && defined(__x86_64__) && WS_V2_SSE2
 #define WS_V2_PLANES 1
+#include <immintrin.h>
 #define WS_PLANES_FN __attribute__((target("popcnt")))
+#define WS_PLANES_AVX2_FN __attribute__((target("popcnt,avx2")))
 #else
 #define WS_V2_PLANES 0
 #endif
@@ -63,9 +65,19 @@ inline bool enabled() {
 #endif
 }
 
+// Whether the planes are made and counted with AVX2 (WSYNC_NO_AVX2=1 turns it off, as for xxh3).
+inline bool avx2() {
+#if WS_V2_PLANES
+  static const bool yes = __builtin_cpu_supports("avx2") && !std::getenv("WSYNC_NO_AVX2");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 // One chunk's planes and counts (a thread's scratch, scratch(): about 330 KiB, mostly tmp).
 struct Planes {
-  u64 p[WORDS][4];           // word w's planes: bit i of each element's code (code 15 past len)
+  alignas(64) u64 p[WORDS / 4][4][4];  // plane i of word w at [w / 4][i][w % 4] (code 15 past len, to a group's end)
   u16 wc[NWIN][WC_ROW];      // window class j's count in word w (0 past the last word, to the block's end)
   u32 snap[NWIN][NBLK + 1];  // window class j's count before block b
   u32 cnt[NWIN];             // window class j's count in the chunk
@@ -79,6 +91,7 @@ struct Planes {
   int hint = -1;             // the window build tries first (chosen by the chunk built before)
 
   bool in_window(int c) const { return c >= w0 && c < w0 + NWIN; }
+  u64 plane(int i, u32 w) const { return p[w >> 2][i][w & 3]; }
   u64 pop(int c) const { return in_window(c) ? cnt[c - w0] : rest[c]; }
 };
 
@@ -131,11 +144,12 @@ WS_PLANES_FN inline __m128i group(const Source<T>& src, u32 k, __m128i count, __
 // Codes of 16 elements of classes cls into the planes (u16 piece k of each).
 WS_PLANES_FN inline void put_codes(Planes& pl, u32 k, __m128i cls, __m128i w0v) {
   const __m128i code = _mm_min_epu8(_mm_sub_epi8(cls, w0v), _mm_set1_epi8(15));
-  u16* q = reinterpret_cast<u16*>(pl.p[k / 4]) + k % 4;  // plane i's piece: q[4 i]
+  const u32 w = k / 4;  // word w's piece k % 4 of plane i: q[16 i]
+  u16* q = reinterpret_cast<u16*>(&pl.p[w >> 2][0][w & 3]) + k % 4;
   q[0] = u16(_mm_movemask_epi8(_mm_slli_epi16(code, 7)));
-  q[4] = u16(_mm_movemask_epi8(_mm_slli_epi16(code, 6)));
-  q[8] = u16(_mm_movemask_epi8(_mm_slli_epi16(code, 5)));
-  q[12] = u16(_mm_movemask_epi8(_mm_slli_epi16(code, 4)));
+  q[16] = u16(_mm_movemask_epi8(_mm_slli_epi16(code, 6)));
+  q[32] = u16(_mm_movemask_epi8(_mm_slli_epi16(code, 5)));
+  q[48] = u16(_mm_movemask_epi8(_mm_slli_epi16(code, 4)));
 }
 
 // The window's first class for a chunk's top class.
@@ -177,18 +191,21 @@ WS_PLANES_FN inline Shift shift_of(const Source<T>& src) {
   return Shift{_mm_cvtsi32_si128(drop), sizeof(T) == 2 ? _mm_set1_epi16(short(m2)) : _mm_set1_epi32(int(m2))};
 }
 
-// The planes of the chunk's codes for the window [w0, w0 + NWIN).
+// The planes of the chunk's codes for the window [w0, w0 + NWIN); the groups of 16 from `from` on (those
+// before it put by put_planes_avx2).
 template <class T>
-WS_PLANES_FN void put_planes(const Source<T>& src, u32 len, int w0, Planes& pl) {
+WS_PLANES_FN void put_planes(const Source<T>& src, u32 len, int w0, Planes& pl, u32 from = 0) {
   const Shift sh = shift_of(src);
   const __m128i w0v = _mm_set1_epi8(char(w0));
   const u32 groups = len / 16;
-  for (u32 k = 0; k < groups; ++k) put_codes(pl, k, group(src, k, sh.count, sh.keep), w0v);
+  for (u32 k = from; k < groups; ++k) put_codes(pl, k, group(src, k, sh.count, sh.keep), w0v);
   for (u32 k = groups; k < 4 * pl.words; ++k) {  // the last word's groups: the tail's classes, then code 15
     alignas(16) u8 tail[16];
     for (u32 i = 0; i < 16; ++i) tail[i] = 16 * k + i < len ? u8(src.cls(16 * k + i)) : u8(w0 + NWIN);
     put_codes(pl, k, _mm_load_si128(reinterpret_cast<const __m128i*>(tail)), w0v);
   }
+  for (u32 w = pl.words; w % 4; ++w)  // the last group's words past the chunk: code 15
+    for (int i = 0; i < 4; ++i) pl.p[w >> 2][i][w & 3] = ~u64(0);
   pl.w0 = w0;
 }
 
@@ -199,7 +216,7 @@ WS_PLANES_FN bool count_words(const Source<T>& src, u32 len, Planes& pl) {
   u32 nrest = 0;
   std::memset(pl.rest, 0, sizeof(pl.rest));
   for (u32 w = 0; w < pl.words; ++w) {
-    const u64 a = pl.p[w][0], b = pl.p[w][1], x = pl.p[w][2], d = pl.p[w][3];
+    const u64 a = pl.plane(0, w), b = pl.plane(1, w), x = pl.plane(2, w), d = pl.plane(3, w);
     const u64 na = ~a, nb = ~b;
     const u64 t[4] = {~d & ~x, ~d & x, d & ~x, d & x};  // class j = 8 d + 4 x + 2 b + a
     for (int h = 0; h < 4; ++h) {
@@ -218,6 +235,102 @@ WS_PLANES_FN bool count_words(const Source<T>& src, u32 len, Planes& pl) {
       pl.rest_at[nrest] = u16(o);
       pl.rest_cls[nrest++] = u8(c);
       ++pl.rest[c];
+    }
+  }
+  pl.nrest = nrest;
+  return true;
+}
+
+// With AVX2 (avx2()): put_planes's groups 32 elements at a time, straight from a float base, and
+// count_words's tree four words at a time, each lane's popcount by nibble lookups (AVX2 has no popcnt of
+// its own). The same planes and counts as the SSE2 forms beside them.
+
+// The class bytes of 32 elements of old, in order (vector_classes kinds).
+template <class T>
+WS_PLANES_AVX2_FN inline __m256i classes32(const T* old, __m128i count, __m256i keep) {
+  const __m256i* p = reinterpret_cast<const __m256i*>(old);
+  if (sizeof(T) == 2) {  // the pack interleaves the 128-bit lanes: the qword permute puts them back
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(p), count), keep);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(p + 1), count), keep);
+    return _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8);
+  }
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256(p + i), count), keep);
+  const __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// put_planes for a float base: the whole groups of 32, then put_planes for what is left.
+template <class T>
+WS_PLANES_AVX2_FN void put_planes_avx2(const Source<T>& src, u32 len, int w0, Planes& pl) {
+  const Shift sh = shift_of(src);
+  const __m256i keep = _mm256_broadcastsi128_si256(sh.keep);
+  const __m256i w0v = _mm256_set1_epi8(char(w0)), c15 = _mm256_set1_epi8(15);
+  const u32 halves = len / 32;  // half words
+  for (u32 h = 0; h < halves; ++h) {
+    const __m256i code = _mm256_min_epu8(_mm256_sub_epi8(classes32<T>(src.old + 32 * h, sh.count, keep), w0v), c15);
+    const u32 w = h / 2;
+    u32* q = reinterpret_cast<u32*>(&pl.p[w >> 2][0][w & 3]) + h % 2;  // plane i's half: q[8 i]
+    q[0] = u32(_mm256_movemask_epi8(_mm256_slli_epi16(code, 7)));
+    q[8] = u32(_mm256_movemask_epi8(_mm256_slli_epi16(code, 6)));
+    q[16] = u32(_mm256_movemask_epi8(_mm256_slli_epi16(code, 5)));
+    q[24] = u32(_mm256_movemask_epi8(_mm256_slli_epi16(code, 4)));
+  }
+  put_planes(src, len, w0, pl, 2 * halves);
+}
+
+// Each u64 lane's popcount.
+WS_PLANES_AVX2_FN inline __m256i popcount4(__m256i v) {
+  const __m256i lut = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4, 0, 1, 1, 2, 1, 2, 2, 3, 1, 2,
+                                       2, 3, 2, 3, 3, 4);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i n = _mm256_add_epi8(_mm256_shuffle_epi8(lut, _mm256_and_si256(v, low)),
+                                    _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low)));
+  return _mm256_sad_epu8(n, _mm256_setzero_si256());
+}
+
+// Four words' counts of one class (u64 lanes, each <= 64) as four u16 at row[w..w+4).
+WS_PLANES_AVX2_FN inline void put_counts(u16* row, __m256i c) {
+  const __m128i d = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(row), _mm_packs_epi32(d, d));
+}
+
+// count_words four words at a time.
+template <class T>
+WS_PLANES_AVX2_FN bool count_words_avx2(const Source<T>& src, u32 len, Planes& pl) {
+  u32 nrest = 0;
+  std::memset(pl.rest, 0, sizeof(pl.rest));
+  const __m256i ones = _mm256_set1_epi8(-1);
+  for (u32 g = 0; g < (pl.words + 3) / 4; ++g) {
+    const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl.p[g][0]));
+    const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl.p[g][1]));
+    const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl.p[g][2]));
+    const __m256i d = _mm256_load_si256(reinterpret_cast<const __m256i*>(pl.p[g][3]));
+    const __m256i t[4] = {_mm256_andnot_si256(d, _mm256_xor_si256(x, ones)), _mm256_andnot_si256(d, x),
+                          _mm256_andnot_si256(x, d), _mm256_and_si256(d, x)};  // class j = 8 d + 4 x + 2 b + a
+    for (int h = 0; h < 4; ++h) {
+      const __m256i lo = _mm256_andnot_si256(b, t[h]), hi = _mm256_and_si256(t[h], b);
+      put_counts(pl.wc[4 * h + 0] + 4 * g, popcount4(_mm256_andnot_si256(a, lo)));
+      put_counts(pl.wc[4 * h + 1] + 4 * g, popcount4(_mm256_and_si256(lo, a)));
+      put_counts(pl.wc[4 * h + 2] + 4 * g, popcount4(_mm256_andnot_si256(a, hi)));
+      if (h < 3) put_counts(pl.wc[4 * h + 3] + 4 * g, popcount4(_mm256_and_si256(hi, a)));
+    }
+    const __m256i r4 = _mm256_and_si256(t[3], _mm256_and_si256(b, a));
+    if (_mm256_testz_si256(r4, r4)) continue;
+    alignas(32) u64 rw[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(rw), r4);
+    for (u32 i = 0; i < 4 && 4 * g + i < pl.words; ++i) {
+      const u32 w = 4 * g + i;
+      u64 r = rw[i];
+      if (w == pl.words - 1 && len % 64) r &= (u64(1) << (len % 64)) - 1;
+      for (; r; r &= r - 1) {
+        if (nrest == REST_CAP || u64(nrest + 1) * REST_MAX > len) return false;
+        const u32 o = w * 64 + u32(__builtin_ctzll(r));
+        const u32 c = src.cls(o);
+        pl.rest_at[nrest] = u16(o);
+        pl.rest_cls[nrest++] = u8(c);
+        ++pl.rest[c];
+      }
     }
   }
   pl.nrest = nrest;
@@ -266,15 +379,20 @@ WS_PLANES_FN bool build(const Source<T>& src, u32 len, Planes& pl, u8* scratch) 
     for (u32 o = len / 16 * 16; o < len; ++o) tail = src.cls(o) > tail ? src.cls(o) : tail;
     w0 = window_of(hmax(mx, tail));
   }
-  put_planes(src, len, w0, pl);
+  const bool wide = avx2();
+  auto planes_for = [&](int w) {  // (lambdas take no target: these call out to the targeted forms)
+    if (wide && src.vector())
+      put_planes_avx2(src, len, w, pl);
+    else
+      put_planes(src, len, w, pl);
+    return wide ? count_words_avx2(src, len, pl) : count_words(src, len, pl);
+  };
   u32 counts[256];
-  if (!count_words(src, len, pl)) {
+  if (!planes_for(w0)) {
     histogram(src, len, scratch, counts);
     const int best = best_window(counts);
     pl.hint = best;
-    if (best == w0) return false;
-    put_planes(src, len, best, pl);
-    if (!count_words(src, len, pl)) return false;
+    if (best == w0 || !planes_for(best)) return false;
   }
   // per window class, its count before each block and in the chunk
   const u32 nb = (pl.words + BW - 1) / BW;
@@ -313,7 +431,7 @@ struct ClassMask {
   explicit ClassMask(int j)
       : f0(j & 1 ? 0 : ~u64(0)), f1(j & 2 ? 0 : ~u64(0)), f2(j & 4 ? 0 : ~u64(0)), f3(j & 8 ? 0 : ~u64(0)) {}
   u64 operator()(const Planes& pl, u32 w) const {
-    return (pl.p[w][0] ^ f0) & (pl.p[w][1] ^ f1) & (pl.p[w][2] ^ f2) & (pl.p[w][3] ^ f3);
+    return (pl.plane(0, w) ^ f0) & (pl.plane(1, w) ^ f1) & (pl.plane(2, w) ^ f2) & (pl.plane(3, w) ^ f3);
   }
 };
 

@@ -1,5 +1,5 @@
 """Delta v2's C++ fast path (csrc/ws_v2_planes.h): the same bytes as the reference on the data that takes it,
-on the data that does not, and with the fast path turned off (WSYNC_V2_PORTABLE=1, in a subprocess).
+on the data that does not, and with the fast path or its AVX2 forms turned off (in a subprocess).
 
 Each case says which path its chunks must take, read from wsync._cpu.v2_paths(): a float tensor's classes
 fit the window (planes), a few elements far outside it ride in the rest list (planes), one huge element per
@@ -114,13 +114,20 @@ def test_short_last_chunks(tail, rng):
         _check(k, dt, old, new, (name, tail))
 
 
-def test_every_dtype_on_both_paths(rng):
-    """Every dtype through the fast path (the float widths read their classes from the base, the rest from
-    class bytes) and, in a subprocess with WSYNC_V2_PORTABLE=1, through the portable code only."""
+def test_every_dtype_in_process(rng):
+    """Every dtype through the fast path (the float widths read their classes from the base, with AVX2
+    where the CPU has it; the others from class bytes)."""
     k = _kernels()
     for name in sorted(dtypes.DTYPES):
         dt, old, new = _pair(name, 2 * CHUNK + 999, rng)
         _check(k, dt, old, new, name)
+
+
+@pytest.mark.parametrize("env", ["WSYNC_V2_PORTABLE", "WSYNC_NO_AVX2"])
+def test_every_dtype_and_case_with_a_path_turned_off(env):
+    """In a subprocess: every dtype and every case above with the planes off (the portable code alone) or
+    with AVX2 off (the planes made and counted with SSE2 and popcnt), still the reference's bytes."""
+    _kernels()
     code = (
         "import numpy as np, sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
@@ -135,8 +142,9 @@ def test_every_dtype_on_both_paths(rng):
         "print(*k._cpu.v2_paths())\n"
     )
     tests = str(Path(__file__).parent)
-    r = subprocess.run([sys.executable, "-c", code, tests], env={**os.environ, "WSYNC_V2_PORTABLE": "1"},
-                       capture_output=True, text=True, timeout=300, cwd=tests)
+    r = subprocess.run([sys.executable, "-c", code, tests], env={**os.environ, env: "1"}, capture_output=True,
+                       text=True, timeout=300, cwd=tests)
     assert r.returncode == 0, r.stderr[-3000:]
     planes, portable = map(int, r.stdout.split()[-2:])
-    assert planes == 0 and portable > 0
+    assert portable > 0
+    assert (planes == 0) == (env == "WSYNC_V2_PORTABLE")
