@@ -470,7 +470,11 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
   const int W = int(sizeof(T));
   uint64_t k;
   int lo, hi;
-  std::unique_ptr<Model> md(new Model);
+  // The model (1 MiB, mostly slot tables) is the calling thread's, kept between calls: a fresh one per
+  // tensor cost an mmap and a page fault per slot table. read_model sets every class it leaves uncoded to
+  // m = 0, so nothing of an earlier tensor's model is read.
+  thread_local std::unique_ptr<Model> md;
+  if (!md) md.reset(new Model);
   if (!read_model(model, model_len, n, W, k, lo, hi, *md, err)) return false;
   const ModelView mv{md->m, &md->freq[0][0], &md->cum[0][0], &md->slot[0][0]};
   const int64_t nc = nchunks(n);
