@@ -1,22 +1,23 @@
 // Delta codec v2 on the CPU, the fast path of a chunk: its classes as four bit planes over a window of
-// fifteen classes. csrc/ws_v2.h runs a chunk here when the CPU has popcnt and SSE4.1 (x86-64-v2) and the
-// chunk's classes fit the window; otherwise the portable code (ws_v2.cuh's decode_chunk, ws_v2.h's count
-// loop), which gives the same results.
+// fifteen classes. csrc/ws_v2.h runs a chunk here when the CPU has popcnt (x86-64-v2; AVX2 forms of the
+// two loops over every element where it has that too) and a window holds the chunk's classes; otherwise
+// the portable code (ws_v2.cuh's decode_chunk, ws_v2.h's count loop), which gives the same results.
 //
 // Both directions need every coded class's element count in a chunk, and a change's rank in its class
 // (encode) or the element of a given rank (decode). The portable code counts class bytes in four tables,
-// about 1.6 cycles an element on a Zen 3 core. Here each element gets a 4-bit code: its class minus w0,
-// for the chunk's top class and the 14 below it (the window), and 15 for any other class (the rest). A
-// float tensor's exponents fall off by about half per class below the top, so the window holds all but a
-// few elements in ten thousand. The codes are kept as four bit planes, 64 elements a word: one class's
-// mask in a word is four ANDs of planes or their complements, its count one popcnt, and a word's fifteen
-// counts are a tree of 30 ANDs and 15 popcnts (~0.3 cycles an element). Per word and class the count is
-// kept (u16), and per block of 8 words the count before it, so an element of a given rank is one search
-// over the class's blocks, one over 8 words (a prefix sum in a register) and a select in one word. The
-// rest are listed in position order with their class while counting, and found from the list.
+// about 1.6 cycles an element on a Zen 3 core. Here each element gets a 4-bit code: its class minus w0 for
+// the 15 classes of the window [w0, w0 + 15), and 15 for any other class (the rest). A float tensor's
+// exponents fall off by about half per class below the top, so a window holds all but a few elements in
+// ten thousand. The codes are kept as four bit planes, 64 elements a word: one class's mask in a word is
+// four ANDs of planes or their complements, its count one popcnt, and a word's fifteen counts are a tree
+// of 30 ANDs and 15 popcnts. Per word and class the count is kept (u16), and per block of 8 words the count
+// before it, so an element of a given rank is one search over the class's blocks, one over 8 words (a
+// prefix sum in a register) and a select in one word. The rest are listed in position order with their
+// class while counting, and found from the list.
 //
-// A chunk with more than len / REST_MAX elements outside the window (classes spread wider than a float's
-// exponents: integers, uniform data) takes the portable path.
+// The window is the one the previous chunk's counts chose, else the one below the top class; if more than
+// len / REST_MAX elements fall outside it, the chunk's histogram chooses again, and a chunk no window holds
+// (classes spread wider than a float's exponents: integers, uniform data) takes the portable path.
 #pragma once
 
 #include <cstdint>
@@ -84,7 +85,7 @@ struct Planes {
   u32 rest[256];             // the counts of the classes outside the window
   u16 rest_at[REST_CAP];     // the rest's elements in position order
   u8 rest_cls[REST_CAP];     // and their classes
-  u32 tmp[ws::CHUNK];         // decode_chunk's scratch for sorting
+  u32 tmp[ws::CHUNK];        // decode_chunk's scratch for sorting
   u32 nrest;
   u32 len, words;
   int w0;                    // the window: classes [w0, w0 + NWIN)
@@ -209,6 +210,22 @@ WS_PLANES_FN void put_planes(const Source<T>& src, u32 len, int w0, Planes& pl, 
   pl.w0 = w0;
 }
 
+// Word w's rest elements (mask r: code 15) onto the list, with their classes counted. False: the list
+// outgrew its bound (len / REST_MAX).
+template <class T>
+inline bool list_rest(const Source<T>& src, u32 len, Planes& pl, u32 w, u64 r, u32& nrest) {
+  if (w == pl.words - 1 && len % 64) r &= (u64(1) << (len % 64)) - 1;  // the last word's bits past len
+  for (; r; r &= r - 1) {
+    if (nrest == REST_CAP || u64(nrest + 1) * REST_MAX > len) return false;
+    const u32 o = w * 64 + u32(__builtin_ctzll(r));
+    const u32 c = src.cls(o);
+    pl.rest_at[nrest] = u16(o);
+    pl.rest_cls[nrest++] = u8(c);
+    ++pl.rest[c];
+  }
+  return true;
+}
+
 // The counts of the planes: per word and window class (wc), the rest listed. False: the rest outgrew its
 // bound (len / REST_MAX).
 template <class T>
@@ -226,16 +243,7 @@ WS_PLANES_FN bool count_words(const Source<T>& src, u32 len, Planes& pl) {
       pl.wc[4 * h + 2][w] = u16(__builtin_popcountll(hi & na));
       if (h < 3) pl.wc[4 * h + 3][w] = u16(__builtin_popcountll(hi & a));
     }
-    u64 r = d & x & b & a;
-    if (w == pl.words - 1 && len % 64) r &= (u64(1) << (len % 64)) - 1;
-    for (; r; r &= r - 1) {
-      if (nrest == REST_CAP || u64(nrest + 1) * REST_MAX > len) return false;
-      const u32 o = w * 64 + u32(__builtin_ctzll(r));
-      const u32 c = src.cls(o);
-      pl.rest_at[nrest] = u16(o);
-      pl.rest_cls[nrest++] = u8(c);
-      ++pl.rest[c];
-    }
+    if (!list_rest(src, len, pl, w, d & x & b & a, nrest)) return false;
   }
   pl.nrest = nrest;
   return true;
@@ -319,19 +327,8 @@ WS_PLANES_AVX2_FN bool count_words_avx2(const Source<T>& src, u32 len, Planes& p
     if (_mm256_testz_si256(r4, r4)) continue;
     alignas(32) u64 rw[4];
     _mm256_store_si256(reinterpret_cast<__m256i*>(rw), r4);
-    for (u32 i = 0; i < 4 && 4 * g + i < pl.words; ++i) {
-      const u32 w = 4 * g + i;
-      u64 r = rw[i];
-      if (w == pl.words - 1 && len % 64) r &= (u64(1) << (len % 64)) - 1;
-      for (; r; r &= r - 1) {
-        if (nrest == REST_CAP || u64(nrest + 1) * REST_MAX > len) return false;
-        const u32 o = w * 64 + u32(__builtin_ctzll(r));
-        const u32 c = src.cls(o);
-        pl.rest_at[nrest] = u16(o);
-        pl.rest_cls[nrest++] = u8(c);
-        ++pl.rest[c];
-      }
-    }
+    for (u32 i = 0; i < 4 && 4 * g + i < pl.words; ++i)
+      if (!list_rest(src, len, pl, 4 * g + i, rw[i], nrest)) return false;
   }
   pl.nrest = nrest;
   return true;
@@ -416,13 +413,12 @@ WS_PLANES_FN bool build(const Source<T>& src, u32 len, Planes& pl, u8* scratch) 
   return true;
 }
 
-// Window class j's elements before word w's in-block position: the block's count before it plus the
-// block's words before w. in_block: w's index in its block. (8 u16 counts; an exclusive prefix sum.)
+// The running sums of a class's 8 word counts in block g (row: its wc): lane i holds words 0..i.
 WS_PLANES_FN inline __m128i block_prefix(const u16* row, u32 g) {
   __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * BW));
   p = _mm_add_epi16(p, _mm_slli_si128(p, 2));
   p = _mm_add_epi16(p, _mm_slli_si128(p, 4));
-  return _mm_add_epi16(p, _mm_slli_si128(p, 8));  // inclusive: lane i = words 0..i of the block
+  return _mm_add_epi16(p, _mm_slli_si128(p, 8));
 }
 
 // Window class j's mask in word w: each plane as is where j has the bit, complemented where not.
