@@ -281,7 +281,7 @@ bool encode(const Stream& old, int64_t n, const uint32_t* table, const uint8_t* 
   std::vector<std::vector<Change>> ch(static_cast<size_t>(nc));
   std::vector<uint32_t> pops(static_cast<size_t>(nc * NCLASS));
   // pass 1: each chunk's changes with their class and rank; the chunk's class counts. The classes of the
-  // chunk in one vectorised loop, then counted in four tables (element o in table o % 4) so that four
+  // chunk in one vectorised loop, then counted in four tables (count_bytes4, elements dealt in turn) so that four
   // increments are in flight at once; a change's rank is its class's count in all four when it is reached.
   // Chunks run in groups, each summing the model's counts (per class: elements, changes, symbols) for its
   // chunks while they are at hand.
@@ -321,13 +321,8 @@ bool encode(const Stream& old, int64_t n, const uint32_t* table, const uint8_t* 
       uint32_t h[4][NCLASS] = {};
       uint32_t o = 0;
       auto count_to = [&](uint32_t end) {
-        for (; o + 4 <= end; o += 4) {
-          h[0][cl[o]]++;
-          h[1][cl[o + 1]]++;
-          h[2][cl[o + 2]]++;
-          h[3][cl[o + 3]]++;
-        }
-        for (; o < end; ++o) h[0][cl[o]]++;
+        planes::count_bytes4(cl, o, end, h);
+        o = end;
       };
       for (Change& x : v) {
         count_to(x.off);

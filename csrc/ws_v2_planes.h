@@ -26,6 +26,7 @@
 #include <memory>
 
 #include "ws_v2.cuh"
+#include "xxh3_dispatch.h"  // use_avx2(): the AVX2 forms here follow xxh3's switch (WSYNC_NO_AVX2)
 
 #if defined(__GNUC__) && defined(__x86_64__) && WS_V2_SSE2
 #define WS_V2_PLANES 1
@@ -66,16 +67,6 @@ inline bool enabled() {
 #endif
 }
 
-// Whether the planes are made and counted with AVX2 (WSYNC_NO_AVX2=1 turns it off, as for xxh3).
-inline bool avx2() {
-#if WS_V2_PLANES
-  static const bool yes = __builtin_cpu_supports("avx2") && !std::getenv("WSYNC_NO_AVX2");
-  return yes;
-#else
-  return false;
-#endif
-}
-
 // One chunk's planes and counts (a thread's scratch, scratch(): about 330 KiB, mostly tmp).
 struct Planes {
   alignas(64) u64 p[WORDS / 4][4][4];  // plane i of word w at [w / 4][i][w % 4] (code 15 past len, to a group's end)
@@ -95,6 +86,20 @@ struct Planes {
   u64 plane(int i, u32 w) const { return p[w >> 2][i][w & 3]; }
   u64 pop(int c) const { return in_window(c) ? cnt[c - w0] : rest[c]; }
 };
+
+// Counts the class bytes of[from, to) into four tables, element by element in turn, so that four
+// increment chains through memory run at once; a class's count is the sum of its four. (The portable
+// encoder's counting and the planes' histogram.)
+inline void count_bytes4(const u8* of, u32 from, u32 to, u32 (*h)[256]) {
+  u32 o = from;
+  for (; o + 4 <= to; o += 4) {
+    h[0][of[o]]++;
+    h[1][of[o + 1]]++;
+    h[2][of[o + 2]]++;
+    h[3][of[o + 3]]++;
+  }
+  for (; o < to; ++o) h[0][of[o]]++;
+}
 
 // This thread's Planes, made on first use.
 inline Planes& scratch() {
@@ -249,7 +254,7 @@ WS_PLANES_FN bool count_words(const Source<T>& src, u32 len, Planes& pl) {
   return true;
 }
 
-// With AVX2 (avx2()): put_planes's groups 32 elements at a time, straight from a float base, and
+// With AVX2 (use_avx2()): put_planes's groups 32 elements at a time, straight from a float base, and
 // count_words's tree four words at a time, each lane's popcount by nibble lookups (AVX2 has no popcnt of
 // its own). The same planes and counts as the SSE2 forms beside them.
 
@@ -347,14 +352,7 @@ WS_PLANES_FN void histogram(const Source<T>& src, u32 len, u8* bytes, u32* count
     of = bytes;
   }
   u32 h[4][256] = {};
-  u32 o = 0;
-  for (; o + 4 <= len; o += 4) {
-    h[0][of[o]]++;
-    h[1][of[o + 1]]++;
-    h[2][of[o + 2]]++;
-    h[3][of[o + 3]]++;
-  }
-  for (; o < len; ++o) h[0][of[o]]++;
+  count_bytes4(of, 0, len, h);
   for (int c = 0; c < 256; ++c) counts[c] = h[0][c] + h[1][c] + h[2][c] + h[3][c];
 }
 
@@ -376,7 +374,7 @@ WS_PLANES_FN bool build(const Source<T>& src, u32 len, Planes& pl, u8* scratch) 
     for (u32 o = len / 16 * 16; o < len; ++o) tail = src.cls(o) > tail ? src.cls(o) : tail;
     w0 = window_of(hmax(mx, tail));
   }
-  const bool wide = avx2();
+  const bool wide = use_avx2();
   auto planes_for = [&](int w) {  // (lambdas take no target: these call out to the targeted forms)
     if (wide && src.vector())
       put_planes_avx2(src, len, w, pl);
@@ -471,14 +469,12 @@ WS_PLANES_FN inline bool place(const Planes& pl, int cls, const u32* rank, u32 n
 
 // The rank in its class of the element at o, of window class cls.
 WS_PLANES_FN inline u32 rank_of(const Planes& pl, int cls, u32 o) {
-  {
-    const int j = cls - pl.w0;
-    const u32 w = o / 64, g = w / BW, wi = w % BW;
-    alignas(16) u16 lanes[8];
-    _mm_store_si128(reinterpret_cast<__m128i*>(lanes), _mm_slli_si128(block_prefix(pl.wc[j], g), 2));
-    const u64 below = ClassMask(j)(pl, w) & ((u64(1) << (o % 64)) - 1);
-    return pl.snap[j][g] + lanes[wi] + u32(__builtin_popcountll(below));
-  }
+  const int j = cls - pl.w0;
+  const u32 w = o / 64, g = w / BW, wi = w % BW;
+  alignas(16) u16 lanes[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), _mm_slli_si128(block_prefix(pl.wc[j], g), 2));
+  const u64 below = ClassMask(j)(pl, w) & ((u64(1) << (o % 64)) - 1);
+  return pl.snap[j][g] + lanes[wi] + u32(__builtin_popcountll(below));
 }
 
 // Encoding's counts: builds the planes of old[0..len) and sets each change's class and rank (v[0..n),
@@ -557,9 +553,7 @@ WS_PLANES_FN int decode_chunk(const T* old, u32 len, const u8* pb, u64 plen, con
   u32* tmp = pl.tmp;
   for (u32 j = 0; j < k; ++j) tmp[h0[(key[j] >> 16) & 0xFF]++] = key[j];
   for (u32 j = 0; j < k; ++j) key[h1[tmp[j] >> 24]++] = tmp[j];
-  u32 i = 0;
-  for (; i < k; ++i) emit(i, key[i] >> 16, sc.d[key[i] & 0xFFFF]);
-  if (i != k) return ws::v2::PLACE;
+  for (u32 i = 0; i < k; ++i) emit(i, key[i] >> 16, sc.d[key[i] & 0xFFFF]);
   *count = k;
   return ws::v2::OK;
 }

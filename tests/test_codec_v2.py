@@ -337,13 +337,19 @@ def test_v2_cpu_twin_is_byte_identical(rng):
     for name in sorted(dtypes.DTYPES):
         dt = dtypes.DTYPES[name]
         _, old, new = _pair(name, 70_001 if dt.itemsize <= 2 else 9_000, rng)
-        sec = delta_ref.encode(old, new, dt.order)
-        want = v2_ref.encode(old, sec, dt)
-        got = k.v2_encode(old, sec, dt)
-        assert {p: bytes(v) for p, v in got.items()} == want, name
-        back = k.v2_decode(old, want, dt)
-        for f in ("table", "gaps", "steps", "escapes"):
-            assert getattr(back, f).tobytes() == getattr(sec, f).tobytes(), (name, f)
+        twin_matches_reference(k, dt, old, new, name)
+
+
+def twin_matches_reference(k, dt, old, new, what="") -> None:
+    """Kernels k encode old -> new to the reference's v2 bytes, and decode those bytes back to v1's
+    sections byte for byte."""
+    sec = delta_ref.encode(old, new, dt.order)
+    want = v2_ref.encode(old, sec, dt)
+    got = k.v2_encode(old, sec, dt)
+    assert {p: bytes(v) for p, v in got.items()} == want, what
+    back = k.v2_decode(old, want, dt)
+    for f in ("table", "gaps", "steps", "escapes"):
+        assert getattr(back, f).tobytes() == getattr(sec, f).tobytes(), (what, f)
 
 
 def test_cpu_twin_refuses_what_the_reference_refuses(victim):
@@ -395,12 +401,7 @@ def test_cpu_twin_decodes_a_short_last_chunk(tail):
     for seed in range(3):  # the chunk before it leaves its classes in the thread's scratch
         dt, old, new = _pair("BF16", 3 * 65536 + tail, np.random.default_rng(seed), density=0.01)
         new[-tail:] = old[-tail:] ^ np.uint16(1)
-        sec = delta_ref.encode(old, new, dt.order)
-        parts = v2_ref.encode(old, sec, dt)
-        assert {p: bytes(v) for p, v in k.v2_encode(old, sec, dt).items()} == parts
-        back = k.v2_decode(old, parts, dt)
-        for f in ("table", "gaps", "steps", "escapes"):
-            assert getattr(back, f).tobytes() == getattr(sec, f).tobytes(), (tail, seed, f)
+        twin_matches_reference(k, dt, old, new, (tail, seed))
 
 
 @pytest.mark.parametrize("backend", _backends())

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from wsync import dtypes
-from wsync.codecs import delta_ref, v2_ref
+from wsync.codecs import delta_ref
 
-from test_codec_v2 import _pair
+from test_codec_v2 import _pair, twin_matches_reference as _check
 
 CHUNK = 65536
 
@@ -78,16 +78,6 @@ def _case(kind: str, rng):
     return dtypes.DTYPES["BF16"], old, _steps(old, idx, rng), "planes"
 
 
-def _check(k, dt, old, new, what=""):
-    sec = delta_ref.encode(old, new, dt.order)
-    want = v2_ref.encode(old, sec, dt)
-    got = k.v2_encode(old, sec, dt)
-    assert {p: bytes(v) for p, v in got.items()} == want, what
-    back = k.v2_decode(old, want, dt)
-    for f in ("table", "gaps", "steps", "escapes"):
-        assert getattr(back, f).tobytes() == getattr(sec, f).tobytes(), (what, f)
-
-
 @pytest.mark.parametrize("kind", ["gaussian", "rest", "huge_top", "wide"])
 def test_each_path_gives_the_reference_bytes(kind, rng):
     k = _kernels()
@@ -132,8 +122,8 @@ def test_every_dtype_and_case_with_a_path_turned_off(env):
         "import numpy as np, sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "from wsync import dtypes, backends\n"
-        "from test_codec_v2 import _pair\n"
-        "from test_codec_v2_planes import _case, _check\n"
+        "from test_codec_v2 import _pair, twin_matches_reference as _check\n"
+        "from test_codec_v2_planes import _case\n"
         "k = backends.kernels('cpu'); rng = np.random.default_rng(7)\n"
         "for name in sorted(dtypes.DTYPES):\n"
         "    dt, old, new = _pair(name, 2 * 65536 + 999, rng); _check(k, dt, old, new, name)\n"
