@@ -1,7 +1,9 @@
 """Shared test helpers: states of bit patterns, byte-level comparisons, payload surgery."""
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 
 import numpy as np
 import pytest
@@ -38,6 +40,23 @@ def rewrite_manifest(blob: bytes, mutate) -> bytes:
     m = json.dumps(doc).encode()
     body = blob[HEADER.size + mlen :]
     return HEADER.pack(b"\x89WSYNC\r\n", version, len(m), blen, xxhash.xxh3_64_intdigest(m)) + m + body
+
+
+HANG_S = float(os.environ.get("WSYNC_TEST_HANG_S", "900"))  # far above the slowest test here (~2 min)
+_STDERR: list[int] = []
+
+
+def pytest_configure(config):
+    _STDERR.append(os.dup(2))  # the terminal's stderr, before pytest captures fd 2 around each test
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard():
+    """A test still running after HANG_S seconds ends the run: every thread's stack goes to the terminal and the
+    process exits 1. Without it a hung thread held CI until its time limit, with nothing said of where."""
+    faulthandler.dump_traceback_later(HANG_S, exit=True, file=_STDERR[0] if _STDERR else 2)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture

@@ -238,6 +238,71 @@ def test_corrupt_piece_is_detected():
     pub.close(), sub.close()
 
 
+def _kept(obj) -> bool:
+    from wsync.transports import grouplink
+
+    return any(x is obj for x in grouplink._KEPT)
+
+
+def _close_from_another_thread(link) -> None:
+    t = threading.Thread(target=link.close)
+    t.start(), t.join()
+
+
+def test_close_racing_a_recv_starts_nothing():
+    """A close() that lands between a recv's check and its first operation: the recv posts nothing and raises.
+    (It used to post the step anyway; the group, not kept, then blocked whichever thread dropped it last in its
+    destructor: the test suite froze so, once in a CI run.)"""
+    lst, pub, (s1, s2) = _group(2)
+    check = s1._usable
+
+    def check_then_closed():
+        check()
+        _close_from_another_thread(s1)
+
+    s1._usable = check_then_closed
+    with pytest.raises(TransportError, match="closed"):
+        s1.recv(timeout=0.2)
+    assert s1._pending is None and not _kept(s1.ctrl)  # nothing in flight: its group may go
+    with pytest.raises(TransportTimeout):  # s2 idles in its first step, which stays pending
+        s2.recv(timeout=0.2)
+    s2.close()
+    assert _kept(s2.ctrl)  # so its group is held for the process's life, never destroyed under it
+    with pytest.raises(TransportError, match="unusable"):
+        s2.recv(timeout=0.2)
+    pub.close(), lst.close()
+
+
+class CloseMidMessage(gf.HostWire):
+    """Closes its link (from another thread, as Subscriber.close does) when the first piece lands."""
+
+    def __init__(self):
+        self.link, self.n = None, 0
+
+    def landed(self, t, slot):
+        self.n += 1
+        if self.n == 1:
+            _close_from_another_thread(self.link)
+        return super().landed(t, slot)
+
+
+def test_close_mid_message_lets_the_message_finish_and_keeps_the_group():
+    """A message under way when close() lands goes on to its end (the peer expects every piece); what it posts
+    after close() is kept with its groups at once; the next message does not start."""
+    lst, pub, (sub,) = _group(1, chunk="4K")
+    sub.wire = CloseMidMessage()
+    sub.wire.link = sub
+    blob = _big(5, 20_000)
+    t, r = _in_thread(sub.recv, 30)
+    pub.send(Message("bucket", {"v": 1}, [blob]))
+    t.join()
+    assert sub.wire.n == 5 and bytes(r["r"].blobs[0]) == blob.tobytes()
+    assert _kept(sub.ctrl)
+    with pytest.raises(TransportError, match="unusable"):
+        sub.recv(timeout=0.2)
+    pub.close(), lst.close()
+
+
 # -- real processes ---------------------------------------------------------------------
 
 

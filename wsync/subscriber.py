@@ -371,7 +371,8 @@ class Subscriber:
             try:
                 link.send(msg)
             except WsyncError as e:
-                log.warning("could not tell the publisher %s: %s", msg.kind, e)
+                if not self._closed:  # a close() that lands mid-send stops it: not worth a warning
+                    log.warning("could not tell the publisher %s: %s", msg.kind, e)
 
     def _lost(self) -> None:
         """Ignore deltas until a keyframe arrives, and ask for one (after a pause if keyframes keep failing)."""

@@ -63,6 +63,9 @@ class GroupLink:
         self._replies = deque()  # publisher: (rank, header length) still to drain after a gather
         self._pool = BufferPool(cfg.pool_bytes)  # receive buffers, recycled once the caller drops them
         self._broken = None
+        self._closed = False
+        self._lock = threading.Lock()  # orders close() against the posting of an operation
+        self._posted: list = []  # operations posted, the completed ones pruned now and then
 
     # -- public verbs -------------------------------------------------------------------
 
@@ -78,24 +81,40 @@ class GroupLink:
         return self._guard(self._recv, timeout)
 
     def close(self) -> None:
-        if self._broken == "closed":
-            return
-        self._broken = self._broken or "closed"
+        """Start no more messages; hand the groups to the keeper if any operation is still in flight.
+
+        A gloo process group's destructor joins its worker threads, so it waits for every operation it was
+        given, on whichever thread drops the last reference: a group dropped with an operation no peer will
+        ever finish (an idle subscriber's first step, nearly always; or a piece its peer stopped sending)
+        blocks that thread for good (torch 2.13; abort() is a no-op on gloo). The test suite froze so when a
+        close() landed between a recv's check and its first operation. So a closed link's groups are dropped only when
+        nothing posted on them is outstanding; otherwise a thread that never ends holds them, and they go with
+        the process (a group's few threads and sockets per such link). close() may run on any thread while
+        another is inside send or recv: it takes the lock every post takes, and what is posted after it looked
+        is kept by _post."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._broken = self._broken or "closed"
+            outstanding = [w for w in self._posted if not w.is_completed()]
+            self._posted = []
         groups = list({id(self.ctrl): self.ctrl, id(self.data): self.data}.values())
         for pg in groups:
             try:
-                pg.abort()
+                pg.abort()  # NCCL fails its pending operations; a no-op on gloo
             except (RuntimeError, AttributeError):
                 pass
-        # A process group whose collective is still pending (an idle subscriber's first step, nearly always)
-        # blocks forever in its destructor, abort or not (torch 2.13, gloo): a subscriber closed while its
-        # publisher lives would hang wherever the link's last reference went. So such groups are never destroyed
-        # in this process's life: held by a thread that never ends, they go with the process (a group's few
-        # threads and sockets per closed link).
-        if self._pending is not None:
-            _keep(groups + [self._store, self._pending])
+        if outstanding:
+            _keep(groups + [self._store, self._pending, outstanding])
         self._store = None
         self._pool.clear()
+
+    def __del__(self):
+        try:  # a link dropped without close(): its groups must not be destroyed under a pending operation either
+            self.close()
+        except Exception:
+            pass
 
     # -- one message --------------------------------------------------------------------
 
@@ -141,7 +160,7 @@ class GroupLink:
         if self._pending is None:
             mine = torch.tensor([direction, hlen, self._seq], dtype=torch.int64)
             table = torch.zeros(self.size, 3, dtype=torch.int64)
-            work = self.ctrl.allgather([list(table.unbind(0))], [mine])
+            work = self._post(lambda: self.ctrl.allgather([list(table.unbind(0))], [mine]), first=True)
             self._pending = (direction, work, table)
         elif self._pending[0] != direction:
             raise TransportError("a recv timed out and its wait is still pending; call recv again before sending")
@@ -167,18 +186,36 @@ class GroupLink:
 
     # -- operations ---------------------------------------------------------------------
 
+    def _post(self, start, first: bool = False):
+        """Start one operation (start() returns its Work) and record it for close().
+
+        Once the link is closed no message starts (its first operation raises TransportError), but one under
+        way goes on to its end, as its peers expect: an operation posted after close() looked is handed to the
+        keeper with its groups at once."""
+        with self._lock:
+            if self._closed and first:
+                raise TransportError(f"link to {self.peer} was closed")
+            work = start()
+            if self._closed:
+                _keep([self.ctrl, self.data, work])
+            else:
+                if len(self._posted) >= 64:
+                    self._posted = [w for w in self._posted if not w.is_completed()]
+                self._posted.append(work)
+            return work
+
     def _bcast(self, pg):
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        return lambda t: pg.broadcast([t], opts)
+        return lambda t: self._post(lambda: pg.broadcast([t], opts))
 
     def _p2p_send(self, pg):
-        return lambda t: pg.send([t], 0, TAG)
+        return lambda t: self._post(lambda: pg.send([t], 0, TAG))
 
     def _p2p_recv(self, pg, src: int):
-        return lambda t: pg.recv([t], src, TAG)
+        return lambda t: self._post(lambda: pg.recv([t], src, TAG))
 
     def _wait(self, work, timeout=STALL) -> None:
         t = self.cfg.stall_timeout if timeout is STALL else timeout
