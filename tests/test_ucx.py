@@ -115,3 +115,20 @@ def test_cuda_blobs_go_device_to_device():
     assert m.blobs[0].is_cuda and torch.equal(m.blobs[0].view(torch.int32), t) and bytes(m.blobs[1]) == b"host"
     for x in (sub, pub, lst):
         x.close()
+
+
+def test_send_to_a_peer_that_stopped_receiving_is_bounded():
+    """A large part waits for the peer's receive (rendezvous): one that never comes ends the send after
+    stall_timeout with a TransportError, and the link refuses to go on out of step."""
+    lst = listen("ucx://127.0.0.1:0", stall_timeout=1)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(s=connect(lst.address)))
+    t.start()
+    pub = lst.accept(timeout=30)
+    t.join()
+    with pytest.raises(TransportError, match="took no part"):
+        pub.send(Message("bucket", {}, [_big(2, 64 << 20)]))  # the subscriber never calls recv
+    with pytest.raises(TransportError, match="unusable"):
+        pub.send(Message("bye"))
+    for x in (got["s"], pub, lst):
+        x.close()

@@ -12,7 +12,8 @@ Host blobs carry xxh3-64 sums checked on arrival; CUDA blobs (torch tensors or
 anything with ``__cuda_array_interface__``) go device to device and arrive as
 uint8 CUDA tensors, unchecked here (the sync layer's digest covers them).
 A recv that times out leaves its receive pending and the next recv resumes it,
-so no bytes are lost or matched out of order.
+so no bytes are lost or matched out of order. A send whose part the peer does
+not take within ``stall_timeout`` fails, and the link with it.
 
 Listeners need UCX's tcp transport (``UCX_TLS=tcp`` or ``sm,tcp``; ``sm``
 alone cannot connect through a listener); the ``tls`` option sets it for this
@@ -215,19 +216,29 @@ class UcxLink:
         self.lp, self.ep, self.cfg, self.peer = lp, ep, cfg, peer
         self._pool = BufferPool(cfg.pool_bytes)
         self._pending = None  # a receive that outlived its caller's timeout; the next recv resumes it
+        self._broken = None  # why a send stopped half way: the peer's stream is out of step for good
 
     def send(self, msg: Message) -> None:
+        if self._broken:
+            raise TransportError(f"UCX link to {self.peer} is unusable ({self._broken})")
         head, bufs = pack_head(msg)
         try:
             self.lp.run(self._send(head, bufs), None)
+        except asyncio.TimeoutError:
+            self._broken = f"a send stalled for {self.cfg.stall_timeout}s"
+            raise TransportError(f"{self.peer} took no part of a message for {self.cfg.stall_timeout}s "
+                                 "(stopped receiving?)") from None
         except Exception as e:
+            self._broken = f"{type(e).__name__}: {e}"
             raise _errors(e, self.peer) from None
 
     async def _send(self, head: bytes, bufs: list) -> None:
-        await self.ep.send(np.array([len(head)], dtype=np.uint64))
-        await self.ep.send(np.frombuffer(head, dtype=np.uint8))
-        for b in bufs:
-            await self.ep.send(b if _is_cuda(b) else np.frombuffer(b, dtype=np.uint8))
+        """Each part bounded by stall_timeout: a large part waits for the peer to post its receive (rendezvous),
+        and a peer that stopped receiving would hold the sender (and Publisher.close's bye) for ever."""
+        parts = [np.array([len(head)], dtype=np.uint64), np.frombuffer(head, dtype=np.uint8)]
+        parts += [b if _is_cuda(b) else np.frombuffer(b, dtype=np.uint8) for b in bufs]
+        for part in parts:
+            await asyncio.wait_for(self.ep.send(part), self.cfg.stall_timeout)
 
     def recv(self, timeout: float | None = None) -> Message:
         if self._pending is None:
