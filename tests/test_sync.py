@@ -125,7 +125,8 @@ def test_gloo_groups_opened_and_closed_in_a_loop():
     """A gloo publisher and two subscribers, built, fed and closed over and over in one process: closes land
     wherever the links' threads happen to be. A group dropped with an operation in flight blocked its last
     holder in its destructor: this loop froze so at rounds 24 and 5 of two runs before GroupLink.close kept
-    such groups, and ran 300 rounds after (tests/conftest.py's hang guard turns such a freeze into a failure with every thread's stack)."""
+    such groups, and ran 300 rounds after (tests/conftest.py's hang guard turns such a freeze into a failure
+    with every thread's stack)."""
     rng = np.random.default_rng(0)
     state = {f"w{i}": rng.standard_normal(256).astype(np.float32) for i in range(8)}
     for _ in range(25):

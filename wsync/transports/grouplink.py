@@ -87,9 +87,9 @@ class GroupLink:
         given, on whichever thread drops the last reference: a group dropped with an operation no peer will
         ever finish (an idle subscriber's first step, nearly always; or a piece its peer stopped sending)
         blocks that thread for good (torch 2.13; abort() is a no-op on gloo). The test suite froze so when a
-        close() landed between a recv's check and its first operation. So a closed link's groups are dropped only when
-        nothing posted on them is outstanding; otherwise a thread that never ends holds them, and they go with
-        the process (a group's few threads and sockets per such link). close() may run on any thread while
+        close() landed between a recv's check and its first operation. So a closed link's groups are dropped
+        only when nothing posted on them is outstanding; otherwise a thread that never ends holds them, and
+        they go with the process (a group's few threads and sockets per such link). close() may run on any thread while
         another is inside send or recv: it takes the lock every post takes, and what is posted after it looked
         is kept by _post."""
         with self._lock:
