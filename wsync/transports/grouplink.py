@@ -64,6 +64,7 @@ class GroupLink:
         self._pool = BufferPool(cfg.pool_bytes)  # receive buffers, recycled once the caller drops them
         self._broken = None
         self._closed = False
+        self._kept = False  # its groups handed to the keeper
         self._lock = threading.Lock()  # orders close() against the posting of an operation
         self._posted: list = []  # operations posted, the completed ones pruned now and then
 
@@ -89,24 +90,22 @@ class GroupLink:
         blocks that thread for good (torch 2.13; abort() is a no-op on gloo). The test suite froze so when a
         close() landed between a recv's check and its first operation. So a closed link's groups are dropped
         only when nothing posted on them is outstanding; otherwise a thread that never ends holds them, and
-        they go with the process (a group's few threads and sockets per such link). close() may run on any thread while
-        another is inside send or recv: it takes the lock every post takes, and what is posted after it looked
-        is kept by _post."""
+        they go with the process (a group's few threads and sockets per such link). close() may run on any
+        thread while another is inside send or recv: it takes the lock every post takes, and a post after it
+        looked hands the groups over itself."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._broken = self._broken or "closed"
-            outstanding = [w for w in self._posted if not w.is_completed()]
+            if not all(w.is_completed() for w in self._posted):
+                self._keep_groups()
             self._posted = []
-        groups = list({id(self.ctrl): self.ctrl, id(self.data): self.data}.values())
-        for pg in groups:
+        for pg in {id(self.ctrl): self.ctrl, id(self.data): self.data}.values():
             try:
                 pg.abort()  # NCCL fails its pending operations; a no-op on gloo
             except (RuntimeError, AttributeError):
                 pass
-        if outstanding:
-            _keep(groups + [self._store, self._pending, outstanding])
         self._store = None
         self._pool.clear()
 
@@ -191,18 +190,25 @@ class GroupLink:
 
         Once the link is closed no message starts (its first operation raises TransportError), but one under
         way goes on to its end, as its peers expect: an operation posted after close() looked is handed to the
-        keeper with its groups at once."""
+        keeper at once."""
         with self._lock:
             if self._closed and first:
                 raise TransportError(f"link to {self.peer} was closed")
             work = start()
             if self._closed:
-                _keep([self.ctrl, self.data, work])
+                self._keep_groups()
             else:
                 if len(self._posted) >= 64:
                     self._posted = [w for w in self._posted if not w.is_completed()]
                 self._posted.append(work)
             return work
+
+    def _keep_groups(self) -> None:
+        """(Under the lock.) Hand the groups to the keeper, once. A pending Work holds its own tensors, and
+        the groups hold the store, in C++: the groups are all that must never be destroyed."""
+        if not self._kept:
+            self._kept = True
+            _keep([self.ctrl, self.data])
 
     def _bcast(self, pg):
         import torch.distributed as dist
