@@ -70,7 +70,7 @@ def backend_params() -> list:
     from wsync.errors import BackendUnavailable
 
     out = []
-    for name in backends.AUTO_ORDER:
+    for name in backends.REGISTRY:
         try:
             backends.kernels(name)
             out.append(name)

@@ -244,3 +244,23 @@ def test_concurrent_callers(kernels):
 
     with ThreadPoolExecutor(4) as ex:
         assert all(ex.map(job, range(6)))
+
+
+def test_auto_never_sends_host_arrays_to_the_gpu_backend(monkeypatch):
+    """Even where the GPU backend loads, auto picks the host kernels: on host arrays a GPU can only copy up,
+    run and copy back. Device tensors go to device_kernels() instead."""
+    loaded = []
+
+    def fake_load(name):
+        loaded.append(name)
+        return f"kernels:{name}"
+
+    monkeypatch.setattr(backends, "_load", fake_load)
+    monkeypatch.setattr(backends, "_cache", {})
+    monkeypatch.setattr(backends, "_device", [])
+    monkeypatch.delenv("WSYNC_BACKEND", raising=False)
+    assert backends.kernels() == "kernels:cpu"
+    assert backends.backend().name == "cpu"
+    assert "cuda" not in loaded
+    assert backends.device_kernels() == "kernels:cuda"
+    assert backends.kernels("cuda") == "kernels:cuda"  # by name, still honoured

@@ -4,6 +4,13 @@ A backend is a name mapped to "module:Class", imported only when chosen, so a
 machine without a compiler or a GPU never imports what it cannot load.
 ``wsync.backend()`` reports the choice and, for auto, why the faster ones
 were passed over.
+
+The kernels chosen here work on host arrays. ``auto`` never picks ``cuda`` for
+them: on host memory the GPU backend can only copy each array up, run, and copy
+the result back, which loses to the C++ kernels working where the bytes are.
+Device tensors take ``device_kernels()``, the GPU backend's native entry points,
+whatever WSYNC_BACKEND says for host work. ``cuda`` may still be asked for by
+name (its tests drive the host-array protocol through the GPU on purpose).
 """
 from __future__ import annotations
 
@@ -14,13 +21,14 @@ from dataclasses import dataclass
 from ..errors import BackendUnavailable
 from .base import Kernels
 
-# Fastest first; "auto" takes the first that loads.
 REGISTRY = {
     "ref": "wsync.backends.ref:RefKernels",
     "cpu": "wsync.backends.cpu:CpuKernels",
     "cuda": "wsync.backends.cuda:CudaKernels",
 }
-AUTO_ORDER = ("cuda", "cpu", "ref")
+# For host arrays, fastest first; "auto" takes the first that loads.
+AUTO_ORDER = ("cpu", "ref")
+DEVICE_BACKEND = "cuda"
 
 
 @dataclass(frozen=True)
@@ -73,3 +81,18 @@ def kernels(requested: str | None = None) -> Kernels:
 def backend(requested: str | None = None) -> BackendInfo:
     """Which backend runs the codec kernels, and why."""
     return select(requested)[1]
+
+
+_device: list = []  # the device backend, once loaded (tests put a simulated runtime's here)
+
+
+def device_kernels():
+    """The GPU backend's kernels for device tensors (CudaKernels); BackendUnavailable where it cannot load."""
+    if not _device:
+        _device.append(_load(DEVICE_BACKEND))
+    return _device[0]
+
+
+def use_device_kernels(k) -> None:
+    """Run device tensors through `k` (a CudaKernels over another runtime: the CPU harness in tests)."""
+    _device[:] = [k] if k is not None else []
