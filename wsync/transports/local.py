@@ -14,7 +14,10 @@ writer recycles that segment for a later message of the same or smaller size,
 so steady-state syncs fault no fresh pages. Payload is hashed per piece
 (xxh3-64) while it is copied in, and checked per piece when mapped, on a small
 thread pool. CUDA tensors given as blobs travel as CUDA IPC handles (see
-local_cuda) and come back as CUDA tensors on the same memory.
+local_cuda) and come back as CUDA tensors on the same memory. A message with
+CUDA blobs carries an id; the writer holds those tensors until the reader's
+``F`` names that id, sent once nothing in the reader holds their storages, so
+``wait_cuda_released`` tells the writer when it may overwrite them.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import stat
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import safejson
 from ..errors import ChecksumError, TransportError
@@ -50,6 +53,25 @@ class LocalConfig:
 
 
 KINDS = {"pool_bytes": "size", "piece": "size"}
+
+
+@dataclass
+class _Held:
+    """What the reader handed out for one message, given back to the writer (frame F) once all of it is unused."""
+
+    seg: int | None = None  # the writer's segment id
+    mm: mmap.mmap | None = None  # our mapping of it, until it closes
+    msg: int | None = None  # the writer's id for a message with CUDA blobs
+    cuda: list = field(default_factory=list)  # weak references to the CUDA storages we opened
+
+    def done(self) -> bool:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view of it is still alive
+                return False
+            self.mm = None
+        return all(r.expired() for r in self.cuda)
 
 
 def _socket_path(addr: Address, cfg: LocalConfig) -> str:
@@ -143,7 +165,11 @@ class LocalLink:
         self.sock, self.cfg, self.peer = sock, cfg, peer
         self._out = Outbox(cfg.pool_bytes)  # segments we write
         self._in_fds: dict[int, int] = {}  # the peer's segments we may map, by id
-        self._held: list[tuple[int, mmap.mmap]] = []  # mappings handed to our caller, freed once unused
+        self._held: list[_Held] = []  # what our caller got, given back once unused
+        self._lent: dict[int, list] = {}  # message id -> CUDA tensors we sent that the reader may still use
+        self._lent_cv = threading.Condition()
+        self._next_msg = 0
+        self._broken: TransportError | None = None  # why the read loop stopped
         self._inbox: queue.Queue = queue.Queue()
         self._wlock = threading.Lock()  # one writer of frames at a time (caller and reaper)
         self._hlock = threading.Lock()  # guards _held
@@ -157,10 +183,14 @@ class LocalLink:
         self._reap()
         for seg_id in self._out.evict():
             self._frame(b"D", {"seg": seg_id})
-        host, entries = [], []
+        for b in msg.blobs:
+            if local_cuda.is_cuda(b):
+                local_cuda.check(b)
+        host, entries, cuda = [], [], []
         for b in msg.blobs:
             if local_cuda.is_cuda(b):
                 entries.append({"cuda": local_cuda.share(b)})
+                cuda.append(b)
             else:
                 v = memoryview(b).cast("B")
                 host.append(v)
@@ -174,10 +204,49 @@ class LocalLink:
                 e["off"], e["sums"], off = off, sums.pop(0), off + e["n"]
         head = {"kind": msg.kind, "meta": msg.meta, "blobs": entries, "piece": self.cfg.piece,
                 "seg": seg.id if seg else None, "seg_size": seg.size if seg else 0}
+        if cuda:
+            self._next_msg += 1
+            head["msg"] = self._next_msg
+            with self._lent_cv:  # before the frame goes out, so the reader's F cannot arrive first
+                self._lent[head["msg"]] = cuda
         fds = [seg.fd] if seg is not None and not seg.shared else []
-        self._frame(b"M", head, fds)
+        try:
+            self._frame(b"M", head, fds)
+        except TransportError:
+            if cuda:
+                self._give_back(head["msg"])
+            raise
         if seg is not None:
             seg.shared = True
+
+    def cuda_lent(self) -> int:
+        """Messages whose CUDA blobs the reader may still be using (we hold those tensors until it lets go)."""
+        with self._lent_cv:
+            return len(self._lent)
+
+    def wait_cuda_released(self, timeout: float | None = None) -> bool:
+        """Block until the reader has let go of every CUDA blob sent so far: then they may be overwritten or freed.
+
+        False after timeout seconds; TransportError if the link fails first (the reader may still map them).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lent_cv:
+            while self._lent or self._closed:
+                if self._closed:
+                    raise TransportError(f"link to {self.peer} is closed")
+                if self._broken is not None:
+                    raise TransportError(f"{self._broken}; {len(self._lent)} message(s) of CUDA blobs were not "
+                                         f"given back")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._lent_cv.wait(left)
+            return True
+
+    def _give_back(self, msg_id) -> None:
+        with self._lent_cv:
+            self._lent.pop(msg_id, None)
+            self._lent_cv.notify_all()
 
     def _frame(self, kind: bytes, body: dict, fds=()) -> None:
         data = json.dumps(body, separators=(",", ":")).encode()
@@ -205,24 +274,32 @@ class LocalLink:
         return self._open(item)
 
     def _open(self, head: dict) -> Message:
+        held, blobs, host, view, err = _Held(), [], [], None, None
         try:
-            entries, seg = head["blobs"], head["seg"]
-            view = mm = None
-            if seg is not None:
-                mm = mmap.mmap(self._in_fds[seg], head["seg_size"], access=mmap.ACCESS_COPY)
-                view = memoryview(mm)
-            blobs = []
+            entries, held.seg, held.msg = head["blobs"], head["seg"], head.get("msg")
+            if held.seg is not None:
+                held.mm = mmap.mmap(self._in_fds[held.seg], head["seg_size"], access=mmap.ACCESS_COPY)
+                view = memoryview(held.mm)
             for e in entries:
                 if "cuda" in e:
-                    blobs.append(local_cuda.open_shared(e["cuda"]))
+                    t = local_cuda.open_shared(e["cuda"])
+                    held.cuda.append(local_cuda.watch(t))
+                    blobs.append(t)
+                    t = None
                 else:
                     blobs.append(view[e["off"]:e["off"] + e["n"]] if e["n"] else bytearray())
             host = [(b, e["sums"]) for b, e in zip(blobs, entries) if "cuda" not in e and e["n"]]
-        except (KeyError, TypeError, ValueError, OSError) as e:
-            raise TransportError(f"malformed local message header from {self.peer}: {e!r}") from None
-        if mm is not None:
-            with self._hlock:
-                self._held.append((seg, mm))
+        except TransportError as e:
+            err = e
+        except (KeyError, TypeError, ValueError, OSError, AttributeError) as e:
+            err = TransportError(f"malformed local message header from {self.peer}: {e!r}")
+        if err is not None:
+            # what was opened goes back to the writer at once; the exception must not keep it alive in this frame
+            blobs = host = view = t = None
+            self._hold(held)
+            self._reap()
+            raise err from None
+        self._hold(held)
         bad = verify_pieces(host, head["piece"])
         if bad is not None:
             del blobs, host, view
@@ -242,12 +319,19 @@ class LocalLink:
                         self._in_fds[body["seg"]] = fds[0]
                     self._inbox.put(body)
                 elif kind == b"F":
-                    self._out.release(body["seg"])
+                    if body.get("seg") is not None:
+                        self._out.release(body["seg"])
+                    if body.get("msg") is not None:
+                        self._give_back(body["msg"])
                 elif kind == b"D":
                     os.close(self._in_fds.pop(body["seg"]))
         except Exception as e:  # EOF, a dead peer, or garbage: every waiting recv learns it
             err = e if isinstance(e, TransportError) else TransportError(f"{self.peer}: {e!r}")
-            self._inbox.put(err if not self._closed else TransportError(f"link to {self.peer} is closed"))
+            err = err if not self._closed else TransportError(f"link to {self.peer} is closed")
+            with self._lent_cv:
+                self._broken = err
+                self._lent_cv.notify_all()
+            self._inbox.put(err)
 
     def _read_frame(self):
         prefix, fds = b"", []
@@ -267,21 +351,23 @@ class LocalLink:
             body += more
         return kind, safejson.loads(body, what=f"frame from {self.peer}"), fds
 
+    def _hold(self, held: _Held) -> None:
+        if held.seg is not None or held.msg is not None:  # otherwise the writer holds nothing for this message
+            with self._hlock:
+                self._held.append(held)
+
     def _reap(self) -> None:
-        """Give back segments whose views our caller has dropped (from the caller's thread or the reader's)."""
+        """Give back messages our caller has dropped every part of (from the caller's thread or the reader's)."""
         with self._hlock:
             freed, keep = [], []
-            for seg, mm in self._held:
-                try:
-                    mm.close()
-                    freed.append(seg)
-                except BufferError:  # a view of it is still alive
-                    keep.append((seg, mm))
+            for h in self._held:
+                (freed if h.done() else keep).append(h)
             self._held = keep
-        for seg in freed:
+        for h in freed:
             if not self._closed:
+                body = {"seg": h.seg} if h.msg is None else {"seg": h.seg, "msg": h.msg}
                 try:
-                    self._frame(b"F", {"seg": seg})
+                    self._frame(b"F", body)
                 except TransportError:
                     pass  # the peer is gone; its segments went with it
 
@@ -299,4 +385,7 @@ class LocalLink:
             os.close(fd)
         self._in_fds.clear()
         self._out.close()
+        with self._lent_cv:  # the reader can no longer tell us; torch's IPC counter still keeps the allocations
+            self._lent.clear()
+            self._lent_cv.notify_all()
         self._reap()  # mappings still viewed by the caller stay valid until it drops them
