@@ -113,7 +113,9 @@ def _payload(encoded: list, k, members: Members, inline: bool, **fields) -> Payl
 
 
 def _nbytes(v) -> int:
-    return v.nbytes if isinstance(v, (np.ndarray, Table)) else memoryview(v).nbytes
+    if isinstance(v, (np.ndarray, Table)) or getattr(v, "is_cuda", False):  # a device buffer says its size
+        return v.nbytes
+    return memoryview(v).nbytes
 
 
 def _assemble(encoded: list, k, members: Members) -> tuple[np.ndarray, list[TensorSpec]]:
@@ -417,15 +419,16 @@ def _apply_inplace(base: dict, state: State, payload: Payload, backend, layouts:
 
 
 def apply_payloads_inplace(state: State, payloads: list[Payload], *, backend: str | None = None,
-                           layouts: dict | None = None):
+                           layouts: dict | None = None, log: list | None = None):
     """Apply several payloads (the buckets of one version) in place, as one: all or nothing.
 
     Each payload covers some of state's tensors. Returns (a function that puts
     every written element back, for a caller whose own later check fails,
     and the (key, dtype, numel, checksum) of every segment written).
+    log: a list to extend with each segment's Applied, in order (what it overwrote, and where).
     """
     k = backends.kernels(backend)
-    log: list = []
+    log = [] if log is None else log
 
     def undo() -> None:
         for a in reversed(log):

@@ -219,11 +219,35 @@ class Bound(dict):
 
     bound = True  # snapshot.as_state passes a Bound through as it is
 
-    def __init__(self, state: State, writes_through: bool = False):
+    def __init__(self, state: State, writes_through: bool = False, sources: dict | None = None):
         super().__init__(state)
         self.writes_through = writes_through  # every TensorBits is a writable view of the caller's own tensor
+        # name -> the caller's tensor, for each TensorBits that holds a copy of it (a device tensor, a strided
+        # view): refresh() reads them again, load_back() writes them
+        self.sources: dict = sources or {}
         self._segs: dict[int, tuple[Members, list[TensorBits]]] = {}
         self._plans: dict = {}
+        self._copier = None
+
+    def refresh(self) -> None:
+        """Read every copied tensor afresh from its source, into the same host arrays.
+
+        A Bound views memory that keeps changing; where it could only copy
+        (device memory, a strided view), the copy would freeze the first
+        version, so whoever reads the Bound for a new version calls this first.
+        """
+        if self.sources:
+            if self._copier is None:
+                self._copier = _Copier({n: self[n] for n in self.sources}, self.sources)
+            self._copier.pull()
+
+    def load_back(self, names) -> None:
+        """Write the copies of `names` (those that are copies) back into their source tensors."""
+        names = [n for n in names if n in self.sources]
+        if names:
+            if self._copier is None:
+                self._copier = _Copier({n: self[n] for n in self.sources}, self.sources)
+            self._copier.push(names)
 
     def segments(self, members: Members) -> list[TensorBits]:
         hit = self._segs.get(id(members))
@@ -250,11 +274,80 @@ def bind(obj) -> Bound:
     first name). The Bound views the tensors' own memory; see Bound for when
     to bind again.
     """
-    from .snapshot import aliases, as_state, unique_tensors
+    from .snapshot import unique_tensors
 
     if isinstance(obj, Bound):
         return obj
-    named = unique_tensors(obj)
-    state = as_state(named)
-    through = all(tb.bits.flags.writeable and aliases(named[n], tb.bits) for n, tb in state.items())
-    return Bound(state, writes_through=through)
+    return bind_copying(unique_tensors(obj))
+
+
+def bind_copying(named: dict) -> Bound:
+    """A Bound over `named` that views each tensor it can and keeps a writable copy of every other one.
+
+    A tensor is viewed when its bits are a writable view of its own memory
+    (contiguous, on the host); any other (a device tensor, a strided or
+    read-only one) gets a host copy of our own, with the tensor kept in
+    Bound.sources, so the copy can be read again (refresh) or written back
+    (load_back).
+    """
+    from .snapshot import aliases, as_state
+    from .tables import as_array
+
+    state = dict(as_state(named))
+    sources = {}
+    for n, tb in state.items():
+        view = aliases(named[n], tb.bits)
+        if view and _writable(tb.bits):
+            continue
+        if view or not _writable(tb.bits):  # someone else's memory we may not write: a copy of our own
+            state[n] = TensorBits(tb.dtype, tb.shape, as_array(tb.bits).copy())
+        sources[n] = named[n]
+    return Bound(state, writes_through=not sources, sources=sources)
+
+
+def _flat_or_array(t) -> np.ndarray:
+    from .tables import as_array
+
+    return as_array(t.bits) if isinstance(t, TensorBits) else t
+
+
+def _writable(bits) -> bool:
+    return bits.writable if isinstance(bits, Table) else bits.flags.writeable
+
+
+class _Copier:
+    """Copies between a Bound's host arrays and the tensors they copy: torch's in one call per direction
+    (torch._foreach_copy_), so a 20,000-tensor state costs no Python loop; numpy arrays and TensorBits
+    (an engine's read-only views) one by one."""
+
+    def __init__(self, host: dict, sources: dict):
+        import torch
+
+        self.index = {n: i for i, n in enumerate(sources)}
+        self.src, self.dst, self.is_torch = [], [], []
+        for n, t in sources.items():
+            if isinstance(t, torch.Tensor):
+                t = t.detach()
+                d = torch.from_numpy(host[n].bits).view(t.dtype).view(t.shape)
+            else:
+                t = _flat_or_array(t)
+                d = host[n].bits.view(t.dtype).reshape(t.shape)
+            self.src.append(t)
+            self.dst.append(d)
+            self.is_torch.append(isinstance(t, torch.Tensor))
+
+    def pull(self) -> None:
+        self._copy(range(len(self.src)), self.dst, self.src)
+
+    def push(self, names) -> None:
+        self._copy([self.index[n] for n in names], self.src, self.dst)
+
+    def _copy(self, idx, to: list, frm: list) -> None:
+        import torch
+
+        both = [i for i in idx if self.is_torch[i]]
+        if both:
+            torch._foreach_copy_([to[i] for i in both], [frm[i] for i in both])
+        for i in idx:
+            if not self.is_torch[i]:
+                np.copyto(to[i], frm[i])

@@ -176,9 +176,11 @@ class Copying(dict):
 
 
 def wait_copied(state: State, names) -> None:
-    """For readers of any state: wait for names if it is still being copied."""
-    if isinstance(state, Copying):
-        state.wait(names)
+    """For readers of any state: wait for names if it is still being copied (a Copying, or a device state
+    whose copies are queued on a GPU stream)."""
+    wait = getattr(state, "wait", None)
+    if wait is not None:
+        wait(names)
 
 
 def destination(bits: np.ndarray, spare: TensorBits | None) -> np.ndarray:

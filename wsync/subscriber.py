@@ -37,11 +37,11 @@ import numpy as np
 
 from . import api, backends
 from .errors import ChecksumError, TransportError, WsyncError
-from .layout import Bound, Members, check_covers, segment_digest, segments
+from .device import DeviceEngine, on_one_device
+from .layout import Bound, Members, bind_copying, check_covers, segment_digest, segments
 from .payload import Payload
 from .sender import PROTOCOL
-from .snapshot import TensorBits, aliases, as_state, to_torch
-from .tables import Table, as_array
+from .snapshot import as_state, to_torch
 from .transports import Message, TransportTimeout, connect, parse_address
 from .transports.base import with_token
 from .transports.tcp.auth import Refused
@@ -102,7 +102,7 @@ class Subscriber:
         self._served: list[Members] | None = served if engine.version is not None else None
         for m in self._served or []:
             self._layouts[m.hash] = m
-        self._bound: Bound | None = None  # the engine's tensors, bound once (segment tables reused every version)
+        self._bound: Bound | DeviceEngine | None = None  # the engine's tensors, bound once (segment tables reused every version)
         # the last failure, kept for callers to inspect: an apply refused, or while no link is up, why the last dial failed
         self.error: WsyncError | None = None
         self._apply_error: WsyncError | None = None  # the last apply failure (what wait_for raises at GIVE_UP)
@@ -408,8 +408,10 @@ class Subscriber:
             layouts = dict(self._layouts)  # the receiver thread learns new ones meanwhile
         try:
             with getattr(self.engine, "lock", None) or nullcontext():  # guarded engines: not mid-forward
-                if self._bound is None or st.keyframe:
-                    self._bound = None if hasattr(self.engine, "replace") else bind_engine(self.engine)
+                if st.keyframe:
+                    self._bound = None  # bound again, in case the engine's tensors moved
+                if self._bound is None and not (st.keyframe and hasattr(self.engine, "replace")):
+                    self._bound = bind_engine(self.engine)  # an engine that replaces takes keyframes whole
                 served = apply_version(self.engine, st.payloads, st.checksum, backend=self.backend,
                                        layouts=layouts, bound=self._bound)
         except WsyncError as e:
@@ -441,7 +443,8 @@ class Subscriber:
         if self.mode == "background" and not self._lockstep:
             self._ack(st.version)
         if self.relay is not None:
-            self.relay.publish(self._bound if self._bound is not None else self.engine.tensors(), version=st.version)
+            self.relay.publish(self._bound if isinstance(self._bound, Bound) else self.engine.tensors(),
+                               version=st.version)
         if self.on_commit is not None:
             try:
                 self.on_commit({"version": st.version, "bytes": st.nbytes, "keyframe": st.keyframe, "apply_s": apply_s})
@@ -455,12 +458,15 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
     """Apply one version's payloads to an engine as a transaction (all or nothing).
 
     Every payload checksum and base checksum is verified before anything is
-    written; then the new values are written (in place when the engine's
-    tensors are writable CPU memory, else into a host copy handed to
-    engine.load); then the digest of what the engine holds must equal
-    `checksum`. On any failure every written element is put back.
+    written; then the new values are written into the engine's Bound: in
+    place where it views the engine's memory, and into its own copies
+    elsewhere (device tensors, strided or guarded ones), whose changed
+    tensors are then handed to engine.load; then the digest of what the
+    engine holds must equal `checksum`. On any failure every written element
+    is put back, in the engine and in the copies, which therefore always hold
+    the version the engine serves: the base of the next delta.
     layouts: member tables by hash, for payloads that name theirs (deltas);
-    bound: the engine's tensors bound once (wsync.bind), reused every version.
+    bound: the engine's tensors bound once (bind_engine), reused every version.
     Returns the version's bucket layouts.
     """
     members = [api.resolve(p.manifest, layouts) for p in payloads]
@@ -468,40 +474,65 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
         _replace(engine, payloads, checksum, backend)
         return members
     state = bound if bound is not None else bind_engine(engine)
+    if isinstance(state, DeviceEngine):
+        state.apply(payloads, checksum, members)
+        return members
     _check_covers(state, members)
-    inplace = state.writes_through
-    if not inplace:  # work on a host copy (never the engine's own memory) and hand the changed tensors to engine.load
-        state = Bound({n: TensorBits(tb.dtype, tb.shape, as_array(tb.bits).copy()) for n, tb in state.items()})
     # verifies every base and payload checksum, writes, and checks every result against the manifest
-    undo, records = api.apply_payloads_inplace(state, payloads, backend=backend, layouts=layouts)
-    loaded = False
+    applied: list = []
+    undo, records = api.apply_payloads_inplace(state, payloads, backend=backend, layouts=layouts, log=applied)
+    changed = []
     try:
-        if not inplace:
-            changed = [n for p, m in zip(payloads, members) for j, spec in enumerate(p.manifest.tensors)
-                       if spec.kind != "same" for n in m.segment_names(j)]
-            loaded = True
-            engine.load({name: to_torch(state[name]) for name in changed})
+        if state.sources:
+            changed = [n for n in changed_tensors(payloads, members, applied) if n in state.sources]
+            if changed:
+                engine.load({name: to_torch(state[name]) for name in changed})
             held = version_digest(engine.tensors(), members, backend)
-        else:  # every segment was just checked against the manifest: the digest follows from it
+        else:  # every segment was just checked against the manifest, in the engine's own memory
             held = segment_digest(records)
         if held != checksum:
             raise ChecksumError(f"after loading, the engine's weights digest to {held}, expected {checksum}")
     except BaseException:
         undo()
-        if loaded:
+        if changed:
             engine.load({name: to_torch(state[name]) for name in changed})
         raise
     return members
 
 
+def changed_tensors(payloads: list[Payload], members: list[Members], applied: list) -> list[str]:
+    """The tensors a version wrote at least one element of, from each segment's Applied (in order).
+
+    A segment spans many tensors; handing an engine only those that changed
+    keeps a load (a host-to-device copy, for vLLM) to what the version moved."""
+    out, it = [], iter(applied)
+    for p, m in zip(payloads, members):
+        for j, spec in enumerate(p.manifest.tensors):
+            a = next(it)
+            if spec.kind == "same":
+                continue
+            names = m.segment_names(j)
+            pos = a.overwritten.positions if a.overwritten is not None else None
+            if pos is None or len(names) == 1:
+                out += names
+                continue
+            b = m.bounds
+            ends = np.cumsum(m.numels[b[j] : b[j + 1]])
+            out += [names[i] for i in np.unique(np.searchsorted(ends, pos, "right")).tolist()]
+    return out
+
+
 def bind_engine(engine) -> Bound:
-    """The engine's tensors as a Bound (its segment tables are then built once per layout)."""
+    """The engine's tensors as a Bound (its segment tables are then built once per layout): views of the
+    engine's memory where they can be, copies of our own elsewhere (see layout.bind_copying); or, when they
+    are all on one GPU and its kernels load, a DeviceEngine that applies versions there."""
     live = engine.tensors()
     if isinstance(live, Bound):
         return live
-    state = as_state(live)
-    through = all(_writes_through(live[n], state[n].bits) for n in state)
-    return Bound(state, writes_through=through)
+    k = on_one_device(live)
+    if k is not None:  # applied on the GPU, in the engine's own memory
+        return DeviceEngine(live, k, backends.transfers())
+    return bind_copying(live)
 
 
 def _check_covers(state: Bound, members: list[Members]) -> None:
@@ -532,12 +563,3 @@ def _replace(engine, payloads: list[Payload], checksum: str, backend) -> None:
     if segment_digest(records) != checksum:
         raise ChecksumError(f"keyframe digests to {segment_digest(records)}, expected {checksum}")
     engine.replace(new)
-
-
-def _writable(bits) -> bool:
-    return bits.writable if isinstance(bits, Table) else bits.flags.writeable
-
-
-def _writes_through(t, bits: np.ndarray) -> bool:
-    """Writing bits writes the engine's own memory."""
-    return _writable(bits) and aliases(t, bits)

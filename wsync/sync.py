@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import ipaddress
+import operator
 import logging
 import queue
 import threading
@@ -41,7 +42,8 @@ from .history import Encoded, History, Keyframe, keyframe_due
 from .sender import Sender
 from .layout import Bound, Members, bind, plan, segment_digest
 from .mirror import LiveDelta, Mirror
-from .snapshot import Copying, State, blank_like, off_host, plan_buckets, wait_copied
+from .device import DeviceSource, DeviceState, on_one_device
+from .snapshot import Copying, State, blank_like, plan_buckets, unique_tensors, wait_copied
 from .transports import Message, listen, parse_address
 from .transports.base import with_token
 
@@ -117,7 +119,8 @@ class Publisher:
         self._since_keyframe = 0
         self._last: int | None = None
         self._last_layout: tuple | None = None  # the last version's bucket layouts (hashes)
-        self._host_trainer = False  # the last publish() was handed host-memory tensors
+        self._host_trainer = False  # the last publish() was handed a state it could bind (not a path)
+        self._bind = _Binder()
         self._peers: list[Sender] = []
         self._error: BaseException | None = None
         self._closed = False
@@ -153,12 +156,16 @@ class Publisher:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if self._last is not None and version <= self._last:
             raise VersionError(f"versions must increase: got {version} after {self._last}")
-        live = _host_state(state)
+        live = self._bind(state, self.config.bucket_bytes)
+        on_device = isinstance(live, DeviceSource)
         with self._cv:
-            self._host_trainer = live is not None  # worth keeping a mirror for
+            self._host_trainer = live is not None and not on_device  # worth keeping a host mirror for
             self._published_at[version] = time.time()  # before the encoder can start on it
             while len(self._published_at) > 1000:
                 self._published_at.pop(next(iter(self._published_at)))
+        if on_device:
+            self._publish_device(version, live)
+            return
         layout = self._layout(live) if live is not None else None
         make_kf = keyframe_due(self._published, self._since_keyframe, self.config.keyframe_every) \
             or layout is None or layout != self._last_layout
@@ -170,6 +177,22 @@ class Publisher:
             snap.run([m.names for m in self._buckets(snap)])  # bucket by bucket: the encoder starts on each
             self._last_layout = self._layout(snap) if layout is None else layout
         with self._cv:  # the encoder thread reads _last
+            self._last = version
+        self._published += 1
+        self._since_keyframe = 1 if make_kf else self._since_keyframe + 1
+        if self.metrics is not None:
+            self.metrics.published(version)
+
+    def _publish_device(self, version: int, src: DeviceSource) -> None:
+        """Snapshot a device state on the GPU (queued on the caller's stream) and hand it to the encoder."""
+        make_kf = keyframe_due(self._published, self._since_keyframe, self.config.keyframe_every) \
+            or src.key != self._last_layout
+        snap = src.snapshot(self._take_spare(device=True))
+        with self._cv:
+            self._spare_wanted = False  # the encoder recycles device states itself; host spares would not fit
+        self._queue.put((version, snap, make_kf))
+        self._last_layout = src.key
+        with self._cv:
             self._last = version
         self._published += 1
         self._since_keyframe = 1 if make_kf else self._since_keyframe + 1
@@ -315,7 +338,8 @@ class Publisher:
         cfg, prev = self.config, self._state
         t0 = time.perf_counter()
         checksum = None  # the state's digest, known once its buckets are encoded (from their checksums)
-        same_layout = prev is not None and self._layout(prev) == self._layout(state)
+        same_layout = prev is not None and isinstance(prev, DeviceState) == isinstance(state, DeviceState) \
+            and self._layout(prev) == self._layout(state)
         make_kf = make_kf or not same_layout
         if not same_layout:  # once per layout, off the trainer's path
             size = sum(tb.nbytes for _, tb in state.items())
@@ -329,9 +353,11 @@ class Publisher:
         with self._cv:
             if make_kf:
                 self._history.add_keyframe(version, state, checksum, delta)
-                self._keyframe_states.append(id(state))
+                if not isinstance(state, DeviceState):
+                    self._keyframe_states.append(id(state))
             else:
                 self._history.add_delta(delta)
+            kf = self._history.keyframe
             self._state = state
             self._cv.notify_all()
         sums = None  # each tensor's checksum, from the encoding (a mirror made of this state needs them)
@@ -343,6 +369,8 @@ class Publisher:
                     if self._state is state:  # the version failed: the next one is a delta against prev
                         self._state = prev
                 raise
+        if make_kf and isinstance(state, DeviceState):
+            self._keyframe_to_host(kf)
         with self._cv:
             self._recycle(prev)  # only now: _fill read prev as the delta's base
             adopt = cfg.live and cfg.codec == "delta" and self._host_trainer and self._last == version
@@ -350,6 +378,14 @@ class Publisher:
             self._adopt(version, state, sums)
         self._record(version, t0, delta)
         self._prepare_spare(state)
+
+    def _keyframe_to_host(self, kf: Keyframe) -> None:
+        """A device keyframe is encoded now and kept as its host bytes: the history would otherwise hold a
+        model-sized device buffer for as long as the keyframe stays the newest."""
+        try:
+            self._keyframe_buckets(kf)
+        finally:
+            kf.state = None
 
     def _adopt(self, version: int, state: State, sums: dict[str, str] | None) -> None:
         """Make a copied version the mirror, so the next publish() measures against it (see mirror.py).
@@ -412,7 +448,8 @@ class Publisher:
         trainer's critical path. Done now, it costs the encoder's idle time.
         """
         with self._cv:
-            if self._spare is not None or not self._spare_wanted or not self._queue.empty() or self._closed:
+            if self._spare is not None or not self._spare_wanted or not self._queue.empty() or self._closed \
+                    or isinstance(state, DeviceState):
                 return
         spare = blank_like(state)
         with self._cv:
@@ -427,6 +464,9 @@ class Publisher:
 
     def _buckets(self, state: State) -> list[Members]:
         """The layout of each bucket of state (computed once per Bound, and for a plain state each time)."""
+        if isinstance(state, DeviceState):
+            return state.buckets
+
         def make():
             return [plan(state, names) for names in
                     plan_buckets([(n, tb.nbytes) for n, tb in state.items()], self.config.bucket_bytes)]
@@ -476,12 +516,14 @@ class Publisher:
         cfg, groups = self.config, self._buckets(state)
         codec = "raw" if base is None else cfg.codec
 
+        backend = "device" if isinstance(state, DeviceState) else cfg.backend
+
         def payload(i):
             wait_copied(state, groups[i].names)  # publish() may still be copying this bucket
             # a keyframe carries its layout; deltas name it by hash
             return api.encode(base if codec == "delta" else None, state, codec=codec, tier=cfg.tier,
                               version=enc.version, base_version=enc.base_version, level=cfg.level,
-                              backend=cfg.backend, members=groups[i], inline=codec == "raw")
+                              backend=backend, members=groups[i], inline=codec == "raw")
         return payload
 
     def _keyframe_buckets(self, kf: Keyframe) -> Encoded:
@@ -499,8 +541,11 @@ class Publisher:
                 and id(old) not in self._keyframe_states:
             self._spare = old
 
-    def _take_spare(self) -> State | None:
+    def _take_spare(self, device: bool = False) -> State | None:
+        """The spare, if it is of the kind asked for (host arrays, or a device state's buffers)."""
         with self._cv:
+            if isinstance(self._spare, DeviceState) != device:
+                return None
             spare, self._spare = self._spare, None
             return spare
 
@@ -586,13 +631,61 @@ class Publisher:
             return enc.buckets[i]
 
 
-def _host_state(state) -> State | None:
-    """The trainer's tensors as views of their own memory, if state is a dict of host-memory tensors.
+class _Binder:
+    """The Bound of the state publish() was handed, built once and found again by identity.
 
-    A Bound (wsync.bind) is taken as it is: its layout and segment tables were built once."""
-    if isinstance(state, Bound):
-        return state
-    if not isinstance(state, dict) or any(off_host(t) for t in state.values()):
+    Trainers call publish(model.state_dict()) every version: a fresh dict of
+    the same tensors, in the same order. Its names and the tensors' addresses
+    are compared with the last ones (a few C-level calls, no Python per
+    tensor); when they match, the Bound built then still views or copies the
+    same memory, and its layout and segment tables are reused.
+    """
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._bound: Bound | DeviceSource | None = None
+
+    def __call__(self, state, bucket_bytes: int) -> Bound | DeviceSource | None:
+        """What to read `state` from: its tensors on one GPU (a DeviceSource, where the GPU kernels load),
+        else a Bound, read afresh; None for what is no dict (a path)."""
+        if isinstance(state, Bound):
+            bound = state
+            if state.sources and len(state.sources) == len(state):  # it had to copy every tensor: a device state?
+                bound = state.plan(("device", bucket_bytes), lambda: _device_source(state.sources, bucket_bytes)) \
+                    or state
+        elif isinstance(state, dict):
+            key = _identity(state)
+            if key is None or key != self._key or self._bound.bucket_bytes != bucket_bytes:
+                named = unique_tensors(state)
+                self._bound, self._key = _device_source(named, bucket_bytes) or bind(named), key
+                self._bound.bucket_bytes = bucket_bytes
+            bound = self._bound
+        else:
+            return None
+        if isinstance(bound, DeviceSource):
+            return bound
+        bound.refresh()  # a Bound never means a snapshot: what it had to copy is read again
+        return bound
+
+
+def _device_source(named: dict, bucket_bytes: int) -> DeviceSource | None:
+    k = on_one_device(named)
+    return DeviceSource(named, k, bucket_bytes) if k is not None else None
+
+
+def _identity(state: dict) -> tuple | None:
+    """The names, addresses and shapes of a state's tensors, or None if they are not all torch tensors."""
+    import torch
+
+    values = list(state.values())
+    try:
+        ptrs = list(map(torch.Tensor.data_ptr, values))
+        shapes = list(map(torch.Tensor.size, values))
+        devices = list(map(_device_of, values))
+    except TypeError:
         return None
-    return bind(state)
+    return tuple(state), ptrs, shapes, devices
+
+
+_device_of = operator.attrgetter("device")
 

@@ -17,6 +17,7 @@ and a `get()` that goes through the race check, as cupy's does a copy).
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +58,7 @@ class FakeEvent:
 @dataclass(frozen=True)
 class FakeDevice:
     index: int
+    type: str = "cuda"
 
     def __str__(self):
         return f"cuda:{self.index}"
@@ -67,11 +69,22 @@ class FakeTensor:
 
     is_cuda = True
 
-    def __init__(self, data: np.ndarray, device: int = 0, dtype=None):
+    def __init__(self, data: np.ndarray, device: int = 0, dtype=None, logical: str | None = None):
         self.data = np.ascontiguousarray(data)
         self.device = FakeDevice(device)
         self.dtype = np.dtype(dtype) if dtype is not None else self.data.dtype
         self.shape = self.data.shape
+        self.logical = logical  # the wsync dtype it stands for (a bf16 tensor's data is its <u2 bit patterns)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def numel(self) -> int:
+        return self.data.size
+
+    def detach(self) -> "FakeTensor":
+        return self
 
     def is_contiguous(self) -> bool:
         return True
@@ -86,6 +99,8 @@ class DevArray(np.ndarray):
     def __array_finalize__(self, obj):
         self.gpu = getattr(obj, "gpu", None)  # (numpy 2 has a read-only ndarray.device)
         self.rt = getattr(obj, "rt", None)
+        if self.rt is not None and self.flags.owndata:  # fresh memory from an operator (x - y): no old writes
+            self.rt.forget(self)
 
     def get(self) -> np.ndarray:
         return self.rt.read(self, "get()")
@@ -123,7 +138,10 @@ class FakeXp(JunkNumpy):
     def asarray(self, a, dtype=None):
         if isinstance(a, DevArray) and (dtype is None or np.dtype(dtype) == a.dtype):
             return a
-        return self._rt.adopt(np.array(a, dtype=dtype, copy=True))  # a host-to-device copy
+        out = self._rt.adopt(np.array(a, dtype=dtype, copy=True))
+        if not isinstance(a, DevArray):  # a host-to-device copy
+            self._rt.crossed["h2d"] += out.nbytes
+        return out
 
     def ascontiguousarray(self, a, dtype=None):
         if isinstance(a, DevArray) and a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
@@ -137,15 +155,32 @@ class FakeRuntime:
     def __init__(self, sim: Sim, ndevices: int = 2, block: int = 256):
         self.sim, self.block, self.ndevices = sim, block, ndevices
         self.xp = FakeXp(self)
-        self.device = 0  # cupy's current device
-        self.current = FakeStream(0, 0)  # cupy's current stream
+        self._local = threading.local()  # cupy's current device and stream are per thread, as on a GPU
+        self._lock = threading.RLock()  # one launch, copy or check at a time: the fibers and the log are shared
         self.torch_current = {d: FakeStream(d, 0) for d in range(ndevices)}  # torch.cuda.current_stream(d)
+        self.crossed = {"d2h": 0, "h2d": 0}  # bytes copied between device and host, whoever asked
         self.seq: dict[FakeStream, int] = {}
         self.host_done: dict[FakeStream, int] = {}
         self.waited: dict[tuple[FakeStream, FakeStream], int] = {}
         self.writes: list[_Write] = []
         self.log: list[tuple] = []
         self._next_stream = 1
+
+    @property
+    def device(self) -> int:  # cupy's current device (this thread's)
+        return getattr(self._local, "device", 0)
+
+    @device.setter
+    def device(self, d: int) -> None:
+        self._local.device = d
+
+    @property
+    def current(self) -> FakeStream:  # cupy's current stream (this thread's)
+        return getattr(self._local, "current", None) or FakeStream(self.device, 0)
+
+    @current.setter
+    def current(self, s: FakeStream) -> None:
+        self._local.current = s
 
     # ---- what tests do ---------------------------------------------------------------------
 
@@ -179,6 +214,10 @@ class FakeRuntime:
     # ---- the runtime interface -------------------------------------------------------------
 
     def launch(self, name: str, grid: int, args: tuple, block: int | None = None) -> None:
+        with self._lock:
+            self._launch(name, grid, args, block)
+
+    def _launch(self, name: str, grid: int, args: tuple, block: int | None = None) -> None:
         k = self.sim.kernels[name]
         for i, (a, p) in enumerate(zip(args, k.params)):
             if isinstance(a, np.ndarray):
@@ -218,6 +257,41 @@ class FakeRuntime:
     def device_of(self, t) -> int:
         return t.device.index if isinstance(t, FakeTensor) else t.gpu
 
+    def dtype_of(self, t):
+        from wsync import dtypes
+
+        if t.logical is None:
+            raise TypeError("a FakeTensor standing for a model tensor needs logical= (its wsync dtype)")
+        return dtypes.by_name(t.logical)
+
+    def empty_tensor(self, numel: int, dtype, device: int) -> FakeTensor:
+        with self._lock:
+            data = self.xp.empty(numel, dtype.bits_dtype)  # junk-filled, as fresh device memory is
+        return FakeTensor(np.asarray(data).view(np.ndarray), device, logical=dtype.name)
+
+    def gather(self, flat: FakeTensor, tensors) -> None:
+        self._copies(flat, tensors, into_flat=True)
+
+    def scatter(self, flat: FakeTensor, tensors) -> None:
+        self._copies(flat, tensors, into_flat=False)
+
+    def _copies(self, flat: FakeTensor, tensors, into_flat: bool) -> None:
+        """Device-to-device copies on the current stream: devices must match, as torch's copy_ would need."""
+        with self._lock:
+            at = 0
+            for t in tensors:
+                if t.device.index != flat.device.index or t.device.index != self.device:
+                    raise DeviceMismatch(f"a copy on cuda:{self.device} between cuda:{flat.device.index} and "
+                                         f"cuda:{t.device.index}")
+                n = t.data.size
+                piece = flat.data.reshape(-1)[at : at + n]
+                if into_flat:
+                    piece[:] = t.data.reshape(-1)
+                else:
+                    t.data.reshape(-1)[:] = piece
+                at += n
+            self.log.append(("copy", "gather" if into_flat else "scatter", self.current, at))
+
     @contextlib.contextmanager
     def stream_of(self, t):
         dev = self.device_of(t)
@@ -254,14 +328,21 @@ class FakeRuntime:
         if not isinstance(x, DevArray):
             x = x.view(DevArray)
         x.gpu, x.rt = self.device, self
-        lo, hi = x.ctypes.data, x.ctypes.data + x.nbytes
-        self.writes = [w for w in self.writes if w.hi <= lo or w.lo >= hi]
+        self.forget(x)
         return x
 
+    def forget(self, x) -> None:
+        """x's memory is newly allocated: writes once made to memory at its addresses no longer count."""
+        lo, hi = x.ctypes.data, x.ctypes.data + x.nbytes
+        with self._lock:
+            self.writes = [w for w in self.writes if w.hi <= lo or w.lo >= hi]
+
     def read(self, x, what: str) -> np.ndarray:
-        self.log.append(("read", what, self.current))
-        self._check_read(x, self.current, what)
-        return np.array(x, copy=True).view(np.ndarray)
+        with self._lock:
+            self.log.append(("read", what, self.current, x.nbytes))
+            self._check_read(x, self.current, what)
+            self.crossed["d2h"] += x.nbytes
+            return np.array(x, copy=True).view(np.ndarray)
 
     def _check_read(self, x, reader: FakeStream, what: str) -> None:
         lo, hi = x.ctypes.data, x.ctypes.data + x.nbytes

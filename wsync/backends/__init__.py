@@ -58,6 +58,11 @@ def _load(name: str) -> Kernels:
 
 def select(requested: str | None = None) -> tuple[Kernels, BackendInfo]:
     requested = (requested or os.environ.get("WSYNC_BACKEND") or "auto").lower()
+    if requested == "device":  # segments in device memory (wsync.device); not cached: tests swap the kernels
+        from .device import DeviceKernels
+
+        k = DeviceKernels(device_kernels(), kernels(None), transfers())
+        return k, BackendInfo("device", requested, "device buffers")
     if requested in _cache:
         return _cache[requested]
     if requested != "auto":
@@ -84,6 +89,7 @@ def backend(requested: str | None = None) -> BackendInfo:
 
 
 _device: list = []  # the device backend, once loaded (tests put a simulated runtime's here)
+_transfers: list = []
 
 
 def device_kernels():
@@ -96,3 +102,12 @@ def device_kernels():
 def use_device_kernels(k) -> None:
     """Run device tensors through `k` (a CudaKernels over another runtime: the CPU harness in tests)."""
     _device[:] = [k] if k is not None else []
+
+
+def transfers():
+    """This process's count of bytes wsync copied between device and host memory (device.Transfers)."""
+    if not _transfers:
+        from .device import Transfers
+
+        _transfers.append(Transfers())
+    return _transfers[0]

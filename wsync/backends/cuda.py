@@ -858,6 +858,35 @@ class _CupyRuntime:
                          cp.cuda.using_allocator(_torch_allocator(cp, dev, self._owners)))
         return _Both(cp.cuda.Device(t.device.id) if hasattr(t, "device") else cp.cuda.Device())
 
+    def dtype_of(self, t):
+        """The wsync dtype of a torch CUDA tensor."""
+        from .. import dtypes
+
+        return dtypes.from_torch(t.dtype)
+
+    def empty_tensor(self, numel: int, dtype, device: int):
+        """A flat torch tensor of `dtype` (a wsync DType) on cuda:`device`, from torch's caching allocator
+        on the current stream (so torch frees it in order with the kernels queued there)."""
+        import torch
+
+        return torch.empty(numel, dtype=getattr(torch, dtype.torch_name), device=f"cuda:{device}")
+
+    def gather(self, flat, tensors) -> None:
+        """flat[...] = the tensors back to back, on the current stream: one multi-tensor copy, no host work
+        per tensor beyond building the views."""
+        import torch
+
+        views = list(torch.split(flat, [t.numel() for t in tensors]))
+        torch._foreach_copy_(views, [t.detach().reshape(-1) for t in tensors])
+
+    def scatter(self, flat, tensors) -> None:
+        """The tensors = flat's pieces, on the current stream (the inverse of gather)."""
+        import torch
+
+        views = list(torch.split(flat, [t.numel() for t in tensors]))
+        with torch.no_grad():
+            torch._foreach_copy_([t.view(-1) for t in tensors], views)
+
     def record_event(self):
         ev = self.cp.cuda.Event(disable_timing=True)
         ev.record()  # on the current stream

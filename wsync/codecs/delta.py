@@ -52,11 +52,11 @@ def measure(base: TensorBits, new: TensorBits, *, tier: str, kernels, own: bool 
         if tier == "sparse":
             data = (new.bits.gather() if isinstance(new.bits, Table) else new.bits.copy()) if own else new.bits
             return Encoded("raw", {"data": data}, verbatim=True, **sums)
-        return Encoded("xor", {"data": as_array(base.bits) ^ as_array(new.bits)}, **sums)
+        return Encoded("xor", {"data": _xor(kernels, base.bits, new.bits)}, **sums)
     if tier == "v2":
         parts = _v2_encode(kernels, base.bits, sec, new.dtype)
         if sum(len(p) for p in parts.values()) >= new.nbytes:  # tiny or odd: the model costs more than it saves
-            return Encoded("xor", {"data": as_array(base.bits) ^ as_array(new.bits)}, **sums)
+            return Encoded("xor", {"data": _xor(kernels, base.bits, new.bits)}, **sums)
         return Encoded("delta-v2", parts, sections=sec, **sums)
     if tier == "sparse":
         return Encoded("delta-sparse", {"table": sec.table, "gaps": sec.gaps, "steps": sec.steps,
@@ -65,6 +65,12 @@ def measure(base: TensorBits, new: TensorBits, *, tier: str, kernels, own: bool 
     return Encoded("delta-packed", {"table": sec.table, "gaps_lo": np.ascontiguousarray(g[0::2]),
                                     "gaps_hi": np.ascontiguousarray(g[1::2]), "steps": sec.steps,
                                     "escapes": sec.escapes}, sections=sec, **sums)
+
+
+def _xor(kernels, old, new) -> np.ndarray:
+    """old ^ new on the host (device kernels compute it where the tensors are and bring it over)."""
+    fn = getattr(kernels, "xor", None)
+    return fn(old, new) if fn is not None else as_array(old) ^ as_array(new)
 
 
 def pack(enc: Encoded, level: int) -> Encoded:
@@ -84,7 +90,7 @@ def decode_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype) -> Dec
     if spec.kind == "raw":
         return Decoded(frombuffer(parts["data"], bits_dt, "data"))
     if spec.kind == "xor":
-        return Decoded(as_array(base.bits) ^ _xor_data(spec, parts, bits_dt))
+        return Decoded(as_array(base.bits) ^ xor_data(spec, parts, bits_dt))
     sec = _v2_decode(kernels, base.bits, parts, dtype) if spec.kind == "delta-v2" \
         else _sections(spec, parts, bits_dt)
     pos, values, base_sum = kernels.delta_decode_checksummed(base.bits, sec, dtype.order)
@@ -132,7 +138,7 @@ def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace
         return write_whole(frombuffer(parts["data"], bits_dt, "data"), base, kernels=kernels, inplace=inplace,
                            base_sum=True)
     if spec.kind == "xor":
-        return _apply_xor(base, _xor_data(spec, parts, bits_dt), kernels, inplace)
+        return _apply_xor(base, xor_data(spec, parts, bits_dt), kernels, inplace)
     if unpacked is not None:
         sec = unpacked
     elif spec.kind == "delta-v2":
@@ -160,7 +166,7 @@ def _apply_xor(base: TensorBits, x: np.ndarray, kernels, inplace: bool) -> Appli
     return Applied(base.bits, kernels.checksum(base.bits), before, Overwritten(saved))
 
 
-def _xor_data(spec, parts: dict, bits_dt) -> np.ndarray:
+def xor_data(spec, parts: dict, bits_dt) -> np.ndarray:
     return np.frombuffer(zstd_decompress(parts["data"], spec.nbytes, "xor data"), bits_dt)
 
 

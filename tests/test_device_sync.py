@@ -1,0 +1,169 @@
+"""Publisher -> Subscriber with both states on a GPU, run on the CPU: the device path end to end.
+
+The trainer's and the engine's tensors are device tensors of the fake CUDA
+runtime (tests/cudasim/fakert.py): the kernels of csrc/*.cu run for real on
+CPU fibers, and every copy between device and host goes through the runtime,
+which counts its bytes. The sync code (Publisher, Subscriber, wsync.device,
+backends.device, CudaKernels) is the one a GPU runs; only the runtime under it
+is a stand-in. Tensors are compared byte for byte, and the bytes that cross
+to the host per version are held to what the payload carries.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import wsync
+from wsync import backends
+from wsync.backends import cuda
+from wsync.device import DeviceEngine
+from wsync.errors import ChecksumError, VersionError
+from wsync.payload import Payload
+
+cudasim = pytest.importorskip("cudasim")
+from cudasim.fakert import FakeRuntime, FakeTensor  # noqa: E402
+
+ADDR = "tcp://127.0.0.1:0"
+TOKEN = b"device-sync-tests"
+# uneven sizes: several tensors per segment, a segment alone in its bucket, one tensor across two chunks
+SHAPES = {f"layers.{i}.w": (48, 64 + 8 * i) for i in range(12)} | {"embed": (70_001,), "norm": (64,)}
+
+
+@pytest.fixture(scope="module")
+def sim():
+    if cudasim.compiler() is None:
+        pytest.skip("no C++ compiler on PATH: the CUDA harness compiles csrc/*.cu with g++")
+    return cudasim.load()
+
+
+@pytest.fixture
+def rt(sim):
+    rt = FakeRuntime(sim, ndevices=2)
+    backends.use_device_kernels(cuda.CudaKernels(runtime=rt))
+    yield rt
+    backends.use_device_kernels(None)
+
+
+def bf16_state(rng, device: int) -> dict:
+    out = {}
+    for name, shape in SHAPES.items():
+        x = (rng.standard_normal(shape).astype(np.float32) * 0.02).view(np.uint32)
+        out[name] = FakeTensor(((x + 0x8000) >> 16).astype(np.uint16), device, logical="BF16")
+    return out
+
+
+def rl_step(state: dict, rng, density: float = 0.01) -> None:
+    """In place, as an optimizer step: about `density` of the values move by one or two bf16 steps."""
+    for t in state.values():
+        flat = t.data.reshape(-1)
+        idx = np.flatnonzero(rng.random(flat.size) < density)
+        flat[idx] = (flat[idx].astype(np.int64) + rng.choice([-2, -1, 1, 2], len(idx))).astype(np.uint16)
+
+
+class DeviceModel:
+    """An engine whose tensors are device tensors (what HF(model.cuda()) hands the Subscriber)."""
+
+    def __init__(self, state: dict):
+        self.state, self.version, self.loads = state, None, 0
+
+    def tensors(self) -> dict:
+        return self.state
+
+    def load(self, named) -> None:  # the device path writes in place: a load means a host round trip
+        self.loads += 1
+        raise AssertionError("a device engine was handed host tensors to load")
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].data.tobytes() == b[k].data.tobytes() for k in a)
+
+
+@pytest.mark.parametrize("tier", ["sparse", "packed"])
+def test_device_states_follow_bit_exact_with_only_the_sections_crossing(rt, tier):
+    rng = np.random.default_rng(5)
+    trainer = bf16_state(rng, device=0)
+    engine = DeviceModel(bf16_state(np.random.default_rng(9), device=1))
+    model_bytes = sum(t.nbytes for t in trainer.values())
+    commits, crossed = [], []
+    with wsync.Publisher(ADDR, token=TOKEN, tier=tier, keyframe_every=0, bucket_bytes=24 << 10) as pub, \
+            wsync.Subscriber(pub.address, engine=engine, token=TOKEN,
+                             on_commit=lambda i: commits.append(i["keyframe"])) as sub:
+        for v in range(6):
+            if v:
+                rl_step(trainer, rng)
+            before = dict(rt.crossed)
+            pub.publish(dict(trainer), version=v)  # a fresh dict of the same tensors, as state_dict() gives
+            assert sub.wait_for(v, timeout=60) == v
+            pub.flush(timeout=30)
+            crossed.append({d: rt.crossed[d] - before[d] for d in before})
+            assert same(trainer, engine.state), f"version {v}"
+        sizes = pub.stats["bytes"]
+    assert isinstance(sub._bound, DeviceEngine) and engine.loads == 0
+    assert commits == [True] + [False] * 5  # one keyframe, then deltas
+    assert crossed[0]["d2h"] >= model_bytes  # a keyframe's raw bytes cross whole (a host link needs them)
+    for v in range(1, 6):
+        assert 0 < crossed[v]["d2h"] < model_bytes / 10, crossed[v]
+        if tier == "sparse":  # the payload is the sections themselves
+            assert crossed[v]["d2h"] <= sizes[v], (v, crossed[v], sizes[v])
+        assert crossed[v]["h2d"] <= 2 * sizes[v] + model_bytes / 20  # sections up, unpacked
+
+
+def test_the_trainer_blocks_only_to_queue_the_copies(rt):
+    """publish() of a device state queues the gathers on the caller's stream and returns: nothing it does
+    waits for the device (no host read, no event synchronized) before it returns."""
+    rng = np.random.default_rng(1)
+    trainer = bf16_state(rng, device=0)
+    with wsync.Publisher(ADDR, token=TOKEN, keyframe_every=0, bucket_bytes=24 << 10) as pub:
+        pub.publish(dict(trainer), version=0)
+        pub.flush(timeout=30)
+        rl_step(trainer, rng)
+        s = rt.new_stream(0)
+        mark = len(rt.log)
+        with rt.torch_stream(s):  # the optimizer's stream
+            pub._raise_pending()
+            src = pub._bind(dict(trainer), pub.config.bucket_bytes)
+            snap = src.snapshot()
+        during = rt.log[mark:]
+        assert during and all(e[0] in ("copy", "event") for e in during), during
+        assert {e[2] for e in during if e[0] == "copy"} == {s}  # after the optimizer's work, on its stream
+        snap.wait()
+
+
+def test_a_device_engine_refuses_bad_versions_and_keeps_every_byte(rt):
+    rng = np.random.default_rng(2)
+    base = {n: t.data.copy() for n, t in bf16_state(rng, 0).items()}
+    new = {n: a.copy() for n, a in base.items()}
+    for a in new.values():
+        a.reshape(-1)[:: 97] += 1
+    torch = pytest.importorskip("torch")
+
+    def bf16(d):
+        return {n: torch.from_numpy(a).view(torch.bfloat16) for n, a in d.items()}
+
+    members = wsync.layout.plan(wsync.snapshot.as_state(bf16(base)))
+    p = wsync.encode(bf16(base), bf16(new), tier="packed", members=members)
+    engine_state = {n: FakeTensor(a.copy(), 1, logical="BF16") for n, a in base.items()}
+    dev = DeviceEngine(engine_state, backends.device_kernels(), backends.transfers())
+    before = {n: t.data.tobytes() for n, t in engine_state.items()}
+
+    # a corrupt last segment: everything before it was written, and is put back
+    body = bytearray(p.body)
+    body[-3] ^= 0xFF
+    bad = Payload(p.manifest, memoryview(bytes(body)))
+    with pytest.raises(ChecksumError):
+        dev.apply([bad], p.manifest.checksum, [members])
+    assert {n: t.data.tobytes() for n, t in engine_state.items()} == before
+
+    # a wrong base: refused before anything is written
+    engine_state["norm"].data[0] ^= 1
+    with pytest.raises(VersionError):
+        dev.apply([p], p.manifest.checksum, [members])
+    engine_state["norm"].data[0] ^= 1
+
+    # a digest that disagrees after every segment passed: all put back
+    with pytest.raises(ChecksumError, match="digest"):
+        dev.apply([p], "0" * 16, [members])
+    assert {n: t.data.tobytes() for n, t in engine_state.items()} == before
+
+    dev.apply([p], p.manifest.checksum, [members])
+    assert all(engine_state[n].data.tobytes() == new[n].tobytes() for n in new)

@@ -1,0 +1,95 @@
+"""Kernels for segments that live in device memory, and the count of bytes that cross to the host.
+
+wsync.device keeps a version's segments in device buffers; wsync.api encodes
+them through the same calls as host arrays. These answer those calls with the
+GPU backend's device entry points: changes and checksums are computed on the
+GPU, and only what a payload must carry on the host (the sections, a dense
+change, a raw segment) is copied over, once, and counted.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..codecs.delta_ref import DeltaSections
+
+
+def is_device(t) -> bool:
+    """A CUDA tensor (torch's, or anything that says it is one)."""
+    return getattr(t, "is_cuda", False) is True
+
+
+@dataclass
+class Transfers:
+    """Bytes copied between device and host, by direction (what a host link forces across PCIe)."""
+
+    d2h: int = 0
+    h2d: int = 0
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+
+    def add(self, d2h: int = 0, h2d: int = 0) -> None:
+        with self._lock:
+            self.d2h += d2h
+            self.h2d += h2d
+
+
+class DeviceKernels:
+    """The Kernels calls wsync.api makes to encode, on segments that are device buffers.
+
+    Changes and checksums are computed on the GPU; what a payload must carry on
+    the host (the sections, a dense change, a raw segment) is copied once and
+    counted. Host arrays (a payload's frames) go to the host kernels.
+    """
+
+    name = "device"
+
+    def __init__(self, k, host, transfers: Transfers):
+        self.k, self.rt, self.host, self.transfers = k, k.rt, host, transfers
+
+    def delta_encode_checksummed(self, old, new, order: str, old_sum: bool = True):
+        sec = self.k.encode_device(old, new, order)
+        sums = self.k.digests_device([old, new] if old_sum else [new])
+        return self._to_host(sec, new), (sums[0] if old_sum else None), sums[-1]
+
+    def checksum(self, buf) -> str:
+        return self.k.digest_device(buf) if is_device(buf) else self.host.checksum(buf)
+
+    def copy_checksummed(self, src, dst: np.ndarray) -> str:
+        if not is_device(src):
+            return self.host.copy_checksummed(src, dst)
+        s = self.k.digest_device(src)
+        dst.view(np.uint8)[:] = self._read(src).view(np.uint8)
+        return s
+
+    def xor(self, a, b) -> np.ndarray:
+        """a ^ b of two device buffers, on the host (a dense change: zstd packs it there)."""
+        with self.rt.stream_of(b):
+            x = self.rt.bits(a) ^ self.rt.bits(b)
+            return self._counted(self.rt.to_host(x))
+
+    def v2_encode(self, old, sec: DeltaSections, dtype) -> dict:
+        """v2 models the changes with the base as context, and its encoder runs on the host: the base crosses."""
+        from .codecs import v2_ref
+
+        base = self._read(old)
+        fn = getattr(self.host, "v2_encode", None)
+        return fn(base, sec, dtype) if fn is not None else v2_ref.encode(base, sec, dtype)
+
+    def _read(self, t) -> np.ndarray:
+        with self.rt.stream_of(t):
+            return self._counted(self.rt.to_host(self.rt.bits(t)))
+
+    def _to_host(self, sec, like) -> DeltaSections:
+        from .cuda import sections_to_host
+
+        host = sections_to_host(sec, np.dtype(f"<u{like.element_size()}"))
+        self.transfers.add(d2h=sum(a.nbytes for a in (host.table, host.gaps, host.steps, host.escapes)))
+        return host
+
+    def _counted(self, a: np.ndarray) -> np.ndarray:
+        self.transfers.add(d2h=a.nbytes)
+        return a
