@@ -121,7 +121,9 @@ class LoadWeights(Staged):
         layerwise = self.layerwise if self.layerwise != "auto" else kernel_format(model)
         if layerwise or self.whole:
             named = current_tensors(self, named, whole)  # a layer is re-processed once all of it arrived
-        weights = [(n, t.to(device)) for n, t in named.items()]
+        # one tensor on the device at a time: vLLM's loader takes an iterable, and the whole version at once
+        # would need a model's worth of free device memory beside the model
+        weights = ((n, t.to(device)) for n, t in named.items())
         if not layerwise:
             model.load_weights(weights)
             return
