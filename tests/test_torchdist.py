@@ -95,7 +95,7 @@ def test_parse_size_rejects(bad):
 
 def test_parse_head_rejects_garbage():
     good, _ = gf.pack_head(Message("k", {"a": 1}, [b"xy"]), 16)
-    assert gf.parse_head(good) == ("k", {"a": 1}, [2], 16)
+    assert gf.parse_head(good) == ("k", {"a": 1}, [2], 16, [])
     flipped = bytearray(good)
     flipped[-3] ^= 1
     with pytest.raises(ChecksumError):

@@ -11,6 +11,19 @@ A large blob is split into chunk-sized slices moved straight from/into its own
 memory; consecutive small blobs share one piece through a staging copy, so a
 message of many tiny blobs costs a few operations, not one per blob.
 
+A blob may also be a torch CUDA tensor (a **device blob**). Its pieces are slices
+of the tensor itself, handed to the wire as they are: on an NCCL group whose
+device holds the tensor they go on the wire with no host copy, no staging and no
+host hash, and the receiver gets them in a device buffer (one it was handed, or
+one it allocates on the group's device). Device blobs never share a piece with
+other blobs, and the header lists them (``"device": [blob indices]``, left out
+when there are none, so a host-only message is what it always was). The trailer
+holds digests of host pieces only: hashing device memory on the host would need
+the very copy this path avoids. What checks a device blob's bytes instead is the
+sync layer's digest of the version once applied; under it, the links NCCL runs
+over check their own frames (link-level CRC on NVLink, PCIe and InfiniBand,
+TCP's checksum on sockets).
+
 The functions take ``post(tensor) -> Work`` callables so the same code drives a
 broadcast (publisher -> all) and a point-to-point send (subscriber -> publisher).
 """
@@ -22,26 +35,29 @@ from collections import deque
 import numpy as np
 import xxhash
 
+from .. import safejson
 from ..errors import ChecksumError, TransportError
-from .base import ENVELOPE, MAGIC, MAX_BLOB, MAX_HEADER, Message, open_head
+from .base import ENVELOPE, MAGIC, MAX_BLOB, MAX_HEADER, Message
 
 WINDOW = 2  # pieces in flight: one on the wire while the CPU hashes or copies the other
 
 
-def plan_pieces(sizes: list[int], chunk: int) -> list[list[tuple[int, int, int]]]:
+def plan_pieces(sizes: list[int], chunk: int, device=()) -> list[list[tuple[int, int, int]]]:
     """Cut blobs of these sizes into pieces; each piece is [(blob, offset, length), ...], never empty.
 
     A piece with a single entry is moved in place; a piece of several entries
-    (small blobs packed together) goes through a staging buffer.
+    (small blobs packed together) goes through a staging buffer. Blobs whose index
+    is in ``device`` are always moved in place: packing them would need a copy.
     """
+    device = set(device)
     pieces, group, used = [], [], 0
     for i, n in enumerate(sizes):
         if n == 0:
             continue
-        if group and used + n > chunk:
+        if group and (used + n > chunk or i in device):
             pieces.append(group)
             group, used = [], 0
-        if n >= chunk:
+        if n >= chunk or i in device:
             pieces.extend([(i, off, min(chunk, n - off))] for off in range(0, n, chunk))
             continue
         group.append((i, 0, n))
@@ -52,25 +68,38 @@ def plan_pieces(sizes: list[int], chunk: int) -> list[list[tuple[int, int, int]]
 
 
 def pack_head(msg: Message, chunk: int) -> tuple[bytes, list[int]]:
-    """Envelope + JSON header (kind, meta, sizes, chunk) and the blob sizes."""
-    sizes = [memoryview(b).nbytes for b in msg.blobs]
-    head = json.dumps({"kind": msg.kind, "meta": msg.meta, "sizes": sizes, "chunk": chunk}, separators=(",", ":")).encode()
+    """Envelope + JSON header (kind, meta, sizes, chunk, and device when any blob is one) and the blob sizes."""
+    sizes = [nbytes(b) for b in msg.blobs]
+    doc = {"kind": msg.kind, "meta": msg.meta, "sizes": sizes, "chunk": chunk}
+    if dev := device_blobs(msg.blobs):
+        doc["device"] = dev
+    head = json.dumps(doc, separators=(",", ":")).encode()
     return ENVELOPE.pack(MAGIC, len(head), xxhash.xxh3_64_intdigest(head)) + head, sizes
 
 
-def parse_head(raw: bytes) -> tuple[str, dict, list[int], int]:
-    """Check the envelope and header fields; returns kind, meta, sizes, chunk."""
+def parse_head(raw: bytes) -> tuple[str, dict, list[int], int, list[int]]:
+    """Check the envelope and header fields; returns kind, meta, sizes, chunk and the device blobs' indices."""
     if len(raw) < ENVELOPE.size:
         raise TransportError(f"message header of {len(raw)} bytes is shorter than its envelope")
     magic, hlen, hsum = ENVELOPE.unpack_from(raw)
     if magic != MAGIC or hlen != len(raw) - ENVELOPE.size:
         raise TransportError(f"peer sent a frame that is not a wsync message (magic {magic!r}, length {hlen})")
-    kind, meta, sizes, chunk = open_head(raw[ENVELOPE.size:], hsum, ("kind", "meta", "sizes", "chunk"))
+    head = raw[ENVELOPE.size:]
+    if xxhash.xxh3_64_intdigest(head) != hsum:
+        raise ChecksumError("message header checksum mismatch (corrupt in transit)")
+    try:
+        doc = safejson.loads(head, what="message header")
+        kind, meta, sizes, chunk = doc["kind"], doc["meta"], doc["sizes"], doc["chunk"]
+        device = doc.get("device", [])  # absent: host blobs only, as every header before device blobs
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise TransportError(f"malformed message header: {e}") from None
     ok = (isinstance(kind, str) and isinstance(meta, dict) and isinstance(sizes, list)
-          and all(type(n) is int and 0 <= n <= MAX_BLOB for n in sizes) and type(chunk) is int and 0 < chunk < (1 << 40))
+          and all(type(n) is int and 0 <= n <= MAX_BLOB for n in sizes) and type(chunk) is int and 0 < chunk < (1 << 40)
+          and isinstance(device, list) and all(type(i) is int for i in device)
+          and device == sorted(set(device)) and all(0 <= i < len(sizes) for i in device))
     if not ok:
-        raise TransportError("malformed message header: bad field types, blob sizes or chunk size")
-    return kind, meta, sizes, chunk
+        raise TransportError("malformed message header: bad field types, blob sizes, chunk size or device blobs")
+    return kind, meta, sizes, chunk, device
 
 
 def check_head_len(n: int) -> int:
@@ -95,14 +124,124 @@ def as_u8(buf):
         return torch.from_numpy(arr)
 
 
-def send_pieces(views: list[memoryview], pieces, post, wire, wait) -> list[int]:
-    """Move every piece with post(); returns their xxh3-64 digests (hashed while on the wire)."""
+# -- device blobs -------------------------------------------------------------------------
+
+
+def is_device(b) -> bool:
+    """A torch CUDA tensor: moved as a tensor, never read on the host here."""
+    return getattr(b, "is_cuda", False) is True
+
+
+def device_blobs(blobs) -> list[int]:
+    return [i for i, b in enumerate(blobs) if is_device(b)]
+
+
+def nbytes(b) -> int:
+    return b.numel() * b.element_size() if is_device(b) else memoryview(b).nbytes
+
+
+def flat(b):
+    """What pieces are cut from: a flat uint8 view of a device blob (a copy only if it is not contiguous), or a
+    byte memoryview of a host blob."""
+    if not is_device(b):
+        return memoryview(b).cast("B")
+    import torch
+
+    t = b.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def choose_device(option=None, current: int | None = None, tensors=()):
+    """The CUDA device (a torch.device) that a link, or one operation of it, works on; None: host memory only.
+
+    In order: the device of the CUDA ``tensors`` the operation hands to CUDA (a thread works on the device of
+    the tensors it handles; they must agree); else the ``device=`` option (``"cuda:1"``, ``"1"``, 1, a
+    torch.device; ``"cuda"`` alone means ``current``, or 0 where none was captured); else ``current``, the
+    device index that the thread creating the link had current, captured there (never evaluated later on one
+    of our threads, which start on device 0). Pure: it reads no CUDA state.
+    """
+    found = {_tensor_device(t) for t in tensors if _is_cuda_object(t)} - {None}
+    if not found and (option is None or option == "") and current is None:
+        return None  # host only: and torch need not be installed
+    import torch
+
+    if len(found) > 1:
+        raise ValueError(f"one operation's CUDA tensors are on several devices: {sorted(map(str, found))}")
+    if found:
+        return found.pop()
+    if option is not None and option != "":
+        if isinstance(option, int) or (isinstance(option, str) and option.strip().isdigit()):
+            return torch.device("cuda", int(option))
+        try:
+            d = torch.device(option)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device={option!r}: expected a CUDA device such as cuda:0") from None
+        if d.type != "cuda":
+            raise ValueError(f"device={option!r}: expected a CUDA device such as cuda:0")
+        if d.index is None:
+            return torch.device("cuda", current if current is not None else 0)
+        return d
+    return torch.device("cuda", current)
+
+
+def _is_cuda_object(t) -> bool:
+    return is_device(t) or hasattr(t, "__cuda_array_interface__")
+
+
+def _tensor_device(t):
+    import torch
+
+    d = getattr(t, "device", None)
+    if isinstance(d, torch.device):
+        return d if d.type == "cuda" else None
+    ordinal = getattr(d, "id", None)  # cupy and numba arrays name theirs by ordinal
+    return torch.device("cuda", ordinal) if type(ordinal) is int else None
+
+
+def current_device(init: bool = True) -> int | None:
+    """The calling thread's current CUDA device index; None where torch or a CUDA device is missing.
+
+    With init=False a process that has not initialized CUDA is left so (a link that may only ever move host
+    memory must not start CUDA, nor spoil a later fork): no torch call can have picked a device yet, since picking
+    one initializes CUDA, so every thread's current device is the default, 0."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    if not init and not torch.cuda.is_initialized():
+        return 0
+    return torch.cuda.current_device()
+
+
+# -- moving pieces ------------------------------------------------------------------------
+
+
+def host_pieces(pieces, device=()) -> int:
+    """How many pieces are host pieces (the ones the digest trailer covers)."""
+    device = set(device)
+    return sum(1 for p in pieces if p[0][0] not in device)
+
+
+def send_pieces(views: list, pieces, post, wire, wait, device=()) -> list[int]:
+    """Move every piece with post(); returns the xxh3-64 digests of the host pieces (hashed while on the wire).
+
+    views: from flat(); the blobs whose index is in device are moved as the tensors they are."""
+    device = set(device)
     digests, inflight, keep = [], deque(), deque()
     for k, piece in enumerate(pieces):
-        host = _gather(views, piece)
-        inflight.append(post(wire.outgoing(as_u8(host), k % WINDOW)))
-        keep.append(host)  # a staging copy must outlive its operation
-        digests.append(xxhash.xxh3_64_intdigest(host))
+        if piece[0][0] in device:
+            src = _slice(views, piece[0])
+            inflight.append(post(wire.outgoing(src, k % WINDOW)))
+            keep.append(src)
+        else:
+            host = _gather(views, piece)
+            inflight.append(post(wire.outgoing(as_u8(host), k % WINDOW)))
+            keep.append(host)  # a staging copy must outlive its operation
+            digests.append(xxhash.xxh3_64_intdigest(host))
         if len(inflight) >= WINDOW:
             wait(inflight.popleft())
             keep.popleft()
@@ -111,14 +250,22 @@ def send_pieces(views: list[memoryview], pieces, post, wire, wait) -> list[int]:
     return digests
 
 
-def recv_pieces(blobs: list[bytearray], pieces, post, wire, wait) -> list[int]:
-    """Receive every piece into blobs (in place where possible); returns the digests of what arrived."""
-    views = [memoryview(b) for b in blobs]
+def recv_pieces(blobs: list, pieces, post, wire, wait, device=()) -> list[int]:
+    """Receive every piece into blobs (in place where possible); returns the digests of the host pieces that arrived.
+
+    blobs: bytearrays for host blobs; flat uint8 tensors (CUDA ones, on the wire's device, take no copy) for the
+    blobs whose index is in device."""
+    device = set(device)
+    views = [b if i in device else memoryview(b) for i, b in enumerate(blobs)]
+    on_device = [p[0][0] in device for p in pieces]
     targets = [memoryview(bytearray(sum(n for _, _, n in p))) if len(p) > 1 else _slice(views, p[0]) for p in pieces]
     inflight = deque()
 
+    def tensor(k):
+        return targets[k] if on_device[k] else as_u8(targets[k])
+
     def start(k):
-        inflight.append((k, post(wire.incoming(as_u8(targets[k]), k % WINDOW))))
+        inflight.append((k, post(wire.incoming(tensor(k), k % WINDOW))))
 
     for k in range(min(WINDOW, len(pieces))):
         start(k)
@@ -126,9 +273,11 @@ def recv_pieces(blobs: list[bytearray], pieces, post, wire, wait) -> list[int]:
     while inflight:
         k, work = inflight.popleft()
         wait(work)
-        wire.landed(as_u8(targets[k]), k % WINDOW)
+        wire.landed(tensor(k), k % WINDOW)
         if k + WINDOW < len(pieces):
             start(k + WINDOW)
+        if on_device[k]:
+            continue
         digests.append(xxhash.xxh3_64_intdigest(targets[k]))
         if len(pieces[k]) > 1:
             _scatter(views, pieces[k], targets[k])
@@ -164,34 +313,64 @@ def _scatter(views, piece, staged):
         pos += n
 
 
+# -- wires: what a group's collectives can move -------------------------------------------
+
+
 class HostWire:
-    """gloo moves host memory directly: no copies on either side."""
+    """gloo moves host memory: host pieces go as they are, on either side. A piece of a real CUDA tensor is
+    copied to or from host memory around its operation (gloo's send and recv take host pointers only)."""
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu")
 
     def outgoing(self, t, slot):
-        return t
+        return t if t.device.type == "cpu" else t.to("cpu")
 
     def incoming(self, t, slot):
-        return t
+        if t.device.type == "cpu":
+            return t
+        import torch
+
+        staged = self.__dict__.setdefault("_staged", {})
+        staged[slot] = torch.empty(t.numel(), dtype=torch.uint8)
+        return staged[slot]
 
     def landed(self, t, slot):
-        pass
+        if t.device.type != "cpu":
+            t.copy_(self.__dict__["_staged"].pop(slot))
 
 
 class CudaWire:
-    """nccl moves device memory: host pieces are staged through WINDOW reusable GPU buffers."""
+    """nccl moves memory on the group's device: a piece already there (a device blob on this device, or a device
+    buffer to receive into) goes as it is; any other piece (host memory, another GPU) is staged through one of
+    WINDOW reusable buffers on the device, allocated when first needed."""
 
     def __init__(self, device, chunk: int):
         import torch
 
-        self.bufs = [torch.empty(chunk, dtype=torch.uint8, device=device) for _ in range(WINDOW)]
+        self.device, self.chunk = torch.device(device), chunk
+        self._bufs = None
+
+    def _buf(self, slot, n):
+        if self._bufs is None:
+            import torch
+
+            self._bufs = [torch.empty(self.chunk, dtype=torch.uint8, device=self.device) for _ in range(WINDOW)]
+        return self._bufs[slot][:n]
 
     def outgoing(self, t, slot):
-        dev = self.bufs[slot][: t.numel()]
+        if t.device == self.device:
+            return t
+        dev = self._buf(slot, t.numel())
         dev.copy_(t)
         return dev
 
     def incoming(self, t, slot):
-        return self.bufs[slot][: t.numel()]
+        return t if t.device == self.device else self._buf(slot, t.numel())
 
     def landed(self, t, slot):
-        t.copy_(self.bufs[slot][: t.numel()])
+        if t.device != self.device:
+            t.copy_(self._buf(slot, t.numel()))

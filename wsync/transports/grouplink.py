@@ -7,6 +7,11 @@ group; (4) a trailer of per-piece xxh3-64 digests, checked by the receiver.
 Publisher -> subscribers uses broadcasts; subscriber -> publisher uses
 point-to-point sends that the publisher drains one rank per ``recv``.
 
+A blob may be a CUDA tensor: see groupframe. Where the group has a CUDA device
+(nccl), every verb makes it the calling thread's current device for its
+duration: the Publisher's sender threads and the Subscriber's thread start on
+device 0, whichever GPU the group was formed on.
+
 Only step (1) may wait for a long time (a subscriber idles between versions),
 and it runs on gloo where waiting on a Work with a timeout leaves the operation
 pending: a ``recv`` that times out raises TransportTimeout and the next
@@ -15,6 +20,7 @@ a failure there leaves the group out of step, so the link is marked broken.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 from collections import deque
@@ -53,8 +59,9 @@ def _hold(kept: list, never: threading.Event) -> None:
 class GroupLink:
     lockstep = True  # every rank takes part in every message: the publisher gathers acks, it has no ack reader
 
-    def __init__(self, *, ctrl, data, wire, rank: int, size: int, cfg, peer: str, store):
+    def __init__(self, *, ctrl, data, wire, rank: int, size: int, cfg, peer: str, store, device=None):
         self.ctrl, self.data, self.wire = ctrl, data, wire
+        self.device = device  # the group's CUDA device (nccl), None for gloo
         self.rank, self.size, self.cfg, self.peer = rank, size, cfg, peer
         self.fanout = size - 1 if rank == 0 else 1
         self._store = store  # the TCPStore must outlive the groups built on it
@@ -71,15 +78,23 @@ class GroupLink:
     # -- public verbs -------------------------------------------------------------------
 
     def send(self, msg: Message) -> None:
+        """Send msg to the group. Blobs are host buffers or torch CUDA tensors; a CUDA tensor's writes must be
+        finished, or ordered on the stream current on this thread for its device, when send is called (NCCL
+        orders its own stream after that one)."""
         self._usable()
         if self._replies:
             raise TransportError(f"{len(self._replies)} subscriber replies are still unread; recv them before sending")
-        head, sizes = gf.pack_head(msg, self.cfg.chunk)
-        self._guard(self._send, head, sizes, [memoryview(b).cast("B") for b in msg.blobs])
+        with self._on_device():
+            head, sizes = gf.pack_head(msg, self.cfg.chunk)
+            views = [gf.flat(b) for b in msg.blobs]
+            self._guard(self._send, head, sizes, views, gf.device_blobs(msg.blobs))
 
     def recv(self, timeout: float | None = None) -> Message:
+        """The next message. A blob sent as a CUDA tensor arrives as a flat uint8 tensor on this link's wire
+        device (nccl: the group's GPU; gloo: host memory), every other blob as host bytes."""
         self._usable()
-        return self._guard(self._recv, timeout)
+        with self._on_device():
+            return self._guard(self._recv, timeout)
 
     def close(self) -> None:
         """Start no more messages; hand the groups to the keeper if any operation is still in flight.
@@ -101,11 +116,12 @@ class GroupLink:
             if not all(w.is_completed() for w in self._posted):
                 self._keep_groups()
             self._posted = []
-        for pg in {id(self.ctrl): self.ctrl, id(self.data): self.data}.values():
-            try:
-                pg.abort()  # NCCL fails its pending operations; a no-op on gloo
-            except (RuntimeError, AttributeError):
-                pass
+        with self._on_device():
+            for pg in {id(self.ctrl): self.ctrl, id(self.data): self.data}.values():
+                try:
+                    pg.abort()  # NCCL fails its pending operations; a no-op on gloo
+                except (RuntimeError, AttributeError):
+                    pass
         self._store = None
         self._pool.clear()
 
@@ -117,14 +133,23 @@ class GroupLink:
 
     # -- one message --------------------------------------------------------------------
 
-    def _send(self, head: bytes, sizes: list[int], views: list) -> None:
+    def _on_device(self):
+        """The group's device made current on the calling thread (and the previous one restored after)."""
+        if self.device is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.device(self.device)
+
+    def _send(self, head: bytes, sizes: list[int], views: list, device: list[int]) -> None:
         self._step(SEND, len(head), self.cfg.stall_timeout)
         if self.rank == 0:
             ctrl, data = self._bcast(self.ctrl), self._bcast(self.data)
         else:
             ctrl, data = self._p2p_send(self.ctrl), self._p2p_send(self.data)
         self._wait(ctrl(gf.as_u8(head)))
-        digests = gf.send_pieces(views, gf.plan_pieces(sizes, self.cfg.chunk), data, self.wire, self._wait)
+        pieces = gf.plan_pieces(sizes, self.cfg.chunk, device)
+        digests = gf.send_pieces(views, pieces, data, self.wire, self._wait, device)
         if digests:
             self._wait(ctrl(gf.as_u8(memoryview(np.array(digests, dtype=np.uint64)).cast("B"))))
 
@@ -140,17 +165,22 @@ class GroupLink:
             ctrl, data = self._bcast(self.ctrl), self._bcast(self.data)
         raw = bytearray(gf.check_head_len(hlen))
         self._wait(ctrl(gf.as_u8(raw)))
-        kind, meta, sizes, chunk = gf.parse_head(bytes(raw))
-        pieces = gf.plan_pieces(sizes, chunk)
-        blobs = [self._pool.take(n) for n in sizes]
-        got = gf.recv_pieces(blobs, pieces, data, self.wire, self._wait)
-        expected = np.zeros(len(pieces), dtype=np.uint64)
-        if pieces:
+        kind, meta, sizes, chunk, device = gf.parse_head(bytes(raw))
+        pieces = gf.plan_pieces(sizes, chunk, device)
+        blobs = [self._device_buffer(n) if i in device else self._pool.take(n) for i, n in enumerate(sizes)]
+        got = gf.recv_pieces(blobs, pieces, data, self.wire, self._wait, device)
+        expected = np.zeros(gf.host_pieces(pieces, device), dtype=np.uint64)
+        if len(expected):
             self._wait(ctrl(gf.as_u8(memoryview(expected).cast("B"))))
         gf.verify(got, expected)
         if self.rank == 0:
             meta = {**meta, "rank": src}
         return Message(kind, meta, blobs)
+
+    def _device_buffer(self, n: int):
+        import torch
+
+        return torch.empty(n, dtype=torch.uint8, device=self.wire.device)
 
     def _step(self, direction: int, hlen: int, timeout: float | None) -> np.ndarray:
         """Allgather every rank's [direction, header length, seq] and check the group is in step."""

@@ -24,9 +24,18 @@ all ranks take part in every message, and publisher and subscribers alternate
 
 Control (that allgather, headers, digest trailers) always runs on a gloo group
 with CPU tensors; payload pieces run on the same gloo group, or on an NCCL group
-through GPU buffers. So an idle subscriber waits in a CPU collective (its
-timeout is enforced by waiting on the Work, which leaves it pending and
-resumable) and NCCL only ever sees operations both sides have committed to.
+in GPU memory: CUDA tensor blobs on the group's device go as they are, host
+blobs through GPU staging buffers. So an idle subscriber waits in a CPU
+collective (its timeout is enforced by waiting on the Work, which leaves it
+pending and resumable) and NCCL only ever sees operations both sides have
+committed to.
+
+An NCCL group is bound to one device per rank: the ``device`` option, else the
+device current on the thread that called ``listen`` or ``connect``, read there
+and then. The group is formed on the thread that calls ``accept`` (or inside
+``connect``) and used from whichever threads send and receive; each of them makes
+that device current first, since a new thread starts on device 0 (which would put
+every rank's communicator and buffers on GPU 0).
 """
 from __future__ import annotations
 
@@ -51,7 +60,7 @@ class GroupConfig:
     chunk: int = 64 << 20  # bytes per collective; loopback gloo peaks at >= 64M, smaller pieces lose ~20%
     join_timeout: float = 300.0  # seconds for the store to be reached and the group to form
     stall_timeout: float = 120.0  # once a message has started, longest wait for any of its parts
-    device: str | None = None  # nccl: CUDA device of the wire buffers (default: the current device)
+    device: str | None = None  # nccl: this rank's GPU (default: the one current where listen/connect was called)
     pool_bytes: int = 1 << 30  # received buffers kept for reuse once released (fresh pages cost ~1 GB/s)
     bind: str | None = None  # gloo: local IP to bind; default 127.0.0.1 for a loopback store, else the hostname's
 
@@ -88,6 +97,7 @@ def listen(addr: Address, **opts) -> "GroupListener":
 def connect(addr: Address, **opts) -> "GroupLink":
     """Join the group as a subscriber; returns once every rank of this generation has joined."""
     cfg, dist = _config(addr, opts), _dist()
+    device = _link_device(dist, addr, cfg)
     try:
         store = dist.TCPStore(addr.host, addr.port, None, False, timeout=_seconds(cfg.join_timeout))
         size = int(store.get("world_size"))
@@ -99,7 +109,7 @@ def connect(addr: Address, **opts) -> "GroupLink":
     if store.add(f"g{gen}/joined", 1) == size - 1:
         store.set(f"g{gen}/all_joined", "1")
     try:
-        return _make_link(addr, cfg, store, gen, rank, size, f"{addr.scheme} publisher {addr.host}:{addr.port}")
+        return _make_link(addr, cfg, store, gen, rank, size, f"{addr.scheme} publisher {addr.host}:{addr.port}", device)
     except TransportError:
         _settle(store, gen, "abandoned")  # the next dial, ours or another's, starts a fresh generation
         raise
@@ -151,6 +161,7 @@ class GroupListener:
         if cfg.world_size < 2:
             raise ValueError(f"{addr.scheme}:// needs world_size >= 2 (publisher + subscribers), got {cfg.world_size}")
         self.addr, self.cfg = addr, cfg
+        self.device = _link_device(dist, addr, cfg)  # here, on the caller's thread: accept() may run on any other
         try:
             self.store = dist.TCPStore(addr.host, addr.port, cfg.world_size, True,
                                        timeout=_seconds(cfg.join_timeout), wait_for_workers=False)
@@ -178,7 +189,8 @@ class GroupListener:
         a = self.addr
         try:
             return _make_link(a, self.cfg, store, gen, 0, self.cfg.world_size,
-                              f"{a.scheme} group {a.host}:{store.port}#{gen} ({self.cfg.world_size - 1} subscribers)")
+                              f"{a.scheme} group {a.host}:{store.port}#{gen} ({self.cfg.world_size - 1} subscribers)",
+                              self.device)
         except TransportError:
             return None  # a member died before the group formed; it redials into the next generation
 
@@ -186,7 +198,8 @@ class GroupListener:
         self.store = None  # a formed link keeps its own reference
 
 
-def _make_link(addr: Address, cfg: GroupConfig, store, gen: int, rank: int, size: int, peer: str) -> "GroupLink":
+def _make_link(addr: Address, cfg: GroupConfig, store, gen: int, rank: int, size: int, peer: str,
+               device=None) -> "GroupLink":
     dist = _dist()
     base = dist.PrefixStore(f"wsync/g{gen}", store)
     try:
@@ -197,10 +210,11 @@ def _make_link(addr: Address, cfg: GroupConfig, store, gen: int, rank: int, size
         ctrl._set_default_timeout(FOREVER)
         data, wire = ctrl, gf.HostWire()
         if addr.scheme == "nccl":
-            data, wire = _nccl_group(dist, dist.PrefixStore("data", base), rank, size, cfg)
+            data, wire = _nccl_group(dist, dist.PrefixStore("data", base), rank, size, cfg, device)
     except RuntimeError as e:
         raise TransportError(f"forming the {addr.scheme} group (rank {rank} of {size}) failed: {_first_line(e)}") from None
-    return GroupLink(ctrl=ctrl, data=data, wire=wire, rank=rank, size=size, cfg=cfg, peer=peer, store=store)
+    return GroupLink(ctrl=ctrl, data=data, wire=wire, rank=rank, size=size, cfg=cfg, peer=peer, store=store,
+                     device=device)
 
 
 def _bind(addr: Address, cfg: GroupConfig) -> str:
@@ -212,15 +226,33 @@ def _bind(addr: Address, cfg: GroupConfig) -> str:
     return "127.0.0.1" if loop else socket.gethostname()
 
 
-def _nccl_group(dist, store, rank: int, size: int, cfg: GroupConfig):
+def _link_device(dist, addr: Address, cfg: GroupConfig):
+    """nccl: this rank's CUDA device, from the option or the calling thread's current device; None for gloo."""
+    if addr.scheme != "nccl":
+        return None
     import torch
 
     if not hasattr(dist, "ProcessGroupNCCL") or not torch.cuda.is_available():
         raise BackendUnavailable("nccl:// needs a CUDA build of torch and a GPU; use gloo:// on CPU")
-    device = torch.device(cfg.device or f"cuda:{torch.cuda.current_device()}")
+    return gf.choose_device(cfg.device, gf.current_device())
+
+
+def _nccl_group(dist, store, rank: int, size: int, cfg: GroupConfig, device):
+    """The NCCL group and its wire, bound to device.
+
+    torch's init_process_group and new_group take device_id=, but they register the group in torch's global
+    table, which this module stays out of; what device_id does there for NCCL is done here: the communicator
+    is formed at once on that device (eager_connect_single_device, where this torch and NCCL can split, as
+    torch itself requires), rather than at the first operation on whatever thread posts it."""
+    import torch
+
     nopts = dist.ProcessGroupNCCL.Options()
     nopts._timeout = _seconds(max(cfg.stall_timeout, cfg.join_timeout))
-    return dist.ProcessGroupNCCL(store, rank, size, nopts), gf.CudaWire(device, cfg.chunk)
+    with torch.cuda.device(device):  # this runs on the accept thread, or the thread that called connect
+        pg = dist.ProcessGroupNCCL(store, rank, size, nopts)
+        if pg.supports_splitting:
+            pg.eager_connect_single_device(device)
+        return pg, gf.CudaWire(device, cfg.chunk)
 
 
 def _first_line(e: BaseException) -> str:

@@ -10,7 +10,12 @@ On the wire: a u64 header length, the header (base.py's envelope, with a
 ``cuda`` flag per blob), then each non-empty blob as one tagged UCX message.
 Host blobs carry xxh3-64 sums checked on arrival; CUDA blobs (torch tensors or
 anything with ``__cuda_array_interface__``) go device to device and arrive as
-uint8 CUDA tensors, unchecked here (the sync layer's digest covers them).
+uint8 CUDA tensors, unchecked here (the sync layer's digest covers them), on the
+link's device: the ``device`` option, else the device current on the thread that
+called ``listen`` or ``connect``, read there and then. The UCX work runs on the
+process's one loop thread, which every link shares and which starts on device 0,
+so that thread makes the right device current right before each CUDA step (a
+receive buffer, a posted send or receive of device memory).
 A recv that times out leaves its receive pending and the next recv resumes it,
 so no bytes are lost or matched out of order. A send whose part the peer does
 not take within ``stall_timeout`` fails, and the link with it.
@@ -34,6 +39,7 @@ import xxhash
 
 from .. import safejson
 from ..errors import BackendUnavailable, ChecksumError, TransportError
+from . import groupframe as gf
 from . import options
 from .base import ENVELOPE, MAGIC, MAX_BLOB, MAX_HEADER, Address, Message, TransportTimeout
 from .pool import BufferPool
@@ -45,6 +51,7 @@ class UcxConfig:
     stall_timeout: float = 120.0  # once a message has started, the longest wait for the rest of it
     pool_bytes: int = 1 << 30  # received host buffers kept for reuse once the caller drops them
     tls: str | None = None  # UCX_TLS for this process if the environment does not set it (e.g. "tcp,sm,self")
+    device: str | None = None  # where CUDA blobs arrive (default: the GPU current where listen/connect was called)
 
 
 KINDS = {"connect_timeout": float, "stall_timeout": float, "pool_bytes": "size"}
@@ -61,24 +68,51 @@ def _ucxx():
     return ucxx
 
 
-def _loop(cfg: UcxConfig) -> "_Loop":
+def _loop(cfg: UcxConfig, device=None) -> "_Loop":
     global _LOOP
     with _LOOP_LOCK:
         if _LOOP is None:
             if cfg.tls and "UCX_TLS" not in os.environ:
                 os.environ["UCX_TLS"] = cfg.tls
-            _LOOP = _Loop(_ucxx())
+            _LOOP = _Loop(_ucxx(), device)
         return _LOOP
+
+
+def _link_device(cfg: UcxConfig):
+    """The device CUDA blobs arrive on: the option, else the calling thread's current one (None: no CUDA here)."""
+    return gf.choose_device(cfg.device, gf.current_device(init=False))
+
+
+def _use_device(device, only_if_initialized: bool = False) -> None:
+    """Make device current on this thread (the loop thread) before a CUDA step; None leaves it as it is."""
+    if device is None:
+        return
+    import torch
+
+    if only_if_initialized and not torch.cuda.is_initialized():
+        return  # nothing CUDA has happened in this process: do not start it for a link that may move host bytes
+    torch.cuda.set_device(device)
+
+
+async def _on_device(device, start):
+    """await start() with device current: set in the same step as start() posts its UCX request, with no await
+    between, because the loop thread is shared and another link's step may have set another device meanwhile."""
+    _use_device(device)
+    return await start()
 
 
 class _Loop:
     """The process's UCXX event loop, on a daemon thread."""
 
-    def __init__(self, ucxx):
+    def __init__(self, ucxx, device=None):
         self.ucxx = ucxx
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="wsync-ucx", daemon=True).start()
+        threading.Thread(target=self._main, args=(device,), name="wsync-ucx", daemon=True).start()
         self.run(self._init())
+
+    def _main(self, device) -> None:
+        _use_device(device, only_if_initialized=True)  # the first link's device, before UCX starts on this thread
+        self.loop.run_forever()
 
     async def _init(self):
         self.ucxx.init()
@@ -107,19 +141,21 @@ def listen(addr: Address, **opts) -> "UcxListener":
 
 def connect(addr: Address, **opts) -> "UcxLink":
     cfg = options.build(UcxConfig, addr.params, opts, KINDS)
-    lp = _loop(cfg)
+    device = _link_device(cfg)  # here, on the caller's thread
+    lp = _loop(cfg, device)
     peer = f"{addr.host}:{addr.port}"
     try:
         ep = lp.run(lp.ucxx.create_endpoint(addr.host, addr.port, connect_timeout=cfg.connect_timeout),
                     cfg.connect_timeout + 5)
     except Exception as e:
         raise TransportError(f"cannot reach a ucx publisher at {peer}: {e}") from None
-    return UcxLink(lp, ep, cfg, peer)
+    return UcxLink(lp, ep, cfg, peer, device)
 
 
 class UcxListener:
     def __init__(self, addr: Address, cfg: UcxConfig):
-        self.cfg, self.lp, self._joined = cfg, _loop(cfg), queue.Queue()
+        self.device = _link_device(cfg)  # here, on the caller's thread: accept() may run on any other
+        self.cfg, self.lp, self._joined = cfg, _loop(cfg, self.device), queue.Queue()
         self._closed = threading.Event()
         joined, closed = self._joined, self._closed
 
@@ -143,7 +179,7 @@ class UcxListener:
             ep = self._joined.get(timeout=timeout)
         except queue.Empty:
             return None
-        return UcxLink(self.lp, ep, self.cfg, f"ucx subscriber of {self.address}")
+        return UcxLink(self.lp, ep, self.cfg, f"ucx subscriber of {self.address}", self.device)
 
     def close(self) -> None:
         """Stop taking subscribers. The UCX listener itself is kept for the life of the process, turning peers
@@ -212,8 +248,9 @@ def parse_head(raw: bytes) -> tuple[str, dict, list[int], list[str], list[bool]]
 class UcxLink:
     fanout = 1
 
-    def __init__(self, lp: _Loop, ep, cfg: UcxConfig, peer: str):
+    def __init__(self, lp: _Loop, ep, cfg: UcxConfig, peer: str, device=None):
         self.lp, self.ep, self.cfg, self.peer = lp, ep, cfg, peer
+        self.device = device  # where CUDA blobs arrive; None: this process had no CUDA device when the link was made
         self._pool = BufferPool(cfg.pool_bytes)
         self._pending = None  # a receive that outlived its caller's timeout; the next recv resumes it
         self._broken = None  # why a send stopped half way: the peer's stream is out of step for good
@@ -238,7 +275,11 @@ class UcxLink:
         parts = [np.array([len(head)], dtype=np.uint64), np.frombuffer(head, dtype=np.uint8)]
         parts += [b if _is_cuda(b) else np.frombuffer(b, dtype=np.uint8) for b in bufs]
         for part in parts:
-            await asyncio.wait_for(self.ep.send(part), self.cfg.stall_timeout)
+            if _is_cuda(part):  # the part's own device (the link's where the part does not say)
+                device = gf.choose_device(self.device, None, [part])
+                await asyncio.wait_for(_on_device(device, lambda: self.ep.send(part)), self.cfg.stall_timeout)
+            else:
+                await asyncio.wait_for(self.ep.send(part), self.cfg.stall_timeout)
 
     def recv(self, timeout: float | None = None) -> Message:
         if self._pending is None:
@@ -268,16 +309,25 @@ class UcxLink:
 
     async def _recv_blob(self, i: int, size: int, expected: str, cuda: bool):
         if cuda:
-            import torch
-
-            buf = torch.empty(size, dtype=torch.uint8, device="cuda")
-        else:
-            buf = self._pool.take(size)
+            buf = self._device_buffer(size)
+            if size:
+                await asyncio.wait_for(_on_device(self.device, lambda: self.ep.recv(buf)), self.cfg.stall_timeout)
+            return buf
+        buf = self._pool.take(size)
         if size:
-            await asyncio.wait_for(self.ep.recv(buf if cuda else np.frombuffer(buf, dtype=np.uint8)), self.cfg.stall_timeout)
-        if not cuda and xxhash.xxh3_64_hexdigest(buf) != expected:
+            await asyncio.wait_for(self.ep.recv(np.frombuffer(buf, dtype=np.uint8)), self.cfg.stall_timeout)
+        if xxhash.xxh3_64_hexdigest(buf) != expected:
             raise ChecksumError(f"message blob {i} failed its checksum (corrupt in transit)")
         return buf
+
+    def _device_buffer(self, size: int):
+        if self.device is None:
+            raise TransportError(f"{self.peer} sent a CUDA blob, but this process had no CUDA device when the link "
+                                 "was made (pass device=... to receive on one)")
+        import torch
+
+        _use_device(self.device)
+        return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def close(self) -> None:
         if self._pending is not None:
