@@ -127,3 +127,19 @@ def test_an_engine_with_copied_tensors_loads_only_the_tensors_that_changed(gen):
         sub.wait_for(1, timeout=30)
         assert same_bytes(trainer.state_dict(), engine_model.state_dict())
     assert loads == [[target]]
+
+
+def test_a_state_dict_of_new_tensors_is_bound_again(gen):
+    """publish(state_dict()) reuses the layout it built only while the tensors are the same memory; after
+    load_state_dict(assign=True) (new tensors) it binds again and stays exact."""
+    trainer, engine_model = tiny_qwen(0, tie=False), tiny_qwen(1, tie=False)
+    with publisher(keyframe_every=0, bucket_bytes=16 << 10) as pub, subscriber(pub, engines.HF(engine_model)) as sub:
+        pub.publish(trainer.state_dict(), version=0)
+        sub.wait_for(0, timeout=30)
+        rl_step(trainer, gen)
+        fresh = {k: v.clone() for k, v in trainer.state_dict().items()}
+        trainer.load_state_dict(fresh, assign=True)
+        rl_step(trainer, gen)
+        pub.publish(trainer.state_dict(), version=1)
+        sub.wait_for(1, timeout=30)
+        assert same_bytes(trainer.state_dict(), engine_model.state_dict())

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import ipaddress
-import operator
 import logging
 import queue
 import threading
@@ -674,18 +673,18 @@ def _device_source(named: dict, bucket_bytes: int) -> DeviceSource | None:
 
 
 def _identity(state: dict) -> tuple | None:
-    """The names, addresses and shapes of a state's tensors, or None if they are not all torch tensors."""
+    """The names, addresses and sizes of a state's tensors, or None if they are not all torch tensors.
+
+    Addresses are unique across host and GPUs (CUDA's unified addressing), so they name the memory; the
+    element counts catch a tensor of another size that landed at a freed one's address. (Shapes would cost
+    ten times as much to read, and a tensor reshaped in place keeps its bytes.)"""
     import torch
 
     values = list(state.values())
     try:
         ptrs = list(map(torch.Tensor.data_ptr, values))
-        shapes = list(map(torch.Tensor.size, values))
-        devices = list(map(_device_of, values))
+        sizes = list(map(torch.Tensor.numel, values))
     except TypeError:
         return None
-    return tuple(state), ptrs, shapes, devices
-
-
-_device_of = operator.attrgetter("device")
+    return tuple(state), ptrs, sizes
 

@@ -21,7 +21,7 @@ import threading
 
 from ..errors import TransportError, WsyncError
 from ..transports import Message, TransportTimeout, connect
-from ..transports.base import with_token
+from ..transports.base import with_device, with_token
 
 log = logging.getLogger("wsync.shard")
 
@@ -67,7 +67,7 @@ class Member:
                  retry_s: float = 0.5, on_join=None):
         self.address, self.join = address, join
         self._on_message, self._retry_s, self._on_join = on_message, retry_s, on_join
-        self._opts = with_token({**LINK_OPTS, **(link_opts or {})}, token)
+        self._opts = with_device(address, with_token({**LINK_OPTS, **(link_opts or {})}, token))
         self._cv = threading.Condition()
         self._send_lock = threading.Lock()
         self._link = None

@@ -155,6 +155,22 @@ def with_token(opts: dict | None, token) -> dict:
     return opts
 
 
+DEVICE_SCHEMES = ("nccl", "ucx")  # transports that put their buffers on a CUDA device
+
+
+def with_device(address: str, opts: dict | None) -> dict:
+    """opts plus device=, for a link that a thread of ours will dial later: the device current on the
+    calling thread now (a new thread starts on device 0, whatever the caller works on)."""
+    opts = dict(opts or {})
+    if parse_address(address).scheme in DEVICE_SCHEMES and opts.get("device") is None:
+        from .groupframe import current_device
+
+        d = current_device(init=False)
+        if d is not None:
+            opts["device"] = d
+    return opts
+
+
 # -- the envelope on a byte stream ----------------------------------------------------------
 
 
