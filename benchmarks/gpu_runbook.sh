@@ -15,6 +15,9 @@
 #   4. the other tests marked gpu (tests/test_local.py, test_lowrank.py, test_torchdist.py)
 #   5. the throughput benchmark against a device-to-device copy, v2's GPU decoder against v1's apply
 #      (benchmarks/bench_cuda.py)
+#   6. end to end (benchmarks/bench_gpu_sync.py): trainer and engine processes on the GPU, publish -> live
+#      through the public API (raw and delta over local://, delta over tcp://), beside a device-to-device copy
+#      of the same state, with memory and bit-exactness; in a lease it runs right after the device step
 # Everything lands in benchmarks/results/<date>-<gpu>-runbook/ (logs, bench JSON, summary.md naming the
 # device); commit that folder. Needs the dev and cuda extras: pip install -e ".[dev,cuda]" with a CUDA torch.
 set -u
@@ -28,7 +31,7 @@ for a in "$@"; do
         --quick) QUICK=1 ;;
         --lease) LEASE=1 ;;
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "unknown option $a (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -58,6 +61,12 @@ if [ "$QUICK" = 1 ] || [ "$LEASE" = 1 ]; then
 fi
 [ "$QUICK" = 1 ] && BENCH_ARGS="--quick"
 [ "$LEASE" = 1 ] && BENCH_ARGS="--repeat 5 --warmup 2"  # full sizes, fewer repeats
+# end to end: the real shapes (quick: scaled down); in a lease its own limit sits inside the step's, so it
+# writes its results before the step is killed
+SYNC_ARGS="--size full --time-limit 900"
+[ "$QUICK" = 1 ] && SYNC_ARGS="--size small --time-limit 120"
+[ "$LEASE" = 1 ] && SYNC_ARGS="--size full --time-limit 225"
+SYNC_LIMIT=240
 
 # In a lease each step gets a time limit (seconds), so one that hangs cannot spend the others' time.
 LIMIT=()
@@ -103,9 +112,19 @@ other_gpu_tests() {
     step other-gpu-tests gpu-tests.log "$PY" -m pytest -q -rs -m gpu tests/test_local.py tests/test_lowrank.py \
         tests/test_torchdist.py
 }
+wait_build() {  # once: a second wait on the same pid is an error in bash
+    if [ -n "${BUILD:-}" ]; then
+        wait "$BUILD"
+        BUILD=
+    fi
+}
 throughput() {
-    [ -n "${BUILD:-}" ] && wait "$BUILD"
+    wait_build
     step throughput bench.log "$PY" benchmarks/bench_cuda.py $BENCH_ARGS --json "$OUT/bench_cuda.json"
+}
+end_to_end() {  # the publisher's host paths use the C++ backend: measured without it they would time Python
+    wait_build
+    step gpu-sync gpu-sync.log "$PY" benchmarks/bench_gpu_sync.py $SYNC_ARGS --out "$OUT"
 }
 
 if [ "$LEASE" = 1 ] && [ "$DRY" = 0 ]; then  # the C++ twin: the v2 stage encodes with it; built beside the first steps
@@ -114,9 +133,13 @@ if [ "$LEASE" = 1 ] && [ "$DRY" = 0 ]; then  # the C++ twin: the v2 stage encode
 fi
 limit 30
 step device device.log bash -c "nvidia-smi; $PY -c 'import torch, cupy; print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0)); print(\"cupy\", cupy.__version__, cupy.cuda.runtime.runtimeGetVersion())'"
+if [ "$LEASE" = 1 ]; then  # the readings before the slow checks; the CPU-only suites are left to CI
+    limit "$SYNC_LIMIT"
+    end_to_end  # first after the device: the one reading no other step gives, kept if later steps overrun
+fi
 limit 120
 step kernels-on-gpu kernels.log "$PY" -m pytest -q -rs tests/test_cuda_kernels.py
-if [ "$LEASE" = 1 ]; then  # the readings before the slow checks; the CPU-only suites are left to CI
+if [ "$LEASE" = 1 ]; then
     limit 150
     throughput
     limit 45
@@ -129,6 +152,7 @@ else
     other_gpu_tests
     sanitizers
     throughput
+    end_to_end
 fi
 
 [ "$DRY" = 1 ] && exit 0
@@ -143,6 +167,11 @@ fi
     for i in "${!NAMES[@]}"; do
         echo "| ${NAMES[$i]} | ${RCS[$i]} | ${SECS[$i]} | ${LOGS[$i]} |"
     done
+    if [ -f "$OUT/gpu_sync.md" ]; then
+        echo
+        echo "End to end (gpu_sync.md, gpu_sync.json):"
+        sed 's/^# /### /' "$OUT/gpu_sync.md"
+    fi
     echo
     echo "Tail of each log:"
     for f in "$OUT"/*.log; do

@@ -2,12 +2,13 @@
 
 The book itself needs a GPU; here it is checked as far as a CPU machine can:
 it parses, its dry run lists every step (device, kernel tests, harness suites,
-the three compute-sanitizer tools, the throughput benchmark into
-benchmarks/results), and a real run on a machine without a GPU stops with a
-reason instead of writing empty results.
+the three compute-sanitizer tools, the throughput benchmark and the
+end-to-end sync benchmark into benchmarks/results), and a real run on a
+machine without a GPU stops with a reason instead of writing empty results.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -34,14 +35,28 @@ def test_dry_run_lists_every_step(mode):
     steps = [line.split("]")[0].lstrip("[") for line in r.stdout.splitlines() if line.startswith("[")]
     sanitizers = ["compute-sanitizer memcheck", "compute-sanitizer racecheck", "compute-sanitizer synccheck"]
     if mode == ["--lease"]:  # the GPU steps only, the readings first, each under a time limit
-        assert steps == ["device", "kernels-on-gpu", "throughput", *sanitizers, "other-gpu-tests"]
+        assert steps == ["device", "gpu-sync", "kernels-on-gpu", "throughput", *sanitizers, "other-gpu-tests"]
         assert all(line.startswith(f"[{s}] timeout ") for s, line in zip(steps, r.stdout.splitlines()))
     else:
-        assert steps == ["device", "kernels-on-gpu", "harness-suites", "other-gpu-tests", *sanitizers, "throughput"]
+        assert steps == ["device", "kernels-on-gpu", "harness-suites", "other-gpu-tests", *sanitizers, "throughput",
+                         "gpu-sync"]
         assert "timeout" not in r.stdout
     assert "tests/test_cuda_kernels.py" in r.stdout and "benchmarks/bench_cuda.py" in r.stdout
     assert "--json benchmarks/results/" in r.stdout
     assert ("--quick" in r.stdout.split("[throughput]")[1]) == (mode == ["--quick"])
+
+
+@pytest.mark.parametrize("mode", [[], ["--quick"], ["--lease"]])
+def test_the_end_to_end_step_writes_into_the_books_folder(mode):
+    r = run("--dry-run", *mode)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("[gpu-sync]"))
+    assert "benchmarks/bench_gpu_sync.py" in line and "--out benchmarks/results/" in line
+    assert re.search(r"--out benchmarks/results/[^ ]*-runbook$", line)  # beside the other steps' results
+    assert ("--size small" in line) == (mode == ["--quick"]) and ("--size full" in line) != (mode == ["--quick"])
+    own = float(re.search(r"--time-limit (\d+)", line).group(1))
+    if mode == ["--lease"]:  # the bench stops itself, and writes what it has, before the step is killed
+        step = float(re.search(r"timeout -k \d+ (\d+)", line).group(1))
+        assert own < step
 
 
 def test_without_a_gpu_it_stops_with_a_reason():

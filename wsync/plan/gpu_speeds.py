@@ -2,17 +2,19 @@
 
 The repo's results come from CPU machines. A trainer on GPUs encodes where its
 weights already are, with wsync's CUDA kernels (wsync.backends.cuda), so a plan
-for a GPU cluster wants their speed. A measured `cuda` run is used when one is
-in benchmarks/results; until someone runs `wsync bench codec` on a GPU, the
-honest figure is an upper bound: the bytes each kernel must move through HBM,
-over the GPU's HBM bandwidth. A bound is labelled as one wherever it is shown
-(`CodecSpeed.basis == "bound"`), never passed off as a measurement.
+for a GPU cluster wants their speed. A whole sync measured on a GPU
+(benchmarks/bench_gpu_sync.py, read by gpu_sync.py) is used first; else a
+measured `cuda` codec run in benchmarks/results; until someone runs either on
+a GPU, the honest figure is an upper bound: the bytes each kernel must move
+through HBM, over the GPU's HBM bandwidth. A bound is labelled as one wherever
+it is shown (`CodecSpeed.basis == "bound"`), never passed off as a measurement.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
 from .codec_speeds import _FALLBACK, CodecSpeed, codec_results, measured_speed, zstd_stage
+from .gpu_sync import e2e_speed, newest_gpu_sync
 from .loop import get_gpu
 from .models import PlanError
 
@@ -61,11 +63,16 @@ def gpu_bound(kind: str, *, gpu: str = "h100", saving: float = 0.98, tier: str =
 
 
 def codec_speed(kind: str, *, saving: float = 0.98, tier: str = "packed", backend: str = "fastest") -> CodecSpeed:
-    """The speed `--backend` names: a measured backend, a measured `cuda` run or else the GPU's bound."""
+    """The speed `--backend` names: a measured backend; for cuda, a whole sync measured on a GPU, else a measured
+    `cuda` codec run, else the GPU's bound."""
     name, _, gpu = backend.lower().partition(":")
     if name == "gpu-bound":
         return gpu_bound(kind, gpu=gpu or "h100", saving=saving, tier=tier)
-    if name == "cuda":
+    if name == "cuda":  # a whole sync measured on a GPU first: the kernels alone leave out what surrounds them
+        run = newest_gpu_sync(gpu=gpu or None)
+        e2e = run and e2e_speed(kind, run, tier=tier, gpu=gpu or None)
+        if e2e:
+            return e2e
         try:
             return measured_speed(kind, saving=saving, tier=tier, backend="cuda")
         except PlanError:

@@ -98,10 +98,16 @@ def cmd_transfer(a) -> None:
         per_tensor = TensorCost(encode_s=a.per_tensor_us * 1e-6, apply_s=a.per_tensor_us * 1e-6,
                                 source=f"{a.per_tensor_us} us per tensor at each end, given on the command line")
     sharded = _sharded(a, models)
+    e2e = _gpu_e2e(a.backend)
     rows, speeds = [], {}
     for c in codecs:
         c = dataclasses.replace(c, tier=a.tier)
         speed = codec_speed(c.kind, saving=c.saving, tier=c.tier, backend=a.backend)
+        tensor_cost = per_tensor
+        if tensor_cost is None and e2e and speed.source.startswith(e2e.where):
+            from .gpu_sync import e2e_tensor_cost
+
+            tensor_cost = e2e_tensor_cost(c.kind, e2e)  # None without the moe stages: the default then
         if a.encode_gbps or a.apply_gbps:
             speed = CodecSpeed(encode_gbps=a.encode_gbps or speed.encode_gbps, apply_gbps=a.apply_gbps or
                                speed.apply_gbps, saving=speed.saving, basis="given", backend=speed.backend,
@@ -110,14 +116,15 @@ def cmd_transfer(a) -> None:
         for m in models:
             for link in links:
                 kw = dict(speed=speed, dtype=a.dtype, buckets=a.buckets, usd_per_gpu_s=a.usd_per_gpu_s,
-                          per_tensor=per_tensor)
+                          per_tensor=tensor_cost)
                 if sharded:
                     s = reshard_cost(m, link, c, a.trainer_ranks, a.engine_ranks, **sharded[m.name], **kw)
                 else:
                     s = sync_cost(m, link, c, encode_workers=a.encode_workers, apply_workers=a.apply_workers, **kw)
                 rows.append(dict(dataclasses.asdict(s), gb=s.wire_bytes / 1e9, total_gb=s.total_bytes / 1e9, idle_usd=s.idle_usd_per_gpu * a.gpus,
                                  wire_usd=s.wire_s * a.usd_per_gpu_s * a.gpus, speeds=_speed_label(speed),
-                                 speed_basis=speed.basis, encode_gbps=speed.encode_gbps, apply_gbps=speed.apply_gbps))
+                                 speed_basis=speed.basis, encode_gbps=speed.encode_gbps, apply_gbps=speed.apply_gbps,
+                                 **_e2e_field(a.backend, e2e)))
     rows.sort(key=lambda r: [m.name for m in models].index(r["model"]))  # one model's rows together
     if a.json:
         return _json(rows)
@@ -140,6 +147,43 @@ def cmd_transfer(a) -> None:
               "the H100 bandwidth bound) or --backend gpu-bound:h200")
     for src in dict.fromkeys(r["tensor_source"] for r in rows):
         print("per-tensor cost:", src)
+    _print_e2e(a.backend, e2e)
+
+
+def _is_cuda(backend: str) -> bool:
+    return backend.lower().partition(":")[0] == "cuda"
+
+
+def _gpu_e2e(backend: str):
+    """--backend cuda[:GPU]: the newest whole sync measured on a GPU (None: none yet, or another backend)."""
+    if not _is_cuda(backend):
+        return None
+    from .gpu_sync import newest_gpu_sync
+
+    return newest_gpu_sync(gpu=backend.lower().partition(":")[2] or None)
+
+
+def _e2e_field(backend: str, run) -> dict:
+    """The rows' `gpu_e2e` (cuda backend only): the run priced from, or why there is none."""
+    if not _is_cuda(backend):
+        return {}
+    from .gpu_sync import NO_RUN
+
+    return {"gpu_e2e": run.where if run else f"{NO_RUN}: priced as before"}
+
+
+def _print_e2e(backend: str, run) -> None:
+    if not _is_cuda(backend):
+        return
+    from .gpu_sync import NO_RUN, stage_lines
+
+    if run is None:
+        print(f"end to end: {NO_RUN}. Priced as before, from a measured cuda codec run or else the HBM bound, which "
+              "time the kernels only, not the copies, checksums and transport around them in a real sync.")
+        return
+    print(f"end to end, measured: {run.where}; the codecs priced from it name it above:")
+    for line in stage_lines(run):
+        print("  " + line)
 
 
 def _sharded(a, models) -> dict:
