@@ -10,6 +10,8 @@ to the host per version are held to what the payload carries.
 """
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 import pytest
 
@@ -167,3 +169,94 @@ def test_a_device_engine_refuses_bad_versions_and_keeps_every_byte(rt):
 
     dev.apply([p], p.manifest.checksum, [members])
     assert all(engine_state[n].data.tobytes() == new[n].tobytes() for n in new)
+
+
+@pytest.fixture
+def ipc(monkeypatch):
+    """Stand-ins for CUDA IPC (the runtime's tensors cannot be shared between processes): share() files the
+    writer's tensor, open_shared() gives the reader a new handle on the same memory, as an opened IPC handle
+    is, and watch() says when the reader has dropped every handle."""
+    import weakref
+
+    from wsync.transports import local_cuda
+
+    shared = {}
+
+    def share(t):
+        shared[str(len(shared))] = t
+        return {"standin": str(len(shared) - 1)}
+
+    def open_shared(d):
+        t = shared[d["standin"]]
+        return FakeTensor(t.data, t.device.index, logical=t.logical)
+
+    class Watch:
+        def __init__(self, t):
+            self.ref = weakref.ref(t)
+
+        def expired(self) -> bool:
+            return self.ref() is None
+
+    monkeypatch.setattr(local_cuda, "share", share)
+    monkeypatch.setattr(local_cuda, "open_shared", open_shared)
+    monkeypatch.setattr(local_cuda, "watch", Watch)
+    return shared
+
+
+@pytest.mark.parametrize("codec", ["raw", "delta"])
+def test_over_local_a_version_stays_on_the_device(rt, ipc, codec):
+    """local:// hands the engine the trainer's device buffers (CUDA IPC): after the first keyframe, nothing
+    of a version crosses to the host but the checks' few words (digests, chunk tables, error flags)."""
+    rng = np.random.default_rng(4)
+    trainer = bf16_state(rng, device=0)
+    engine = DeviceModel(bf16_state(np.random.default_rng(8), device=0))
+    model_bytes = sum(t.nbytes for t in trainer.values())
+    crossed, commits = [], []
+    with wsync.Publisher(f"local://wsync-dev-{secrets.token_hex(4)}", codec=codec, tier="sparse", keyframe_every=0,
+                         bucket_bytes=24 << 10) as pub, \
+            wsync.Subscriber(pub.address, engine=engine,
+                             on_commit=lambda i: commits.append(i["keyframe"])) as sub:
+        for v in range(5):
+            if v:
+                rl_step(trainer, rng)
+            before = dict(rt.crossed)
+            pub.publish(dict(trainer), version=v)
+            assert sub.wait_for(v, timeout=60) == v
+            pub.flush(timeout=30)
+            crossed.append({d: rt.crossed[d] - before[d] for d in before})
+            assert same(trainer, engine.state), f"version {v}"
+    assert ipc, "no device buffer was shared"
+    assert commits == [True] + [codec == "raw"] * 4
+    for v in range(1, 5):
+        assert crossed[v]["d2h"] < model_bytes / 100, (v, crossed[v])
+        assert crossed[v]["h2d"] < model_bytes / 100, (v, crossed[v])
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_device_path_runs_and_follows_bit_exact():
+    """The same path on a real GPU (cupy's runtime, torch's streams): a trainer's and an engine's CUDA tensors
+    over tcp, every version compared byte for byte, the engine on the device path."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    try:
+        backends.device_kernels()
+    except wsync.errors.BackendUnavailable as e:
+        pytest.skip(str(e))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = {f"layers.{i}.w": (256, 128 + 64 * i) for i in range(6)} | {"embed": (70_001,)}
+    trainer = {n: (torch.randn(s, device="cuda", generator=g) * 0.02).to(torch.bfloat16) for n, s in shapes.items()}
+    engine = DeviceModel({n: torch.zeros_like(t) for n, t in trainer.items()})
+    with wsync.Publisher(ADDR, token=TOKEN, keyframe_every=0, bucket_bytes=64 << 10) as pub, \
+            wsync.Subscriber(pub.address, engine=engine, token=TOKEN) as sub:
+        for v in range(4):
+            if v:
+                for t in trainer.values():
+                    bits = t.view(torch.int16)
+                    mask = torch.rand(bits.shape, device="cuda", generator=g) < 0.01
+                    bits[mask] += 1
+            pub.publish(dict(trainer), version=v)
+            assert sub.wait_for(v, timeout=60) == v
+            torch.cuda.synchronize()
+            assert all(torch.equal(trainer[n].view(torch.int16), engine.state[n].view(torch.int16)) for n in trainer)
+        assert isinstance(sub._bound, DeviceEngine)

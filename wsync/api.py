@@ -102,14 +102,27 @@ def encode_measured(measured: list[tuple[TensorBits, Encoded]], members: Members
 
 
 def _payload(encoded: list, k, members: Members, inline: bool, **fields) -> Payload:
-    body, specs = _assemble(encoded, k, members)
+    body, specs = _assemble_on_device(encoded, k, members) if getattr(k, "keep", False) \
+        else _assemble(encoded, k, members)
     delta = fields["codec"] == "delta"
     manifest = Manifest(
         checksum=segment_digest((s.name, s.dtype, s.numel, s.checksum) for s in specs),
         base_checksum=segment_digest((s.name, s.dtype, s.numel, s.base_checksum) for s in specs) if delta else None,
         tensors=specs, layout_hash=members.hash, members=members if inline else None, **fields,
     )
-    return Payload(manifest, memoryview(body))
+    return Payload(manifest, body if getattr(k, "keep", False) else memoryview(body))
+
+
+def _assemble_on_device(encoded: list, k, members: Members) -> tuple[object, list[TensorSpec]]:
+    """_assemble's frames in a device body (backends.device.DeviceKernels.assemble), with the same specs."""
+    body, frames = k.assemble(encoded, members.keys())
+    specs = []
+    for (tb, b, enc), (key, offset, ls, frame_sum) in zip(encoded, frames):
+        new_sum = enc.new_sum or (frame_sum if enc.verbatim else k.checksum(tb.bits))
+        base_sum = enc.base_sum or (k.checksum(b.bits) if b else None)
+        specs.append(TensorSpec(name=key, dtype=tb.dtype.name, shape=tb.shape, kind=enc.kind, offset=offset, parts=ls,
+                                checksum=new_sum, payload_checksum=frame_sum, base_checksum=base_sum))
+    return body, specs
 
 
 def _nbytes(v) -> int:
@@ -248,7 +261,7 @@ def prepare(payload: Payload, *, backend: str | None = None) -> Payload:
     manifest declares.
     """
     codec = CODECS.get(payload.manifest.codec)
-    if codec is None:
+    if codec is None or payload.on_device:  # a device body is checked where it lies, when applied
         return payload
     k = backends.kernels(backend)
     budget = PREPARE_RATIO * len(payload.body) + PREPARE_SLACK

@@ -31,6 +31,7 @@ from . import backends, dtypes
 from .backends.device import Transfers, is_device
 from .codecs import CODECS
 from .codecs.delta import xor_data
+from .codecs.delta_ref import DeltaSections
 from .errors import BackendUnavailable, ChecksumError, FormatError, MismatchError, VersionError
 from .layout import Bound, Members, check_covers, plan, segment_digest
 from .snapshot import TensorBits, plan_buckets
@@ -132,13 +133,20 @@ class DeviceEngine:
     def apply(self, payloads: list, checksum: str, members: list[Members]) -> None:
         """Every segment verified, applied and verified again on the GPU; all put back on any failure."""
         self._check_covers(members)
+        for m in members:
+            self._check_layout(m)
+        # a whole version of raw frames in device memory: every frame and the version's digest are checked
+        # before anything is written, and the writes, device copies of checked bytes, need no undo (an undo
+        # would be a copy of the whole model)
+        checked = all(p.on_device and p.manifest.codec == "raw" for p in payloads)
+        if checked:
+            self._check_raw_version(payloads, members, checksum)
         undo: list = []
         records = []
         try:
             for p, m in zip(payloads, members):
-                self._check_layout(m)
                 for j, spec in enumerate(p.manifest.tensors):
-                    records.append(self._apply_segment(p, m, j, spec, undo))
+                    records.append(self._apply_segment(p, m, j, spec, undo, checked))
             held = segment_digest(records)
             if held != checksum:
                 raise ChecksumError(f"after applying, the engine's weights digest to {held}, expected {checksum}")
@@ -169,30 +177,45 @@ class DeviceEngine:
                                     f"{tb.dtype.name}{list(tb.shape)}")
         self._checked.add(m.hash)
 
-    def _apply_segment(self, p, m: Members, j: int, spec, undo: list) -> tuple:
+    def _check_raw_version(self, payloads: list, members: list[Members], checksum: str) -> None:
+        specs = [spec for p in payloads for spec in p.manifest.tensors]
+        if segment_digest((s.name, s.dtype, s.numel, s.checksum) for s in specs) != checksum:
+            raise ChecksumError(f"the version's segments digest to other than its digest {checksum}")
+        for p, m in zip(payloads, members):
+            for j, spec in enumerate(p.manifest.tensors):
+                if spec.kind != "raw" or spec.checksum != spec.payload_checksum or not self._frame_ok(p, spec):
+                    raise ChecksumError(f"{m.describe(j)}: stored bytes do not match their checksum")
+
+    def _frame_ok(self, p, spec) -> bool:
+        if p.on_device:
+            return self.k.digest_device(p.frame(spec)) == spec.payload_checksum
+        return spec.name in p.unpacked or self.host.checksum(p.frame(spec)) == spec.payload_checksum
+
+    def _apply_segment(self, p, m: Members, j: int, spec, undo: list, checked: bool) -> tuple:
         k = self.k
         dt = dtypes.by_name(spec.dtype)
         tensors = [self.named[n] for n in m.segment_names(j)]
         what = m.describe(j)
-        with self._staged(tensors, dt, write_back=spec.kind != "same") as seg:
-            got = k.digest_device(seg)
-            if p.manifest.codec == "delta" and got != spec.base_checksum:
+        with self._staged(tensors, dt, write_back=spec.kind != "same", read=p.manifest.codec == "delta") as seg:
+            if p.manifest.codec == "delta" and k.digest_device(seg) != spec.base_checksum:
                 raise VersionError(f"base {what} differs from the one this delta was made against "
                                    f"(payload base version {p.manifest.base_version})")
             if spec.kind != "same":
-                if spec.name not in p.unpacked and self.host.checksum(p.frame(spec)) != spec.payload_checksum:
+                if not checked and not self._frame_ok(p, spec):
                     raise ChecksumError(f"{what}: stored bytes do not match their checksum")
-                undo.append((tensors, self._write(p, spec, seg, dt, what)))
-                got = k.digest_device(seg)
+                undo.append((tensors, self._write(p, spec, seg, dt, what, checked)))
+            got = k.digest_device(seg)
             if got != spec.checksum:
                 raise ChecksumError(f"{what}: decoded result does not match its checksum")
         return spec.name, spec.dtype, spec.numel, got
 
-    def _write(self, p, spec, seg, dt, what: str):
+    def _write(self, p, spec, seg, dt, what: str, checked: bool):
         """Write one segment's new values into seg; returns how to put the old ones back."""
         k = self.k
         parts = p.parts(spec)
         try:
+            if p.on_device:
+                return self._write_from_device(p, spec, seg, dt, checked)
             if spec.kind in ("raw", "xor"):
                 old = self._read(seg)
                 if spec.kind == "raw":
@@ -212,8 +235,29 @@ class DeviceEngine:
         except FormatError as e:
             raise FormatError(f"{what}: {e}") from None
 
+    def _write_from_device(self, p, spec, seg, dt, checked: bool):
+        """A segment whose frame is in device memory: raw bytes copied over, sparse sections applied."""
+        rt, parts = self.rt, p.parts(spec)
+        if spec.kind == "raw":
+            src = rt.bits(parts["data"], bytes_only=True)
+            old = None if checked else self._read(seg)
+            with rt.stream_of(seg):
+                dst = rt.bits(seg, bytes_only=True)
+                if len(src) != len(dst):
+                    raise FormatError(f"raw data holds {len(src)} bytes, the segment {len(dst)}")
+                dst[...] = src
+            return ("nothing" if checked else "whole", old)
+        if spec.kind != "delta-sparse":  # the zstd and v2 tiers decode on the host: a device link carries sparse
+            raise FormatError(f"a device-memory payload carries raw or delta-sparse segments, not {spec.kind}")
+        with rt.stream_of(seg):
+            sec = DeltaSections(*(_aligned(rt, parts[name], dtype) for name, dtype in
+                                  (("table", "<u4"), ("gaps", "<u2"), ("steps", np.int8), ("escapes", dt.bits_dtype))))
+        return ("delta", self.k.apply_device(seg, sec, dt.order, undo=True))
+
     def _restore(self, tensors: list, how: tuple) -> None:
         kind, saved = how
+        if kind == "nothing":
+            return
         dt = self.rt.dtype_of(tensors[0])
         with self._staged(tensors, dt, write_back=True) as seg:
             if kind == "whole":
@@ -221,8 +265,8 @@ class DeviceEngine:
             else:
                 self.k.restore_device(seg, saved)
 
-    def _staged(self, tensors: list, dt, write_back: bool):
-        return _Staged(self.rt, tensors, dt, write_back)
+    def _staged(self, tensors: list, dt, write_back: bool, read: bool = True):
+        return _Staged(self.rt, tensors, dt, write_back, read)
 
     def _read(self, seg) -> np.ndarray:
         with self.rt.stream_of(seg):
@@ -242,8 +286,8 @@ class _Staged:
     """A segment as one contiguous device buffer: the tensor itself when it is alone in its segment, else a
     staging buffer gathered from the tensors (and scattered back on a clean exit, when asked)."""
 
-    def __init__(self, rt, tensors: list, dt, write_back: bool):
-        self.rt, self.tensors, self.dt, self.write_back = rt, tensors, dt, write_back
+    def __init__(self, rt, tensors: list, dt, write_back: bool, read: bool = True):
+        self.rt, self.tensors, self.dt, self.write_back, self.read = rt, tensors, dt, write_back, read
         self.buf = None
 
     def __enter__(self):
@@ -253,7 +297,8 @@ class _Staged:
             return ts[0]
         with rt.stream_of(ts[0]):
             self.buf = rt.empty_tensor(sum(t.numel() for t in ts), self.dt, rt.device_of(ts[0]))
-            rt.gather(self.buf, ts)
+            if self.read:  # a segment about to be overwritten whole needs no copy of what it held
+                rt.gather(self.buf, ts)
         return self.buf
 
     def __exit__(self, exc_type, *exc):
@@ -263,3 +308,26 @@ class _Staged:
         self.buf = None
         return False
 
+
+
+def _aligned(rt, part, dtype):
+    """A section of a device body as its own device array of `dtype`: a frame's parts follow each other
+    byte by byte, and the kernels read whole elements, which must be aligned."""
+    src = rt.bits(part, bytes_only=True)
+    dtype = np.dtype(dtype)
+    if len(src) % dtype.itemsize:
+        raise FormatError(f"a {len(src)}-byte section is not a whole number of {dtype.itemsize}-byte elements")
+    out = rt.xp.empty(len(src) // dtype.itemsize, dtype)
+    if len(src):
+        out.view(np.uint8)[...] = src
+    return out
+
+
+def host_payload(p, transfers: Transfers):
+    """A payload whose body is device memory, with its body copied to the host (for an engine that is not on
+    the device, or a relay over a host link)."""
+    from .payload import Payload
+
+    body = p.body.cpu().numpy() if hasattr(p.body, "cpu") else np.asarray(p.body.data)
+    transfers.add(d2h=body.nbytes)
+    return Payload(p.manifest, memoryview(body).cast("B"))

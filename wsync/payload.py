@@ -73,10 +73,19 @@ class Payload:
         manifest, hlen = cls._parse_head(buf, len(buf))
         return cls(manifest, buf[hlen:])
 
+    @property
+    def on_device(self) -> bool:
+        """The body is device memory (a flat uint8 CUDA tensor, from a link that carries device memory)."""
+        return getattr(self.body, "is_cuda", False) is True
+
     @classmethod
     def from_parts(cls, head, body) -> "Payload":
-        """A payload received as header+manifest bytes and a separate body buffer (no copy of the body)."""
-        head, body = memoryview(head).cast("B"), memoryview(body).cast("B")
+        """A payload received as header+manifest bytes and a separate body buffer (no copy of the body).
+
+        body may be a flat uint8 CUDA tensor: its bytes are then checked and applied on the device."""
+        head = memoryview(head).cast("B")
+        if getattr(body, "is_cuda", False) is not True:
+            body = memoryview(body).cast("B")
         manifest, hlen = cls._parse_head(head, len(head) + len(body))
         if hlen != len(head):
             raise FormatError(f"payload head is {len(head)} bytes, its header says {hlen}")

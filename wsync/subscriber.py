@@ -37,7 +37,7 @@ import numpy as np
 
 from . import api, backends
 from .errors import ChecksumError, TransportError, WsyncError
-from .device import DeviceEngine, on_one_device
+from .device import DeviceEngine, host_payload, on_one_device
 from .layout import Bound, Members, bind_copying, check_covers, segment_digest, segments
 from .payload import Payload
 from .sender import PROTOCOL
@@ -471,12 +471,14 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
     """
     members = [api.resolve(p.manifest, layouts) for p in payloads]
     if hasattr(engine, "replace") and all(p.manifest.codec == "raw" for p in payloads):
+        payloads = [host_payload(p, backends.transfers()) if p.on_device else p for p in payloads]
         _replace(engine, payloads, checksum, backend)
         return members
     state = bound if bound is not None else bind_engine(engine)
     if isinstance(state, DeviceEngine):
         state.apply(payloads, checksum, members)
         return members
+    payloads = [host_payload(p, backends.transfers()) if p.on_device else p for p in payloads]
     _check_covers(state, members)
     # verifies every base and payload checksum, writes, and checks every result against the manifest
     applied: list = []

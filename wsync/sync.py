@@ -70,6 +70,7 @@ class PublisherConfig:
 
 
 MIN_HISTORY_BYTES = 256 << 20
+DEVICE_BODY_SCHEMES = ("local", "nccl")  # links that move CUDA tensors as they are (IPC handles, NCCL)
 
 
 def _warn_if_open(address: str, token) -> None:
@@ -101,6 +102,10 @@ class Publisher:
             raise ValueError(f"history_bytes must be a positive number of bytes, got {self.config.history_bytes!r}")
         self._listener = listen(address, **with_token(listen_opts, token))
         self.address = self._listener.address
+        # a device state's payloads stay on the device where the link carries device memory and the tier
+        # needs no host stage (zstd, v2): raw and sparse
+        self._device_bodies = parse_address(address).scheme in DEVICE_BODY_SCHEMES \
+            and (self.config.codec == "raw" or self.config.tier == "sparse")
         _warn_if_open(address, token)
         self._history = History()
         self._model_bytes = 0  # bytes of the newest layout's tensors (for the default history_bytes)
@@ -382,7 +387,7 @@ class Publisher:
         """A device keyframe is encoded now and kept as its host bytes: the history would otherwise hold a
         model-sized device buffer for as long as the keyframe stays the newest."""
         try:
-            self._keyframe_buckets(kf)
+            self._keyframe_buckets(kf, host=True)
         finally:
             kf.state = None
 
@@ -457,6 +462,8 @@ class Publisher:
 
     def _history_cap(self) -> int:
         """Bytes of encoded versions the history may hold (see PublisherConfig.history_bytes). Holds _cv."""
+        if self._device_bodies and isinstance(self._state, DeviceState):  # bodies in device memory: the newest alone
+            return 1
         if self.config.history_bytes is not None:
             return self.config.history_bytes
         return max(2 * self._model_bytes, MIN_HISTORY_BYTES)
@@ -510,12 +517,17 @@ class Publisher:
                 self._cv.notify_all()
             raise
 
-    def _encoder(self, enc: Encoded, base: State | None, state: State):
-        """payload(i) for _fill: bucket i of state, as a delta against base (raw if base is None)."""
+    def _encoder(self, enc: Encoded, base: State | None, state: State, host: bool = False):
+        """payload(i) for _fill: bucket i of state, as a delta against base (raw if base is None).
+
+        A device state's payloads keep their bodies on the device where the link carries device memory
+        (unless host: a keyframe kept in the history)."""
         cfg, groups = self.config, self._buckets(state)
         codec = "raw" if base is None else cfg.codec
 
-        backend = "device" if isinstance(state, DeviceState) else cfg.backend
+        backend = cfg.backend
+        if isinstance(state, DeviceState):
+            backend = "device-body" if self._device_bodies and not host else "device"
 
         def payload(i):
             wait_copied(state, groups[i].names)  # publish() may still be copying this bucket
@@ -525,12 +537,12 @@ class Publisher:
                               backend=backend, members=groups[i], inline=codec == "raw")
         return payload
 
-    def _keyframe_buckets(self, kf: Keyframe) -> Encoded:
+    def _keyframe_buckets(self, kf: Keyframe, host: bool = False) -> Encoded:
         """The raw encoding of a keyframe, made once on first use (by whichever sender needs it)."""
         with kf.lock:
             if kf.encoded is None:
                 enc = Encoded(kf.version, None, kf.checksum, len(self._buckets(kf.state)))
-                self._fill(enc, self._encoder(enc, None, kf.state))
+                self._fill(enc, self._encoder(enc, None, kf.state, host=host))
                 kf.checksum, kf.encoded = enc.checksum, enc
             return kf.encoded
 

@@ -86,6 +86,15 @@ class FakeTensor:
     def detach(self) -> "FakeTensor":
         return self
 
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, key: slice) -> "FakeTensor":
+        """A view, as a slice of a torch tensor is (a payload's frame of a device body)."""
+        out = FakeTensor(self.data[key], self.device.index, logical=self.logical)
+        out.base = self  # a view keeps what it views alive
+        return out
+
     def is_contiguous(self) -> bool:
         return True
 

@@ -58,11 +58,11 @@ def _load(name: str) -> Kernels:
 
 def select(requested: str | None = None) -> tuple[Kernels, BackendInfo]:
     requested = (requested or os.environ.get("WSYNC_BACKEND") or "auto").lower()
-    if requested == "device":  # segments in device memory (wsync.device); not cached: tests swap the kernels
-        from .device import DeviceKernels
+    if requested in ("device", "device-body"):  # segments in device memory (wsync.device); not cached: tests
+        from .device import DeviceKernels        # swap the kernels
 
-        k = DeviceKernels(device_kernels(), kernels(None), transfers())
-        return k, BackendInfo("device", requested, "device buffers")
+        k = DeviceKernels(device_kernels(), kernels(None), transfers(), keep=requested == "device-body")
+        return k, BackendInfo(requested, requested, "device buffers")
     if requested in _cache:
         return _cache[requested]
     if requested != "auto":

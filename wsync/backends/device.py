@@ -47,13 +47,52 @@ class DeviceKernels:
 
     name = "device"
 
-    def __init__(self, k, host, transfers: Transfers):
+    def __init__(self, k, host, transfers: Transfers, keep: bool = False):
         self.k, self.rt, self.host, self.transfers = k, k.rt, host, transfers
+        # keep: a payload whose body stays on the device (for a link that carries device memory): sections
+        # stay where they were built and assemble() lays the frames out in a device buffer
+        self.keep = keep
 
     def delta_encode_checksummed(self, old, new, order: str, old_sum: bool = True):
         sec = self.k.encode_device(old, new, order)
         sums = self.k.digests_device([old, new] if old_sum else [new])
-        return self._to_host(sec, new), (sums[0] if old_sum else None), sums[-1]
+        sec = sec if self.keep else self._to_host(sec, new)
+        return sec, (sums[0] if old_sum else None), sums[-1]
+
+    def assemble(self, encoded: list, keys: list[str]):
+        """Every segment's frame laid out in one device buffer, each checksummed on the GPU, with no host copy
+        of a device part (host parts, a zstd stage's output, go up once). Returns (body, [(key, offset,
+        lengths, frame checksum)]). wsync.api._assemble's layout, where the body is a device tensor."""
+        from .. import dtypes
+
+        parts = [list(enc.parts.items()) for *_, enc in encoded]
+        lengths = [{p: _nbytes(v) for p, v in ps} for ps in parts]
+        total = sum(sum(ls.values()) for ls in lengths)
+        like = encoded[0][0].bits  # the first segment's buffer: the body goes on its device
+        rt = self.rt
+        with rt.stream_of(like):
+            body = rt.empty_tensor(total, dtypes.by_name("U8"), rt.device_of(like))
+            flat = rt.bits(body, bytes_only=True)
+            out, at = [], 0
+            for key, ps, ls in zip(keys, parts, lengths):
+                start = at
+                for p, v in ps:
+                    if ls[p]:
+                        flat[at : at + ls[p]] = self._device_bytes(v)
+                    at += ls[p]
+                frame_sum = self.k.engine.digests([flat[start:at]])[0]
+                out.append((key, start, ls, frame_sum))
+        return body, out
+
+    def _device_bytes(self, v):
+        """v (a device array, a device tensor, or host bytes) as device u8, for a copy into a device body."""
+        if is_device(v):
+            return self.rt.bits(v, bytes_only=True)
+        if hasattr(v, "__cuda_array_interface__"):
+            return v.view(np.uint8)
+        host = np.frombuffer(v, np.uint8)
+        self.transfers.add(h2d=host.nbytes)
+        return self.rt.xp.asarray(host)
 
     def checksum(self, buf) -> str:
         return self.k.digest_device(buf) if is_device(buf) else self.host.checksum(buf)
@@ -93,3 +132,8 @@ class DeviceKernels:
     def _counted(self, a: np.ndarray) -> np.ndarray:
         self.transfers.add(d2h=a.nbytes)
         return a
+
+
+def _nbytes(v) -> int:
+    n = getattr(v, "nbytes", None)
+    return n if isinstance(n, int) else memoryview(v).nbytes

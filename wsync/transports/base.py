@@ -56,7 +56,7 @@ class Message:
 
     @property
     def nbytes(self) -> int:
-        return sum(memoryview(b).nbytes for b in self.blobs)
+        return sum(b.nbytes if getattr(b, "is_cuda", False) else memoryview(b).nbytes for b in self.blobs)
 
 
 class TransportTimeout(TransportError, TimeoutError):
