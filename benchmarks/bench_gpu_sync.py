@@ -85,7 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--states", default=",".join(STATES), help="comma-separated: dense, moe (default both)")
     p.add_argument("--versions", type=int, help="timed versions per sync stage after version 0 (default 5; small 3)")
     p.add_argument("--density", type=float, default=0.01, help="fraction of values a delta version moves")
-    p.add_argument("--tier", choices=["packed", "sparse"], default="packed", help="the delta stages' tier")
+    p.add_argument("--tier", choices=["packed", "sparse"], default=None,
+                   help="the delta stages' tier (default: sparse over local://, whose payloads stay on the device; "
+                        "packed over tcp://)")
     p.add_argument("--moe-tensors", type=int, help="expert tensors of the moe state (default 20000; small 600)")
     p.add_argument("--moe-intermediate", type=int,
                    help="the moe state's expert intermediate size (real: 768; default 48; small 16)")
@@ -689,7 +691,7 @@ class Run:
         args = self.args
         self.build(state, deadline)
         transport, codec = SYNCS[stage]
-        tier = args.tier if codec == "delta" else None
+        tier = (args.tier or ("sparse" if transport == "local" else "packed")) if codec == "delta" else None
         address = f"local://gs{os.getpid()}-{state}-{stage}".replace("_", "-") if transport == "local" \
             else "tcp://127.0.0.1:0"
         token = TOKEN if transport == "tcp" else None
