@@ -91,3 +91,12 @@ def each_backend(request):
         os.environ.pop("WSYNC_BACKEND", None)
     else:
         os.environ["WSYNC_BACKEND"] = old
+
+
+@pytest.fixture(scope="session")
+def sim():
+    """The CUDA kernels of csrc/*.cu compiled for the CPU harness (tests/cudasim): a fiber per GPU thread."""
+    cudasim = pytest.importorskip("cudasim")
+    if cudasim.compiler() is None:
+        pytest.skip("no C++ compiler on PATH: the CUDA harness compiles csrc/*.cu with g++")
+    return cudasim.load()

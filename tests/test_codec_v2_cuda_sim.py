@@ -21,13 +21,6 @@ cudasim = pytest.importorskip("cudasim")
 C = delta_ref.CHUNK_ELEMS
 
 
-@pytest.fixture(scope="module")
-def sim():
-    if cudasim.compiler() is None:
-        pytest.skip("no C++ compiler on PATH: the CUDA harness compiles csrc/*.cu with g++")
-    return cudasim.load()
-
-
 def gpu_decode(sim, old: np.ndarray, parts: dict, dt, schedule: str = "forward", runtime=None):
     """The v1 sections the CUDA backend decodes, or FormatError naming the first failing chunk.
     runtime: a cudasim.SimRuntime to launch through, instead of a new one over sim."""

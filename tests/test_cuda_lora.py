@@ -25,13 +25,6 @@ SCHEDULES = ("forward", "reverse", "random")
 EPS32 = 2.0**-23
 
 
-@pytest.fixture(scope="module")
-def sim():
-    if cudasim.compiler() is None:
-        pytest.skip("no C++ compiler on PATH: the CUDA harness compiles csrc/*.cu with g++")
-    return cudasim.load()
-
-
 def bf16_pair(m: int, n: int, density: float, seed: int):
     """Old weights ~ N(0, 0.02) and new ones moved by an RL-sized step at `density` of the elements."""
     g = torch.Generator().manual_seed(seed)

@@ -31,13 +31,6 @@ EDGES = (C - 1, C, C + 1, 2 * C + 4099)  # around one chunk, and a short third c
 DENSITIES = (0.0, 0.001, 0.05, 0.3, 1.0)
 
 
-@pytest.fixture(scope="session")
-def sim():
-    if cudasim.compiler() is None:
-        pytest.skip("no C++ compiler on PATH: the CUDA harness compiles csrc/*.cu with g++")
-    return cudasim.load()
-
-
 def kernels_on(sim, schedule: str, seed: int = 0) -> cuda._KernelsOver:
     return cuda._KernelsOver(cudasim.SimRuntime(sim, schedule, seed))
 

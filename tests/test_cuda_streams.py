@@ -25,13 +25,6 @@ from cudasim.fakert import DeviceMismatch, FakeRuntime, FakeTensor, StreamRace  
 N = 70_001  # two chunks
 
 
-@pytest.fixture(scope="module")
-def sim():
-    if cudasim.compiler() is None:
-        pytest.skip("no C++ compiler on PATH: the CUDA harness compiles csrc/*.cu with g++")
-    return cudasim.load()
-
-
 @pytest.fixture
 def rt(sim):
     return FakeRuntime(sim)

@@ -31,13 +31,6 @@ TOKEN = b"device-sync-tests"
 SHAPES = {f"layers.{i}.w": (48, 64 + 8 * i) for i in range(12)} | {"embed": (70_001,), "norm": (64,)}
 
 
-@pytest.fixture(scope="module")
-def sim():
-    if cudasim.compiler() is None:
-        pytest.skip("no C++ compiler on PATH: the CUDA harness compiles csrc/*.cu with g++")
-    return cudasim.load()
-
-
 @pytest.fixture
 def rt(sim):
     rt = FakeRuntime(sim, ndevices=2)

@@ -4,6 +4,7 @@ CUDA IPC: the description, device mapping, error paths and the reader-done proto
 torch's CUDA calls (named as such where used); the gpu-marked tests run the real thing with a fresh reader process."""
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import multiprocessing as mp
@@ -513,15 +514,33 @@ def _start_reader(torch, monkeypatch, target, name, visible: str | None = None):
     return p, q
 
 
-def _ipc_round(torch, monkeypatch, device: int, visible: str | None):
-    from torch.multiprocessing.reductions import StorageWeakRef
-
+@contextlib.contextmanager
+def _reader_session(torch, monkeypatch, target, visible: str | None = None):
+    """A listener, a reader process started on it, and the accepted link; all closed (the reader killed if it
+    still runs) however the test ends."""
     name = _name()
     lst = listen(f"local://{name}")
-    p, q = _start_reader(torch, monkeypatch, _cuda_reader, name, visible)
+    p, q = _start_reader(torch, monkeypatch, target, name, visible)
     pub = None
     try:
         pub = _wait(p, "the reader to connect", lambda s: lst.accept(timeout=s))
+        yield p, q, pub
+        pub.send(Message("bye"))
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+        if pub is not None:
+            pub.close()
+        lst.close()
+
+
+def _ipc_round(torch, monkeypatch, device: int, visible: str | None):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    with _reader_session(torch, monkeypatch, _cuda_reader, visible) as (p, q, pub):
         with torch.cuda.device(device):
             base = torch.arange(1000, dtype=torch.float32, device="cuda")
             torch.cuda._sleep(200_000_000)  # keeps the stream busy, so the write below lands after the send
@@ -538,16 +557,6 @@ def _ipc_round(torch, monkeypatch, device: int, visible: str | None):
         _wait(p, "the reader's ack", lambda s: pub.recv(timeout=s))
         assert _wait(p, "the reader to let go of the CUDA blobs", lambda s: pub.wait_cuda_released(timeout=s))
         assert pub.cuda_lent() == 0 and ref.expired()
-        pub.send(Message("bye"))
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    finally:
-        if p.is_alive():
-            p.kill()
-        p.join(timeout=10)
-        if pub is not None:
-            pub.close()
-        lst.close()
 
 
 @pytest.mark.gpu
@@ -584,24 +593,9 @@ def _blind_cuda_reader(name: str, q) -> None:
 @pytest.mark.gpu
 def test_cuda_reader_without_the_gpu_gets_a_transport_error(monkeypatch):
     torch = _cuda_or_skip()
-    name = _name()
-    lst = listen(f"local://{name}")
-    p, q = _start_reader(torch, monkeypatch, _blind_cuda_reader, name, visible="")
-    pub = None
-    try:
-        pub = _wait(p, "the reader to connect", lambda s: lst.accept(timeout=s))
+    with _reader_session(torch, monkeypatch, _blind_cuda_reader, visible="") as (p, q, pub):
         pub.send(Message("cuda", {}, [torch.ones(10, device="cuda")]))
         got = _wait(p, "the reader's verdict", lambda s: q.get(timeout=s))
         assert got[0] == "refused" and "CUDA is not usable" in got[1], got
         _wait(p, "the reader's ack", lambda s: pub.recv(timeout=s))
         assert _wait(p, "the message given back", lambda s: pub.wait_cuda_released(timeout=s))
-        pub.send(Message("bye"))
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    finally:
-        if p.is_alive():
-            p.kill()
-        p.join(timeout=10)
-        if pub is not None:
-            pub.close()
-        lst.close()
