@@ -141,8 +141,11 @@ def _bytes(state: dict) -> bytes:
     return b"".join(t.view(torch.uint16).numpy().tobytes() for t in state.values())
 
 
-def sync_times(base: dict, versions: list[dict]) -> dict:
-    """publish() -> committed on a Subscriber over tcp loopback, per delta version (after a keyframe)."""
+def sync_times(base: dict, versions: list[dict], plain: bool = False) -> dict:
+    """publish() -> committed on a Subscriber over tcp loopback, per delta version (after a keyframe).
+
+    plain: publish a fresh dict of the same tensors every version, as publish(model.state_dict()) does,
+    instead of the state bound once."""
     import torch
 
     import wsync
@@ -162,15 +165,18 @@ def sync_times(base: dict, versions: list[dict]) -> dict:
             for v, state in enumerate(versions, start=1):
                 for k, t in trainer_src.items():
                     t.copy_(state[k])
+                state = {k: t.detach() for k, t in trainer_src.items()} if plain else trainer
                 t0 = time.perf_counter()
-                pub.publish(trainer, version=v)
+                pub.publish(state, version=v)
                 sub.wait_for(v, timeout=300)
                 times.append(time.perf_counter() - t0)
             held = {rename[n]: p.detach() for n, p in model.named_parameters()}
             exact = _bytes({k: held[k] for k in base}) == _bytes(versions[-1])
             pub.flush(timeout=60)  # its bytes are recorded when the encoding ends, which may follow the commit
             nbytes = pub.stats["bytes"].get(len(versions))
-    return {"publish_live_s": min(times), "publish_live_all_s": times, "version_bytes": nbytes, "exact": exact}
+    key = "publish_live_plain_s" if plain else "publish_live_s"
+    out = {key: min(times), f"{key[:-2]}_all_s": times, f"exact{'_plain' if plain else ''}": exact}
+    return out if plain else {**out, "version_bytes": nbytes}
 
 
 def dense_shapes(layers: int = 9, hidden: int = 384, inter: int = 1152, kv: int = 128, head: int = 64,
@@ -223,8 +229,12 @@ def run(tensors: int = 20_000, elems: int = 1024, density: float = 0.01, repeats
     for shape, (base, _) in states.items():
         vs = [{"w": _bf16(c)} for c in chain] if shape == "one" else [cut(c, list(base), elems) for c in chain]
         out["results"][shape].update(sync_times(base, vs))
+        out["results"][shape].update(sync_times(base, vs, plain=True))
     one, many = out["results"]["one"], out["results"]["many"]
-    out["ratios"] = {k: many[k] / one[k] for k in ("encode_s", "apply_s", "payload_bytes", "publish_live_s")}
+    out["ratios"] = {k: many[k] / one[k] for k in ("encode_s", "apply_s", "payload_bytes", "publish_live_s",
+                                                   "publish_live_plain_s")}
+    # the default path against the bound one-tensor state: what a user who never calls bind pays per tensor
+    out["ratios"]["plain_many_vs_bound_one"] = many["publish_live_plain_s"] / one["publish_live_s"]
     out["per_tensor_s"] = {k: (many[k] - one[k]) / (tensors - 1) for k in ("encode_s", "apply_s", "publish_live_s")}
     out["dense_manifest"] = manifest_share()
     return out
@@ -234,7 +244,8 @@ def render(res: dict) -> str:
     one, many = res["results"]["one"], res["results"]["many"]
     n = res["tensors"]
     rows = [("encode (packed)", "encode_s", "{:.4f} s"), ("apply in place", "apply_s", "{:.4f} s"),
-            ("payload", "payload_bytes", "{:,.0f} B"), ("publish -> live, tcp loopback", "publish_live_s", "{:.4f} s")]
+            ("payload", "payload_bytes", "{:,.0f} B"), ("publish -> live, tcp loopback", "publish_live_s", "{:.4f} s"),
+            ("publish(state_dict()) -> live, a fresh dict each version", "publish_live_plain_s", "{:.4f} s")]
     lines = [f"| state ({n * res['elems'] / 1e6:.2f}M bf16 elements, {res['density']:.0%} changed) | 1 tensor | "
              f"{n:,} tensors x {res['elems']:,} | many / one |", "|---|---:|---:|---:|"]
     pr = res.get("paired_ratios", {})
@@ -243,7 +254,9 @@ def render(res: dict) -> str:
         lines.append(f"| {label} | {fmt.format(one[key])} | {fmt.format(many[key])} | {many[key] / one[key]:.2f}x{p} |")
     lines.append(f"| bind (once per layout) | {one['bind_s']:.4f} s | {many['bind_s']:.4f} s | |")
     lines.append(f"| manifest of the delta | {one['manifest_bytes']:,} B | {many['manifest_bytes']:,} B | |")
-    lines.append(f"\nexact: one {one['exact']}, many {many['exact']}; per extra tensor: "
+    lines.append(f"\nexact: one {one['exact']}, many {many['exact']} (fresh dicts: {many['exact_plain']}); "
+                 f"{n:,} tensors as a fresh dict against 1 bound: {res['ratios']['plain_many_vs_bound_one']:.2f}x; "
+                 "per extra tensor: "
                  + ", ".join(f"{k[:-2]} {v * 1e9:,.0f} ns" for k, v in res["per_tensor_s"].items()))
     d = res.get("dense_manifest")
     if d:
