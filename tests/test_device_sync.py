@@ -79,7 +79,10 @@ def test_device_states_follow_bit_exact_with_only_the_sections_crossing(rt, tier
     trainer = bf16_state(rng, device=0)
     engine = DeviceModel(bf16_state(np.random.default_rng(9), device=1))
     model_bytes = sum(t.nbytes for t in trainer.values())
-    commits, crossed = [], []
+    commits, crossed, allocated = [], [], []
+    empty = rt.empty_tensor
+    rt.empty_tensor = lambda n, dt, device: (allocated.append(n * dt.itemsize) if device == 0 else None,
+                                             empty(n, dt, device))[1]
     with wsync.Publisher(ADDR, token=TOKEN, tier=tier, keyframe_every=0, bucket_bytes=24 << 10) as pub, \
             wsync.Subscriber(pub.address, engine=engine, token=TOKEN,
                              on_commit=lambda i: commits.append(i["keyframe"])) as sub:
@@ -95,6 +98,7 @@ def test_device_states_follow_bit_exact_with_only_the_sections_crossing(rt, tier
         sizes = pub.stats["bytes"]
     assert isinstance(sub._bound, DeviceEngine) and engine.loads == 0
     assert commits == [True] + [False] * 5  # one keyframe, then deltas
+    assert sum(allocated) == 2 * model_bytes  # the trainer's snapshots: two, recycled from then on
     assert crossed[0]["d2h"] >= model_bytes  # a keyframe's raw bytes cross whole (a host link needs them)
     for v in range(1, 6):
         assert 0 < crossed[v]["d2h"] < model_bytes / 10, crossed[v]

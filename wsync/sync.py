@@ -125,6 +125,7 @@ class Publisher:
         self._last_layout: tuple | None = None  # the last version's bucket layouts (hashes)
         self._host_trainer = False  # the last publish() was handed a state it could bind (not a path)
         self._bind = _Binder()
+        self._device_pending = False  # a device snapshot is queued or being encoded
         self._peers: list[Sender] = []
         self._error: BaseException | None = None
         self._closed = False
@@ -191,7 +192,20 @@ class Publisher:
         """Snapshot a device state on the GPU (queued on the caller's stream) and hand it to the encoder."""
         make_kf = keyframe_due(self._published, self._since_keyframe, self.config.keyframe_every) \
             or src.key != self._last_layout
-        snap = src.snapshot(self._take_spare(device=True))
+        with self._cv:
+            # one device snapshot waits for the encoder at most: each is a copy of the model on the trainer's GPU,
+            # and the encoder keeps the previous one as its base
+            while self._device_pending and not self._closed and self._error is None:
+                self._cv.wait(1.0)
+        self._raise_pending()
+        with self._cv:
+            self._device_pending = True
+        try:
+            snap = src.snapshot(self._take_spare(device=True))
+        except BaseException:
+            with self._cv:
+                self._device_pending = False
+            raise
         with self._cv:
             self._spare_wanted = False  # the encoder recycles device states itself; host spares would not fit
         self._queue.put((version, snap, make_kf))
@@ -335,6 +349,10 @@ class Publisher:
                 if self.metrics is not None:
                     self.metrics.failed(e)
             finally:
+                if item is not None and isinstance(item[1], DeviceState):
+                    with self._cv:
+                        self._device_pending = False
+                        self._cv.notify_all()
                 self._queue.task_done()
 
     def _encode_version(self, version: int, state: State, make_kf: bool) -> None:
