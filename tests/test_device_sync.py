@@ -167,6 +167,34 @@ def test_a_device_engine_refuses_bad_versions_and_keeps_every_byte(rt):
     dev.apply([p], p.manifest.checksum, [members])
     assert all(engine_state[n].data.tobytes() == new[n].tobytes() for n in new)
 
+    # a raw version (a keyframe) refused at its digest: every segment, rewritten whole, is put back
+    now = {n: t.data.tobytes() for n, t in engine_state.items()}
+    raw = wsync.encode(None, bf16(base), codec="raw", members=members)
+    with pytest.raises(ChecksumError, match="digest"):
+        dev.apply([raw], "0" * 16, [members])
+    assert {n: t.data.tobytes() for n, t in engine_state.items()} == now
+    dev.apply([raw], raw.manifest.checksum, [members])
+    assert all(engine_state[n].data.tobytes() == base[n].tobytes() for n in base)
+
+    # the same raw version with its body in device memory (as local:// hands it over): checked whole before
+    # any write, so a corrupt frame or a wrong digest leaves every byte as it was
+    def on_device(body: bytes) -> Payload:
+        return Payload(raw.manifest, FakeTensor(np.frombuffer(body, np.uint8).copy(), 1, logical="U8"))
+
+    now = {n: t.data.tobytes() for n, t in engine_state.items()}
+    good = on_device(bytes(raw.body))
+    assert good.on_device
+    corrupt = bytearray(raw.body)
+    corrupt[len(corrupt) // 2] ^= 0x10
+    with pytest.raises(ChecksumError, match="stored bytes"):
+        dev.apply([on_device(bytes(corrupt))], raw.manifest.checksum, [members])
+    with pytest.raises(ChecksumError, match="digest"):
+        dev.apply([good], "0" * 16, [members])
+    assert {n: t.data.tobytes() for n, t in engine_state.items()} == now
+    dev.apply([p], p.manifest.checksum, [members])  # a delta on top of the raw version's base
+    dev.apply([good], raw.manifest.checksum, [members])
+    assert all(engine_state[n].data.tobytes() == base[n].tobytes() for n in base)
+
 
 @pytest.fixture
 def ipc(monkeypatch):

@@ -12,7 +12,8 @@ work on device buffers:
   buffers with the delta kernels, hashes both on the GPU, and copies only the
   sections to the host (the payload's bytes). A keyframe's raw bytes cross
   whole, since a host link needs them. The previous version's buffers are the
-  base: one model-sized copy on the device, recycled every version.
+  base: with the new snapshot, two model-sized copies on the device, recycled
+  every version (publish() waits while one snapshot is still queued).
 - engine (``DeviceEngine``): each segment of a version is applied with undo
   into the engine's own tensors (gathered into a staging buffer of one
   segment when the segment spans several tensors, and written back after),
@@ -153,7 +154,16 @@ class DeviceEngine:
         except BaseException:
             for tensors, how in reversed(undo):
                 self._restore(tensors, how)
+            self._settle()
             raise
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the last writes (a scatter may still run): the version is committed, and the engine's next
+        forward pass may run on another stream, only once they are in the engine's memory."""
+        t = next(iter(self.named.values()))
+        with self.rt.stream_of(t):
+            self.rt.record_event().synchronize()
 
     def _check_covers(self, members: list[Members]) -> None:
         """The version names exactly the engine's tensors (checked once per set of layouts)."""
@@ -196,7 +206,8 @@ class DeviceEngine:
         dt = dtypes.by_name(spec.dtype)
         tensors = [self.named[n] for n in m.segment_names(j)]
         what = m.describe(j)
-        with self._staged(tensors, dt, write_back=spec.kind != "same", read=p.manifest.codec == "delta") as seg:
+        # an all-raw version checked beforehand is written without undo: what the segment held is not read
+        with self._staged(tensors, dt, write_back=spec.kind != "same", read=not checked) as seg:
             if p.manifest.codec == "delta" and k.digest_device(seg) != spec.base_checksum:
                 raise VersionError(f"base {what} differs from the one this delta was made against "
                                    f"(payload base version {p.manifest.base_version})")
@@ -307,7 +318,6 @@ class _Staged:
                 self.rt.scatter(self.buf, self.tensors)
         self.buf = None
         return False
-
 
 
 def _aligned(rt, part, dtype):

@@ -402,8 +402,8 @@ class Publisher:
         self._prepare_spare(state)
 
     def _keyframe_to_host(self, kf: Keyframe) -> None:
-        """A device keyframe is encoded now and kept as its host bytes: the history would otherwise hold a
-        model-sized device buffer for as long as the keyframe stays the newest."""
+        """A device keyframe is encoded now, to host bytes, and its device state let go: the history would
+        otherwise hold a model-sized device buffer for as long as the keyframe stays the newest."""
         try:
             self._keyframe_buckets(kf, host=True)
         finally:
@@ -556,7 +556,12 @@ class Publisher:
         return payload
 
     def _keyframe_buckets(self, kf: Keyframe, host: bool = False) -> Encoded:
-        """The raw encoding of a keyframe, made once on first use (by whichever sender needs it)."""
+        """The raw encoding of a keyframe, made once on first use (by whichever sender needs it).
+
+        The history's keyframe is encoded to host bytes (host): it stays for many versions, and a device
+        body would hold a model's worth of device memory all that time."""
+        with self._cv:
+            host = host or kf is self._history.keyframe
         with kf.lock:
             if kf.encoded is None:
                 enc = Encoded(kf.version, None, kf.checksum, len(self._buckets(kf.state)))
