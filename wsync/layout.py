@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -24,8 +25,8 @@ import xxhash
 from . import dtypes
 from .checksum import state_digest
 from .errors import FormatError, MismatchError
-from .snapshot import State, TensorBits
-from .tables import Table
+from .snapshot import State, TensorBits, aliases, as_state, unique_tensors
+from .tables import Table, as_array
 
 MAX_MEMBERS = 1 << 22  # a table this long is a lie, not a model
 MAX_ELEMENTS = 1 << 50  # nor a payload of more elements than this (the counts stay far from int64 overflow)
@@ -223,7 +224,7 @@ class Bound(dict):
         super().__init__(state)
         self.writes_through = writes_through  # every TensorBits is a writable view of the caller's own tensor
         # name -> the caller's tensor, for each TensorBits that holds a copy of it (a device tensor, a strided
-        # view): refresh() reads them again, load_back() writes them
+        # view): refresh() reads them again
         self.sources: dict = sources or {}
         self._segs: dict[int, tuple[Members, list[TensorBits]]] = {}
         self._plans: dict = {}
@@ -240,14 +241,6 @@ class Bound(dict):
             if self._copier is None:
                 self._copier = _Copier({n: self[n] for n in self.sources}, self.sources)
             self._copier.pull()
-
-    def load_back(self, names) -> None:
-        """Write the copies of `names` (those that are copies) back into their source tensors."""
-        names = [n for n in names if n in self.sources]
-        if names:
-            if self._copier is None:
-                self._copier = _Copier({n: self[n] for n in self.sources}, self.sources)
-            self._copier.push(names)
 
     def segments(self, members: Members) -> list[TensorBits]:
         hit = self._segs.get(id(members))
@@ -274,8 +267,6 @@ def bind(obj) -> Bound:
     first name). The Bound views the tensors' own memory; see Bound for when
     to bind again.
     """
-    from .snapshot import unique_tensors
-
     if isinstance(obj, Bound):
         return obj
     return bind_copying(unique_tensors(obj))
@@ -290,9 +281,6 @@ def bind_copying(named: dict) -> Bound:
     Bound.sources, so the copy can be read again (refresh) or written back
     (load_back).
     """
-    from .snapshot import aliases, as_state
-    from .tables import as_array
-
     state = dict(as_state(named))
     sources = {}
     for n, tb in state.items():
@@ -306,8 +294,6 @@ def bind_copying(named: dict) -> Bound:
 
 
 def _flat_or_array(t) -> np.ndarray:
-    from .tables import as_array
-
     return as_array(t.bits) if isinstance(t, TensorBits) else t
 
 
@@ -316,38 +302,24 @@ def _writable(bits) -> bool:
 
 
 class _Copier:
-    """Copies between a Bound's host arrays and the tensors they copy: torch's in one call per direction
-    (torch._foreach_copy_), so a 20,000-tensor state costs no Python loop; numpy arrays and TensorBits
-    (an engine's read-only views) one by one."""
+    """Copies a Bound's sources into its host arrays: torch's in one call (torch._foreach_copy_), so a
+    20,000-tensor state costs no Python loop; numpy arrays and TensorBits (an engine's read-only views) one by
+    one."""
 
     def __init__(self, host: dict, sources: dict):
-        import torch
-
-        self.index = {n: i for i, n in enumerate(sources)}
-        self.src, self.dst, self.is_torch = [], [], []
+        torch = sys.modules.get("torch")  # a torch tensor means torch is imported; numpy states need no torch
+        self.src, self.dst, self.pairs = [], [], []
         for n, t in sources.items():
-            if isinstance(t, torch.Tensor):
+            if torch is not None and isinstance(t, torch.Tensor):
                 t = t.detach()
-                d = torch.from_numpy(host[n].bits).view(t.dtype).view(t.shape)
+                self.src.append(t)
+                self.dst.append(torch.from_numpy(host[n].bits).view(t.dtype).view(t.shape))
             else:
                 t = _flat_or_array(t)
-                d = host[n].bits.view(t.dtype).reshape(t.shape)
-            self.src.append(t)
-            self.dst.append(d)
-            self.is_torch.append(isinstance(t, torch.Tensor))
+                self.pairs.append((host[n].bits.view(t.dtype).reshape(t.shape), t))
 
     def pull(self) -> None:
-        self._copy(range(len(self.src)), self.dst, self.src)
-
-    def push(self, names) -> None:
-        self._copy([self.index[n] for n in names], self.src, self.dst)
-
-    def _copy(self, idx, to: list, frm: list) -> None:
-        import torch
-
-        both = [i for i in idx if self.is_torch[i]]
-        if both:
-            torch._foreach_copy_([to[i] for i in both], [frm[i] for i in both])
-        for i in idx:
-            if not self.is_torch[i]:
-                np.copyto(to[i], frm[i])
+        if self.src:
+            sys.modules["torch"]._foreach_copy_(self.dst, self.src)
+        for d, s in self.pairs:
+            np.copyto(d, s)

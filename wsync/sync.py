@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import ipaddress
+import sys
 import logging
 import queue
 import threading
@@ -713,8 +714,9 @@ def _identity(state: dict) -> tuple | None:
     Addresses are unique across host and GPUs (CUDA's unified addressing), so they name the memory; the
     element counts catch a tensor of another size that landed at a freed one's address. (Shapes would cost
     ten times as much to read, and a tensor reshaped in place keeps its bytes.)"""
-    import torch
-
+    torch = sys.modules.get("torch")  # no torch imported: no torch tensors to find (numpy states bind each time)
+    if torch is None:
+        return None
     values = list(state.values())
     try:
         ptrs = list(map(torch.Tensor.data_ptr, values))

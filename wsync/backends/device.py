@@ -112,7 +112,7 @@ class DeviceKernels:
 
     def v2_encode(self, old, sec: DeltaSections, dtype) -> dict:
         """v2 models the changes with the base as context, and its encoder runs on the host: the base crosses."""
-        from .codecs import v2_ref
+        from ..codecs import v2_ref
 
         base = self._read(old)
         fn = getattr(self.host, "v2_encode", None)
