@@ -25,6 +25,10 @@ import numpy as np
 from . import JunkNumpy, Sim
 
 
+def _box(box) -> tuple:
+    return tuple(slice(a, b) for a, b in box)
+
+
 class StreamRace(AssertionError):
     pass
 
@@ -273,10 +277,36 @@ class FakeRuntime:
             raise TypeError("a FakeTensor standing for a model tensor needs logical= (its wsync dtype)")
         return dtypes.by_name(t.logical)
 
-    def empty_tensor(self, numel: int, dtype, device: int) -> FakeTensor:
+    def empty_tensor(self, numel: int, dtype, device: int, shape: tuple | None = None) -> FakeTensor:
         with self._lock:
             data = self.xp.empty(numel, dtype.bits_dtype)  # junk-filled, as fresh device memory is
-        return FakeTensor(np.asarray(data).view(np.ndarray), device, logical=dtype.name)
+        data = np.asarray(data).view(np.ndarray)
+        return FakeTensor(data.reshape(shape) if shape is not None else data, device, logical=dtype.name)
+
+    def copy_box(self, dst: FakeTensor, src: FakeTensor, box) -> None:
+        self._same_device("copy_box", dst, src)
+        with self._lock:
+            dst.data[...] = src.data[_box(box)]
+
+    def write_box(self, dst: FakeTensor, box, src: FakeTensor) -> None:
+        self._same_device("write_box", dst, src)
+        with self._lock:
+            dst.data[_box(box)] = src.data.reshape(dst.data[_box(box)].shape)
+
+    def gather_boxes(self, flat: FakeTensor, pairs) -> None:
+        self._same_device("gather_boxes", flat, *(t for t, _ in pairs))
+        with self._lock:
+            at, out = 0, flat.data.reshape(-1)
+            for t, box in pairs:
+                v = t.data if box is None else t.data[_box(box)]
+                out[at : at + v.size] = v.reshape(-1)
+                at += v.size
+
+    def _same_device(self, what: str, *tensors) -> None:
+        """As torch's copies: every tensor on the current device."""
+        for t in tensors:
+            if t.device.index != self.device:
+                raise DeviceMismatch(f"{what} on cuda:{self.device} with a tensor on cuda:{t.device.index}")
 
     def gather(self, flat: FakeTensor, tensors) -> None:
         self._copies(flat, tensors, into_flat=True)

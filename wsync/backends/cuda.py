@@ -864,12 +864,35 @@ class _CupyRuntime:
 
         return dtypes.from_torch(t.dtype)
 
-    def empty_tensor(self, numel: int, dtype, device: int):
-        """A flat torch tensor of `dtype` (a wsync DType) on cuda:`device`, from torch's caching allocator
-        on the current stream (so torch frees it in order with the kernels queued there)."""
+    def empty_tensor(self, numel: int, dtype, device: int, shape: tuple | None = None):
+        """A torch tensor of `dtype` (a wsync DType) on cuda:`device`, flat or of `shape`, from torch's caching
+        allocator on the current stream (so torch frees it in order with the kernels queued there)."""
         import torch
 
-        return torch.empty(numel, dtype=getattr(torch, dtype.torch_name), device=f"cuda:{device}")
+        t = torch.empty(numel, dtype=getattr(torch, dtype.torch_name), device=f"cuda:{device}")
+        return t.view(shape) if shape is not None else t
+
+    def copy_box(self, dst, src, box) -> None:
+        """dst (a tensor of the box's shape) = src[box], on the current stream."""
+        import torch
+
+        with torch.no_grad():
+            dst.copy_(src[_box(box)])
+
+    def write_box(self, dst, box, src) -> None:
+        """dst[box] = src (a tensor of the box's shape), on the current stream."""
+        import torch
+
+        with torch.no_grad():
+            dst[_box(box)].copy_(src)
+
+    def gather_boxes(self, flat, pairs) -> None:
+        """flat = the elements of each (tensor, box) pair (box None: all of it) back to back, in C order."""
+        import torch
+
+        views = [t if box is None else t[_box(box)] for t, box in pairs]
+        parts = torch.split(flat, [v.numel() for v in views])
+        torch._foreach_copy_([p.view(v.shape) for p, v in zip(parts, views)], views)
 
     def gather(self, flat, tensors) -> None:
         """flat[...] = the tensors back to back, on the current stream: one multi-tensor copy, no host work
@@ -916,6 +939,10 @@ class _CupyRuntime:
         if isinstance(stream, cp.cuda.Stream):
             return stream
         return cp.cuda.ExternalStream(int(getattr(stream, "cuda_stream", getattr(stream, "ptr", stream))))
+
+
+def _box(box) -> tuple:
+    return tuple(slice(a, b) for a, b in box)
 
 
 def _torch_allocator(cp, device: int, owners=None):

@@ -20,12 +20,13 @@ import threading
 
 from .. import backends
 from ..engines.shadow import Shadow
+from ..device import on_one_device
 from ..errors import MismatchError, TransportError
 from ..snapshot import to_bits, to_torch
 from ..subscriber import Subscriber
 from ..transports.base import parse_address
 from . import streams
-from .layout import box_numel
+from .layout import box_numel, box_shape
 from .rounds import partial_digest
 
 log = logging.getLogger("wsync.shard")
@@ -69,6 +70,25 @@ class Source(Subscriber):
                 self._served = self._bound = None
                 self._staged.clear()
             self._lost()
+
+
+class DevicePieces:
+    """A source's staging on the GPU: a device buffer per piece, allocated once beside the live tensors; its
+    Subscriber applies each version there (wsync.device.DeviceEngine)."""
+
+    def __init__(self, k, pieces, tensors: dict):
+        rt, first = k.rt, next(iter(tensors.values()))
+        device = rt.device_of(first)
+        with rt.stream_of(first):
+            self.state = {p.key: rt.empty_tensor(box_numel(p.dst), rt.dtype_of(tensors[p.dst_name]), device,
+                                                 box_shape(p.dst)) for p in pieces}
+        self.version: int | None = None
+
+    def tensors(self) -> dict:
+        return self.state
+
+    def load(self, named) -> None:
+        raise MismatchError("device pieces are written on the device, never loaded from the host")
 
 
 DATA_SCHEMES = ("tcp", "ucx", "local", "gloo", "nccl")  # what a pair's Publisher may listen on (sync.TRANSPORTS)
@@ -125,11 +145,14 @@ class Stage:
         self._staged_tables = {s: streams.Cache() for s in self.by_src}
         self._live_tables = {s: streams.Cache() for s in self.by_src}
         self._live_sums: dict[int, dict[str, str]] = {}  # source -> checksums of what the live tensors hold of it
+        # live tensors on one GPU: the pieces are staged there too (a buffer per piece, applied on the device)
+        self.device = on_one_device(tensors)
         self.sources: dict[int, Source] = {}
         for s in sorted(self.by_src):
             tell = None if progress is None else (lambda *a, s=s: progress(s, *a))
-            self.sources[s] = Source(addresses[s], engine=Shadow(), token=data_token(addresses[s], token), apply="poll", backend=backend,
-                                     connect_opts=connect_opts, progress=tell)
+            engine = Shadow() if self.device is None else DevicePieces(self.device, self.order[s], tensors)
+            self.sources[s] = Source(addresses[s], engine=engine, token=data_token(addresses[s], token), apply="poll",
+                                     backend=backend, connect_opts=connect_opts, progress=tell)
             self.sources[s].on_staged = on_staged
 
     def advance(self, version: int) -> tuple[str, str | None]:
@@ -148,7 +171,23 @@ class Stage:
     def staged_sums(self) -> dict[int, dict[str, str]]:
         """trainer rank -> the checksums of its staged pieces as one stream per dtype (read again, so a staged
         buffer changed after its Subscriber verified it is caught)."""
+        if self.device is not None:
+            return {s: streams.device_sums(self.device, self._staged_pairs(s)) for s in self.by_src}
         return {s: streams.sums(self.kernels, self._staged(s)) for s in self.by_src}
+
+    def _staged_pairs(self, s: int) -> list:
+        held = self.sources[s].engine.tensors()
+        return [(held[p.key], None) for p in self.order[s]]
+
+    def _commit_device(self, s: int) -> dict[str, str]:
+        """Source s's staged pieces copied into their boxes of the live tensors on the device, and the checksums
+        of what those boxes then hold, read back on the device."""
+        rt, held = self.device.rt, self.sources[s].engine.tensors()
+        first = next(iter(self.tensors.values()))
+        with rt.stream_of(first):
+            for p in self.order[s]:
+                rt.write_box(self.tensors[p.dst_name], p.dst, held[p.key])
+        return streams.device_sums(self.device, [(self.tensors[p.dst_name], p.dst) for p in self.order[s]])
 
     def commit(self, staged: dict[int, dict[str, str]]) -> dict[int, str]:
         """Copy every source's staged pieces whose bytes differ from what the live tensors hold, then return the
@@ -157,6 +196,10 @@ class Stage:
         with self.lock:
             for s in self.by_src:
                 if self._live_sums.get(s) == staged[s]:
+                    live[s] = partial_digest(self._live_sums[s])
+                    continue
+                if self.device is not None:
+                    self._live_sums[s] = self._commit_device(s)
                     live[s] = partial_digest(self._live_sums[s])
                     continue
                 dst = self._live(s)

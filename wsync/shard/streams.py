@@ -75,6 +75,28 @@ def sums(kernels, t: dict[str, Table]) -> dict[str, str]:
     return {STREAM + dt: kernels.checksum(t[dt]) for dt in sorted(t)}
 
 
+def device_sums(k, pairs) -> dict[str, str]:
+    """sums() of pieces in device memory, the same digests: (tensor, box) pairs (box None: the whole tensor), in
+    order; each dtype's stream gathered into one device buffer and hashed on the GPU (k: the device kernels)."""
+    from .layout import box_numel
+
+    rt = k.rt
+    groups: dict[str, tuple] = {}
+    for t, box in pairs:
+        dt = rt.dtype_of(t)
+        groups.setdefault(dt.bits_dtype.str, (dt, []))[1].append((t, box))
+    out = {}
+    first = pairs[0][0] if pairs else None
+    for key in sorted(groups):
+        dt, ps = groups[key]
+        n = sum(t.numel() if box is None else box_numel(box) for t, box in ps)
+        with rt.stream_of(first):
+            flat = rt.empty_tensor(n, dt, rt.device_of(first))
+            rt.gather_boxes(flat, ps)
+        out[STREAM + key] = k.digest_device(flat)
+    return out
+
+
 class Cache:
     """Tables keyed by where their arrays live: rebuilt only when a tensor moved (a keyframe, a new local)."""
 

@@ -31,12 +31,14 @@ import threading
 import time
 
 from .. import backends
+from .. import dtypes
+from ..device import on_one_device
 from ..layout import bind
 from ..sync import Publisher
 from . import streams
 from .commit import Coordinator, SettleTimeout
 from .engine import ShardSubscriber  # the engine side: one module to import
-from .layout import box_shape, full_box
+from .layout import box_numel, box_shape, full_box
 from .member import Member, digests_doc
 from .rounds import partial_digest
 from .stage import GROUPS, _slices, data_token
@@ -113,6 +115,7 @@ class ShardPublisher:
         self._dst = {r: streams.tables((streams.bits_view(self.buffers[r][p.key]), full_box(box_shape(p.src)))
                                        for p in order) for r, order in self._order.items()}
         self._src = {r: streams.Cache() for r in self.sends}
+        self._on_device: dict = {}  # (engine rank, device) -> its piece buffers there, for local tensors on a GPU
         self.publishers: dict[int, Publisher] = {}
         self._cv = threading.Condition()
         self.settled: list[dict] = []  # the coordinator's outcomes, oldest first
@@ -143,6 +146,10 @@ class ShardPublisher:
         import torch
 
         partials, local = {}, trainer_locals(self.plan, self.rank, local_tensors, self._names)
+        k = on_one_device(local)
+        if k is not None:
+            self._publish_device(k, local, version)
+            return
         where = tuple((n, t.data_ptr(), tuple(t.stride()), t.dtype) for n, t in local.items())
         for r, order in self._order.items():
             src = self._src[r].get(where, lambda: self._src_tables(local, order))
@@ -156,6 +163,33 @@ class ShardPublisher:
                 sums = streams.sums(self.kernels, self._dst[r])
             partials[r] = partial_digest(sums)
             self.publishers[r].publish(self._bound[r], version)
+        self._announce(version, partials)
+
+    def _publish_device(self, k, local: dict, version: int) -> None:
+        """publish() for local tensors on one GPU: each engine rank's pieces copied into device buffers of
+        their own on the caller's stream, hashed there, and published from there (wsync.device)."""
+        rt, first = k.rt, next(iter(local.values()))
+        partials = {}
+        for r, order in self._order.items():
+            bufs = self._device_buffers(k, r, rt.device_of(first))
+            with rt.stream_of(first):  # after what the caller queued on its stream (the optimizer step)
+                for p in order:
+                    rt.copy_box(bufs[p.key], local[p.src_name], p.local)
+            partials[r] = partial_digest(streams.device_sums(k, [(bufs[p.key], None) for p in order]))
+            self.publishers[r].publish(bufs, version)
+        self._announce(version, partials)
+
+    def _device_buffers(self, k, r: int, device: int) -> dict:
+        """Engine rank r's piece buffers on `device`, allocated once (the host ones stay for a host state)."""
+        key = (r, device)
+        if key not in self._on_device:
+            rt = k.rt
+            self._on_device[key] = {
+                p.key: rt.empty_tensor(box_numel(p.src), dtypes.from_torch(self.plan.trainer.params[p.src_name].dtype),
+                                       device, box_shape(p.src)) for p in self._order[r]}
+        return self._on_device[key]
+
+    def _announce(self, version: int, partials: dict) -> None:
         self._announced = {"version": version, "partials": digests_doc(partials)}
         self.member.send("published", self._announced)
 

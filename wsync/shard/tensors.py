@@ -23,6 +23,12 @@ def local_of(t):
 
 
 def _dtype_name(t) -> str:
+    """torch's name of t's dtype ("bfloat16"); a device tensor's as the device runtime reads it."""
+    from ..device import device_kernels, is_device
+
+    k = device_kernels() if is_device(t) else None
+    if k is not None:
+        return k.rt.dtype_of(t).torch_name
     return str(t.dtype).removeprefix("torch.")
 
 
