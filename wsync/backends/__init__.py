@@ -93,9 +93,15 @@ _transfers: list = []
 
 
 def device_kernels():
-    """The GPU backend's kernels for device tensors (CudaKernels); BackendUnavailable where it cannot load."""
+    """The GPU backend's kernels for device tensors (CudaKernels); BackendUnavailable where it cannot load
+    (found once: a process without cupy or a driver does not look again at every publish)."""
     if not _device:
-        _device.append(_load(DEVICE_BACKEND))
+        try:
+            _device.append(_load(DEVICE_BACKEND))
+        except BackendUnavailable as e:
+            _device.append(str(e))
+    if isinstance(_device[0], str):
+        raise BackendUnavailable(_device[0])
     return _device[0]
 
 
