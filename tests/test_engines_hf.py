@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from engine_helpers import fuse, publisher, rl_step, same_bytes, subscriber, tiny_qwen  # noqa: E402
 from wsync import engines  # noqa: E402
 from wsync.errors import MismatchError  # noqa: E402
+from wsync.snapshot import TensorBits  # noqa: E402
 from wsync.subscriber import apply_version  # noqa: E402
 
 
@@ -162,3 +163,18 @@ def test_transaction_on_fused_engine_rolls_back(gen):
     assert same_bytes(before, eng_model.state_dict())
     apply_version(engine, [p], p.manifest.checksum)
     assert engine.digest() == engines.HF(trainer).digest()
+
+
+def test_a_guarded_engine_hands_device_tensors_over_as_they_are(monkeypatch):
+    """guarded=True turns host tensors into read-only views, so host updates go through load(); device
+    tensors are applied on the GPU under the engine's lock, so they are handed over live. (Stand-in: the
+    model's CPU parameters are declared device tensors.)"""
+    from wsync.engines import hf
+
+    model = tiny_qwen(0)
+    engine = engines.HF(model, guarded=True)
+    assert all(isinstance(t, TensorBits) and not t.bits.flags.writeable for t in engine.tensors().values())
+    monkeypatch.setattr(hf, "is_device", lambda t: True)
+    live = engine.tensors()
+    assert all(isinstance(t, torch.Tensor) for t in live.values())
+    assert {n: t.data_ptr() for n, t in live.items()} == {n: t.data_ptr() for n, t in engine.live().items()}

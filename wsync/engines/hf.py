@@ -21,9 +21,9 @@ Generating while updates arrive: with ``Subscriber(apply="poll")`` the
 generation thread calls ``sub.poll()`` between decode steps, so no lock is
 needed. With ``apply="background"`` build the engine with ``guarded=True``
 and hold ``engine.lock`` around each forward pass (or each ``generate``):
-the Subscriber then decodes into a host copy and only the final copy into the
-live weights (``load``) takes the lock, so a forward pass never sees half a
-version. Unguarded background updates write in place with no copy, and a
+the Subscriber then decodes into a host copy and writes the live weights
+(``load``, or on a GPU the device apply) under the lock, so a forward pass
+never sees half a version. Unguarded background updates write in place with no copy, and a
 concurrent forward pass may read a mix of two versions.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..backends.device import is_device
 from ..errors import MismatchError
 from ..snapshot import TensorBits, as_state, digest, to_bits, unique_tensors
 from ..tables import Table
@@ -98,7 +99,10 @@ class HF:
 
     def tensors(self) -> dict:
         live = self.live()
-        if not self.guarded:
+        # guarded: host tensors as read-only copies' sources, so every write goes through load(). Device
+        # tensors stay as they are: the Subscriber applies to them on the GPU under this engine's lock, which a
+        # forward pass holds too, and a host copy would only add two passes over PCIe
+        if not self.guarded or all(is_device(t) for t in live.values()):
             return live
         return {n: _read_only(t) for n, t in live.items()}
 
