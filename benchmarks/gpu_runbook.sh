@@ -111,7 +111,7 @@ sanitizers() {
     fi
 }
 other_gpu_tests() {
-    step other-gpu-tests gpu-tests.log "$PY" -m pytest -q -rs -m gpu tests/test_local.py tests/test_device_sync.py \
+    step other-gpu-tests gpu-tests.log "$PY" -m pytest -q -rs -m gpu tests/test_local.py tests/test_device_sync.py tests/test_shard_device.py \
         tests/test_transport_devices.py tests/test_lowrank.py \
         tests/test_torchdist.py
 }

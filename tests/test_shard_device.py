@@ -14,6 +14,7 @@ import pytest
 from shard_helpers import TOKEN, Reference, engine_expected, make_plan, qwen_params, sl
 
 from wsync import backends
+from wsync import errors as wsync_errors
 from wsync.backends import cuda
 from wsync.device import DeviceEngine
 from wsync.shard.stage import DevicePieces
@@ -92,3 +93,54 @@ def test_device_stream_digests_equal_the_host_ones(rt):
     dev = [FakeTensor(a, 0, logical=lg) for a, lg in zip(arrays, logical)]
     assert streams.device_sums(backends.device_kernels(), list(zip(dev, boxes))) == want
     assert len(want) == 2  # two dtypes' streams: <u2 (two tensors, in order) and <u4
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_sharded_ranks_commit_bit_exact():
+    """The same on a real GPU (cupy's runtime, torch's streams): trainer shards and engine tensors on cuda:0."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    try:
+        backends.device_kernels()
+    except wsync_errors.BackendUnavailable as e:
+        pytest.skip(str(e))
+    m, n = 2, 3
+    plan = make_plan(m, n, "hf")
+    ref = Reference(qwen_params())
+
+    def cuda(bits):
+        return torch.from_numpy(bits.copy()).view(torch.bfloat16).cuda()
+
+    locals_ = [{h.name: cuda(ref.at(0)[h.name][sl(h.box)]) for h in plan.trainer.held if h.rank == t} for t in range(m)]
+    lives = [{name: torch.zeros(p.shape, dtype=torch.bfloat16, device="cuda")
+              for (r, name), p in plan.engine.locals.items() if r == rank} for rank in range(n)]
+    pubs, subs = [], []
+    try:
+        pubs.append(ShardPublisher(plan, 0, coordinator="tcp://127.0.0.1:0", host_coordinator=True, token=TOKEN,
+                                   timeout=30.0, tier="sparse"))
+        pubs += [ShardPublisher(plan, t, coordinator=pubs[0].coordinator_address, token=TOKEN, tier="sparse")
+                 for t in range(1, m)]
+        subs = [ShardSubscriber(plan, r, lives[r], coordinator=pubs[0].coordinator_address, token=TOKEN)
+                for r in range(n)]
+        for v in range(4):
+            bits = ref.at(v)
+            for t in range(m):
+                for h in plan.trainer.held:
+                    if h.rank == t:
+                        locals_[t][h.name].copy_(cuda(bits[h.name][sl(h.box)]))
+            for t, pub in enumerate(pubs):
+                pub.publish(locals_[t], v)
+            res = pubs[0].wait(v, timeout=60)
+            assert res["outcome"] == "committed" and res["digest"] == res["expected"], res
+            for rank, sub in enumerate(subs):
+                assert sub.wait_for(v, timeout=60) == v
+                for name, want in engine_expected(plan, rank, bits).items():
+                    got = lives[rank][name].view(torch.int16).cpu().numpy().view(np.uint16)
+                    assert got.tobytes() == want.tobytes(), (v, rank, name)
+        assert all(isinstance(src.engine, DevicePieces) for sub in subs for src in sub.stage.sources.values())
+    finally:
+        for sub in subs:
+            sub.close()
+        for pub in reversed(pubs):
+            pub.close()
