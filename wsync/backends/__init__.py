@@ -56,13 +56,16 @@ def _load(name: str) -> Kernels:
         raise BackendUnavailable(f"backend {name!r} cannot load: {e}") from e
 
 
+DEVICE_NAMES = ("device", "device-body")  # segments in device memory (wsync.device), asked for by the sync code
+
+
 def select(requested: str | None = None) -> tuple[Kernels, BackendInfo]:
-    requested = (requested or os.environ.get("WSYNC_BACKEND") or "auto").lower()
-    if requested in ("device", "device-body"):  # segments in device memory (wsync.device); not cached: tests
-        from .device import DeviceKernels        # swap the kernels
+    if requested in DEVICE_NAMES:  # not cached: tests swap the device kernels
+        from .device import DeviceKernels
 
         k = DeviceKernels(device_kernels(), kernels(None), transfers(), keep=requested == "device-body")
         return k, BackendInfo(requested, requested, "device buffers")
+    requested = (requested or os.environ.get("WSYNC_BACKEND") or "auto").lower()
     if requested in _cache:
         return _cache[requested]
     if requested != "auto":
