@@ -253,14 +253,14 @@ def test_auto_never_sends_host_arrays_to_the_gpu_backend(monkeypatch):
 
     def fake_load(name):
         loaded.append(name)
-        return f"kernels:{name}"
+        return ("kernels", name)
 
     monkeypatch.setattr(backends, "_load", fake_load)
     monkeypatch.setattr(backends, "_cache", {})
     monkeypatch.setattr(backends, "_device", [])
     monkeypatch.delenv("WSYNC_BACKEND", raising=False)
-    assert backends.kernels() == "kernels:cpu"
+    assert backends.kernels() == ("kernels", "cpu")
     assert backends.backend().name == "cpu"
     assert "cuda" not in loaded
-    assert backends.device_kernels() == "kernels:cuda"
-    assert backends.kernels("cuda") == "kernels:cuda"  # by name, still honoured
+    assert backends.device_kernels() == ("kernels", "cuda")
+    assert backends.kernels("cuda") == ("kernels", "cuda")  # by name, still honoured
