@@ -99,7 +99,9 @@ def test_device_states_follow_bit_exact_with_only_the_sections_crossing(rt, tier
     assert isinstance(sub._bound, DeviceEngine) and engine.loads == 0
     assert commits == [True] + [False] * 5  # one keyframe, then deltas
     assert sum(allocated) == 2 * model_bytes  # the trainer's snapshots: two, recycled from then on
-    assert crossed[0]["d2h"] >= model_bytes  # a keyframe's raw bytes cross whole (a host link needs them)
+    # a keyframe's raw bytes cross whole (a host link needs them), once: the engine checks the whole version
+    # before it writes, so it keeps no undo copy
+    assert model_bytes <= crossed[0]["d2h"] < 1.1 * model_bytes
     for v in range(1, 6):
         assert 0 < crossed[v]["d2h"] < model_bytes / 10, crossed[v]
         if tier == "sparse":  # the payload is the sections themselves

@@ -136,10 +136,10 @@ class DeviceEngine:
         self._check_covers(members)
         for m in members:
             self._check_layout(m)
-        # a whole version of raw frames in device memory: every frame and the version's digest are checked
-        # before anything is written, and the writes, device copies of checked bytes, need no undo (an undo
-        # would be a copy of the whole model)
-        checked = all(p.on_device and p.manifest.codec == "raw" for p in payloads)
+        # a whole version of raw frames (a keyframe): every frame and the version's digest are checked before
+        # anything is written, and the writes, copies of checked bytes, need no undo (an undo would be a copy
+        # of the whole model, down to the host)
+        checked = all(p.manifest.codec == "raw" for p in payloads)
         if checked:
             self._check_raw_version(payloads, members, checksum)
         undo: list = []
@@ -227,6 +227,12 @@ class DeviceEngine:
         try:
             if p.on_device:
                 return self._write_from_device(p, spec, seg, dt, checked)
+            if checked:  # raw, and checked with the whole version
+                new = np.frombuffer(parts["data"], dt.bits_dtype)
+                if len(new) != spec.numel:
+                    raise FormatError(f"raw data holds {len(new)} elements, the segment {spec.numel}")
+                self._upload(seg, new)
+                return ("nothing", None)
             if spec.kind in ("raw", "xor"):
                 old = self._read(seg)
                 if spec.kind == "raw":
