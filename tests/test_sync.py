@@ -118,7 +118,11 @@ def test_two_engines_follow_over_each_transport(scheme, gen):
             for s in subs:
                 s.close()
     assert all(same_bytes(trainer, m) for m in models)
-    assert all(s.stats["versions"] == 6 and s.stats["failures"] == 0 for s in subs)
+    for s in subs:
+        assert s.version == 5 and s.stats["failures"] == 0, s.stats
+        # every version from keyframe 0; or, where its sender first looked after version 3 was published
+        # (a loaded machine: publish() returns in microseconds), from keyframe 3
+        assert s.stats["versions"] in (6, 3), s.stats
 
 
 def test_gloo_groups_opened_and_closed_in_a_loop():
