@@ -287,3 +287,34 @@ def test_on_a_gpu_the_device_path_runs_and_follows_bit_exact():
             torch.cuda.synchronize()
             assert all(torch.equal(trainer[n].view(torch.int16), engine.state[n].view(torch.int16)) for n in trainer)
         assert isinstance(sub._bound, DeviceEngine)
+
+
+@pytest.mark.parametrize("tier", ["sparse", "packed"])
+def test_device_payloads_are_byte_for_byte_the_host_ones(rt, tier):
+    """The format does not know where a version was encoded: the same two versions give the same payload
+    bytes from device buffers (the GPU kernels' sections and digests) as from host arrays (the C++ ones)."""
+    torch = pytest.importorskip("torch")
+    from wsync import api
+    from wsync.device import DeviceSource
+
+    rng = np.random.default_rng(11)
+    old = bf16_state(rng, device=0)
+    new = {n: FakeTensor(t.data.copy(), 0, logical="BF16") for n, t in old.items()}
+    rl_step(new, rng, density=0.02)
+    src_old, src_new = (DeviceSource(s, backends.device_kernels(), 24 << 10) for s in (old, new))
+    dev_old, dev_new = src_old.snapshot(), src_new.snapshot()
+
+    def host(state):
+        return {n: torch.from_numpy(t.data.copy()).view(torch.bfloat16) for n, t in state.items()}
+
+    h_old, h_new = host(old), host(new)
+    for m in dev_new.buckets:
+        dev_delta = api.encode(dev_old, dev_new, tier=tier, members=m, backend="device", version=1, base_version=0)
+        host_delta = api.encode(h_old, h_new, tier=tier, members=m, version=1, base_version=0)
+        assert dev_delta.to_bytes() == host_delta.to_bytes()
+        dev_raw = api.encode(None, dev_new, codec="raw", members=m, backend="device")
+        assert dev_raw.to_bytes() == api.encode(None, h_new, codec="raw", members=m).to_bytes()
+        if tier == "sparse":  # a body kept on the device (for local:// and nccl://): the same bytes, there
+            kept = api.encode(dev_old, dev_new, tier=tier, members=m, backend="device-body", version=1,
+                              base_version=0)
+            assert kept.on_device and kept.header() + kept.body.data.tobytes() == host_delta.to_bytes()
