@@ -1,4 +1,4 @@
-"""Where the bits of a delta go, and how far each part is from its entropy (issue 22).
+"""Where the bits of a delta go, and how far each part is from its entropy.
 
 Per (base, new) snapshot pair it reports, in bits per changed element:
   - today's `packed` tier split into positions (gaps_lo + gaps_hi), steps,

@@ -78,7 +78,7 @@ def add_parsers(sub) -> None:
                         "--shape moe` run; wsync 0.1's per-tensor format measured ~100)")
     t.set_defaults(fn=cmd_transfer)
 
-    ro = ps.add_parser("route", help="routing plan of sharded trainer ranks into sharded engine ranks (issue 19)")
+    ro = ps.add_parser("route", help="routing plan of sharded trainer ranks into sharded engine ranks")
     ro.add_argument("--model", required=True, help="catalog name or a Hugging Face config.json (or its directory)")
     ro.add_argument("--trainer", default="fsdp:4", help="fsdp:N, hsdp:RxS or tp:N (default: fsdp:4)")
     ro.add_argument("--engine", default="vllm:tp=2",

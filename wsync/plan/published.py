@@ -139,13 +139,13 @@ def audit() -> list[Check]:
     return _transfer_checks() + _wan_checks() + _lora_checks()
 
 
-# Sharded trainers into sharded engines (issue 19): (who, model, trainer GPUs, engine GPUs, seconds, source, setup
+# Sharded trainers into sharded engines: (who, model, trainer GPUs, engine GPUs, seconds, source, setup
 # as stated). Not in audit(): they are end-to-end times of other systems, set beside the model's wire-time floor.
 RESHARD_TABLE = [
     ("Perplexity", "kimi-k2", 256, 128, 1.3,
      "https://research.perplexity.ai/articles/weight-transfer-for-rl-post-training-in-under-2-seconds",
      "BF16 trainer -> FP8 engines over RDMA WRITE; full_tensor(), projection fusion and FP8 quantization in the pipeline"),
-    ("vLLM sharded RDT", "kimi-k2", None, None, 7.53, "as quoted in issue 19",
+    ("vLLM sharded RDT", "kimi-k2", None, None, 7.53, "as quoted in wsync's sharded-sync task (no public page)",
      "BF16 on 48x8 H100, 1,049 GB/s"),
 ]
 RESHARD_RANKS = (256, 128)  # the layout the prediction is made for: Perplexity's
