@@ -100,3 +100,18 @@ def sim():
     if cudasim.compiler() is None:
         pytest.skip("no C++ compiler on PATH: the CUDA harness compiles csrc/*.cu with g++")
     return cudasim.load()
+
+
+@pytest.fixture
+def device_rt(sim):
+    """A fake CUDA runtime over the harness's kernels (tests/cudasim/fakert.py), installed as wsync's device
+    kernels for the test: device tensors are its FakeTensors, and it counts what crosses to the host."""
+    from cudasim.fakert import FakeRuntime
+
+    from wsync import backends
+    from wsync.backends import cuda
+
+    rt = FakeRuntime(sim, ndevices=2)
+    backends.use_device_kernels(cuda.CudaKernels(runtime=rt))
+    yield rt
+    backends.use_device_kernels(None)

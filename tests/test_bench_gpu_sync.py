@@ -52,7 +52,7 @@ def test_small_size_on_cpu_runs_every_stage_bit_exact(small_cpu_run):
     assert data["states"]["dense"]["tensors"] == 4 * 11 + 3 and data["states"]["moe"]["tensors"] == 600
     for s in ("dense", "moe"):
         d2d = data["stages"][f"{s}.d2d"]
-        assert d2d["copy_s"]["median"] > 0 and d2d["timer"] == "perf_counter"
+        assert d2d["timer"] == "perf_counter" and d2d["copy_s"]["n"] == d2d["foreach_copy_s"]["n"] >= 1
         for kind, transport, codec in (("raw_local", "local://", "raw"), ("delta_local", "local://", "delta"),
                                        ("delta_tcp", "tcp://", "delta")):
             st = data["stages"][f"{s}.{kind}"]
@@ -61,8 +61,7 @@ def test_small_size_on_cpu_runs_every_stage_bit_exact(small_cpu_run):
                 data["states"][s]["tensors"]
             assert len(st["versions"]) == 2 and st["stopped"] is None
             assert st["first"]["keyframe"] is True and st["first"]["version"] == 0
-            assert st["publish_to_live_s"]["n"] == 2 and st["publish_to_live_s"]["min"] > 0
-            assert st["blocked_s"]["median"] >= 0
+            assert st["publish_to_live_s"]["n"] == st["blocked_s"]["n"] == 2  # every timed version recorded
             for v in st["versions"]:
                 assert v["wire_bytes"] and v["received_bytes"] == v["wire_bytes"]
             if codec == "delta":  # 1% of values moved: far less than the state on the wire, applied as deltas

@@ -17,26 +17,17 @@ import pytest
 
 import wsync
 from wsync import backends
-from wsync.backends import cuda
 from wsync.device import DeviceEngine
 from wsync.errors import ChecksumError, VersionError
 from wsync.payload import Payload
 
 cudasim = pytest.importorskip("cudasim")
-from cudasim.fakert import FakeRuntime, FakeTensor  # noqa: E402
+from cudasim.fakert import FakeTensor  # noqa: E402
 
 ADDR = "tcp://127.0.0.1:0"
 TOKEN = b"device-sync-tests"
 # uneven sizes: several tensors per segment, a segment alone in its bucket, one tensor across two chunks
 SHAPES = {f"layers.{i}.w": (48, 64 + 8 * i) for i in range(12)} | {"embed": (70_001,), "norm": (64,)}
-
-
-@pytest.fixture
-def rt(sim):
-    rt = FakeRuntime(sim, ndevices=2)
-    backends.use_device_kernels(cuda.CudaKernels(runtime=rt))
-    yield rt
-    backends.use_device_kernels(None)
 
 
 def bf16_state(rng, device: int) -> dict:
@@ -74,14 +65,14 @@ def same(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.parametrize("tier", ["sparse", "packed"])
-def test_device_states_follow_bit_exact_with_only_the_sections_crossing(rt, tier):
+def test_device_states_follow_bit_exact_with_only_the_sections_crossing(device_rt, tier):
     rng = np.random.default_rng(5)
     trainer = bf16_state(rng, device=0)
     engine = DeviceModel(bf16_state(np.random.default_rng(9), device=1))
     model_bytes = sum(t.nbytes for t in trainer.values())
     commits, crossed, allocated = [], [], []
-    empty = rt.empty_tensor
-    rt.empty_tensor = lambda n, dt, device: (allocated.append(n * dt.itemsize) if device == 0 else None,
+    empty = device_rt.empty_tensor
+    device_rt.empty_tensor = lambda n, dt, device: (allocated.append(n * dt.itemsize) if device == 0 else None,
                                              empty(n, dt, device))[1]
     with wsync.Publisher(ADDR, token=TOKEN, tier=tier, keyframe_every=0, bucket_bytes=24 << 10) as pub, \
             wsync.Subscriber(pub.address, engine=engine, token=TOKEN,
@@ -89,11 +80,11 @@ def test_device_states_follow_bit_exact_with_only_the_sections_crossing(rt, tier
         for v in range(6):
             if v:
                 rl_step(trainer, rng)
-            before = dict(rt.crossed)
+            before = dict(device_rt.crossed)
             pub.publish(dict(trainer), version=v)  # a fresh dict of the same tensors, as state_dict() gives
             assert sub.wait_for(v, timeout=60) == v
             pub.flush(timeout=30)
-            crossed.append({d: rt.crossed[d] - before[d] for d in before})
+            crossed.append({d: device_rt.crossed[d] - before[d] for d in before})
             assert same(trainer, engine.state), f"version {v}"
         sizes = pub.stats["bytes"]
     assert isinstance(sub._bound, DeviceEngine) and engine.loads == 0
@@ -109,7 +100,7 @@ def test_device_states_follow_bit_exact_with_only_the_sections_crossing(rt, tier
         assert crossed[v]["h2d"] <= 2 * sizes[v] + model_bytes / 20  # sections up, unpacked
 
 
-def test_the_trainer_blocks_only_to_queue_the_copies(rt):
+def test_the_trainer_blocks_only_to_queue_the_copies(device_rt):
     """publish() of a device state queues the gathers on the caller's stream and returns: nothing it does
     waits for the device (no host read, no event synchronized) before it returns."""
     rng = np.random.default_rng(1)
@@ -118,19 +109,19 @@ def test_the_trainer_blocks_only_to_queue_the_copies(rt):
         pub.publish(dict(trainer), version=0)
         pub.flush(timeout=30)
         rl_step(trainer, rng)
-        s = rt.new_stream(0)
-        mark = len(rt.log)
-        with rt.torch_stream(s):  # the optimizer's stream
+        s = device_rt.new_stream(0)
+        mark = len(device_rt.log)
+        with device_rt.torch_stream(s):  # the optimizer's stream
             pub._raise_pending()
             src = pub._bind(dict(trainer), pub.config.bucket_bytes)
             snap = src.snapshot()
-        during = rt.log[mark:]
+        during = device_rt.log[mark:]
         assert during and all(e[0] in ("copy", "event") for e in during), during
         assert {e[2] for e in during if e[0] == "copy"} == {s}  # after the optimizer's work, on its stream
         snap.wait()
 
 
-def test_a_device_engine_refuses_bad_versions_and_keeps_every_byte(rt):
+def test_a_device_engine_refuses_bad_versions_and_keeps_every_byte(device_rt):
     rng = np.random.default_rng(2)
     base = {n: t.data.copy() for n, t in bf16_state(rng, 0).items()}
     new = {n: a.copy() for n, a in base.items()}
@@ -231,7 +222,7 @@ def ipc(monkeypatch):
 
 
 @pytest.mark.parametrize("codec", ["raw", "delta"])
-def test_over_local_a_version_stays_on_the_device(rt, ipc, codec):
+def test_over_local_a_version_stays_on_the_device(device_rt, ipc, codec):
     """local:// hands the engine the trainer's device buffers (CUDA IPC): after the first keyframe, nothing
     of a version crosses to the host but the checks' few words (digests, chunk tables, error flags)."""
     rng = np.random.default_rng(4)
@@ -246,11 +237,11 @@ def test_over_local_a_version_stays_on_the_device(rt, ipc, codec):
         for v in range(5):
             if v:
                 rl_step(trainer, rng)
-            before = dict(rt.crossed)
+            before = dict(device_rt.crossed)
             pub.publish(dict(trainer), version=v)
             assert sub.wait_for(v, timeout=60) == v
             pub.flush(timeout=30)
-            crossed.append({d: rt.crossed[d] - before[d] for d in before})
+            crossed.append({d: device_rt.crossed[d] - before[d] for d in before})
             assert same(trainer, engine.state), f"version {v}"
     assert ipc, "no device buffer was shared"
     assert commits == [True] + [codec == "raw"] * 4
@@ -290,7 +281,7 @@ def test_on_a_gpu_the_device_path_runs_and_follows_bit_exact():
 
 
 @pytest.mark.parametrize("tier", ["sparse", "packed"])
-def test_device_payloads_are_byte_for_byte_the_host_ones(rt, tier):
+def test_device_payloads_are_byte_for_byte_the_host_ones(device_rt, tier):
     """The format does not know where a version was encoded: the same two versions give the same payload
     bytes from device buffers (the GPU kernels' sections and digests) as from host arrays (the C++ ones)."""
     torch = pytest.importorskip("torch")

@@ -486,21 +486,30 @@ def _wait(p, what: str, step, limit: float = 120.0):
             pytest.fail(f"no {what} after {limit}s, and the reader is still running")
 
 
-def _cuda_reader(name: str, q) -> None:
-    """A fresh spawned process whose first CUDA call is opening the shared memory."""
+def _reader(name: str, q, take) -> None:
+    """A fresh spawned process: dial, take(sub, q) the first message, ack it, wait for the writer's bye."""
     faulthandler.enable()  # a crash inside CUDA still says where
     try:
         sub = connect(f"local://{name}")
-        m = sub.recv(timeout=60)
-        t, empty = m.blobs[1], m.blobs[2]
-        q.put(("got", t.device.type, t.device.index, bytes(t.cpu().numpy()), bytes(m.blobs[0]), empty.numel()))
-        del m, t, empty  # let go first: the writer waits for that
+        take(sub, q)
         sub.send(Message("ack"))
         sub.recv(timeout=60)
         sub.close()
     except BaseException as e:
         q.put(("error", repr(e)))
         raise
+
+
+def _cuda_reader(name: str, q) -> None:
+    """A reader whose first CUDA call is opening the shared memory."""
+    _reader(name, q, _take_cuda)
+
+
+def _take_cuda(sub, q) -> None:
+    m = sub.recv(timeout=60)
+    t, empty = m.blobs[1], m.blobs[2]
+    q.put(("got", t.device.type, t.device.index, bytes(t.cpu().numpy()), bytes(m.blobs[0]), empty.numel()))
+    # the message and its tensors go out of scope here, before the ack: the writer waits for that
 
 
 def _start_reader(torch, monkeypatch, target, name, visible: str | None = None):
@@ -574,20 +583,15 @@ def test_cuda_tensors_find_their_gpu_under_other_visible_devices(monkeypatch):
 
 
 def _blind_cuda_reader(name: str, q) -> None:
-    faulthandler.enable()
+    _reader(name, q, _take_blind)
+
+
+def _take_blind(sub, q) -> None:
     try:
-        sub = connect(f"local://{name}")
-        try:
-            sub.recv(timeout=60)
-            q.put(("opened",))
-        except TransportError as e:
-            q.put(("refused", str(e)))
-        sub.send(Message("ack"))
         sub.recv(timeout=60)
-        sub.close()
-    except BaseException as e:
-        q.put(("error", repr(e)))
-        raise
+        q.put(("opened",))
+    except TransportError as e:
+        q.put(("refused", str(e)))
 
 
 @pytest.mark.gpu

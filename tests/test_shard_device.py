@@ -15,23 +15,14 @@ from shard_helpers import TOKEN, Reference, engine_expected, make_plan, qwen_par
 
 from wsync import backends
 from wsync import errors as wsync_errors
-from wsync.backends import cuda
 from wsync.device import DeviceEngine
 from wsync.shard.stage import DevicePieces
 from wsync.shard.sync import ShardPublisher, ShardSubscriber
 
-from cudasim.fakert import FakeRuntime, FakeTensor  # noqa: E402
+from cudasim.fakert import FakeTensor  # noqa: E402
 
 
-@pytest.fixture
-def rt(sim):
-    rt = FakeRuntime(sim, ndevices=2)
-    backends.use_device_kernels(cuda.CudaKernels(runtime=rt))
-    yield rt
-    backends.use_device_kernels(None)
-
-
-def test_sharded_ranks_on_gpus_commit_bit_exact_with_only_digests_crossing(rt):
+def test_sharded_ranks_on_gpus_commit_bit_exact_with_only_digests_crossing(device_rt):
     m, n = 2, 3  # FSDP2 over two trainer ranks into torch TP over three engine ranks: uneven shards both ways
     plan = make_plan(m, n, "hf")
     ref = Reference(qwen_params())
@@ -54,14 +45,14 @@ def test_sharded_ranks_on_gpus_commit_bit_exact_with_only_digests_crossing(rt):
                 for h in plan.trainer.held:
                     if h.rank == t:
                         locals_[t][h.name].data[...] = bits[h.name][sl(h.box)]
-            before = dict(rt.crossed)
+            before = dict(device_rt.crossed)
             for t, pub in enumerate(pubs):
                 pub.publish(locals_[t], v)
             res = pubs[0].wait(v, timeout=60)
             assert res["outcome"] == "committed" and res["digest"] == res["expected"], res
             for sub in subs:
                 assert sub.wait_for(v, timeout=60) == v
-            crossed.append({d: rt.crossed[d] - before[d] for d in before})
+            crossed.append({d: device_rt.crossed[d] - before[d] for d in before})
             for rank in range(n):
                 for name, want in engine_expected(plan, rank, bits).items():
                     assert lives[rank][name].data.tobytes() == want.tobytes(), (v, rank, name)
@@ -78,7 +69,7 @@ def test_sharded_ranks_on_gpus_commit_bit_exact_with_only_digests_crossing(rt):
             pub.close()
 
 
-def test_device_stream_digests_equal_the_host_ones(rt):
+def test_device_stream_digests_equal_the_host_ones(device_rt):
     """A pair's partial digest must not depend on where each end holds its pieces: a trainer on the host and
     an engine on a GPU (or the reverse) compare the same digests."""
     from wsync.shard import streams

@@ -24,7 +24,7 @@ from .layout import Bound, Members, check_covers, plan, segment_digest, segments
 from .manifest import Manifest, TensorSpec, check_members
 from .payload import Payload, as_payload
 from .snapshot import State, TensorBits, aliases, as_state, to_torch
-from .tables import Table
+from .tables import Table, byte_size
 
 
 def _load(obj) -> tuple[State, dict | None, dict]:
@@ -116,24 +116,21 @@ def _payload(encoded: list, k, members: Members, inline: bool, **fields) -> Payl
 def _assemble_on_device(encoded: list, k, members: Members) -> tuple[object, list[TensorSpec]]:
     """_assemble's frames in a device body (backends.device.DeviceKernels.assemble), with the same specs."""
     body, frames = k.assemble(encoded, members.keys())
-    specs = []
-    for (tb, b, enc), (key, offset, ls, frame_sum) in zip(encoded, frames):
-        new_sum = enc.new_sum or (frame_sum if enc.verbatim else k.checksum(tb.bits))
-        base_sum = enc.base_sum or (k.checksum(b.bits) if b else None)
-        specs.append(TensorSpec(name=key, dtype=tb.dtype.name, shape=tb.shape, kind=enc.kind, offset=offset, parts=ls,
-                                checksum=new_sum, payload_checksum=frame_sum, base_checksum=base_sum))
-    return body, specs
+    return body, [_spec(key, seg, k, offset, ls, frame_sum) for seg, (key, offset, ls, frame_sum) in zip(encoded, frames)]
 
 
-def _nbytes(v) -> int:
-    if isinstance(v, (np.ndarray, Table)) or getattr(v, "is_cuda", False):  # a device buffer says its size
-        return v.nbytes
-    return memoryview(v).nbytes
+def _spec(key: str, seg: tuple, k, offset: int, lengths: dict, frame_sum: str) -> TensorSpec:
+    """A segment's manifest entry, from its (new, base, Encoded) and where its frame lies in the body."""
+    tb, b, enc = seg
+    new_sum = enc.new_sum or (frame_sum if enc.verbatim else k.checksum(tb.bits))
+    base_sum = enc.base_sum or (k.checksum(b.bits) if b else None)
+    return TensorSpec(name=key, dtype=tb.dtype.name, shape=tb.shape, kind=enc.kind, offset=offset, parts=lengths,
+                      checksum=new_sum, payload_checksum=frame_sum, base_checksum=base_sum)
 
 
 def _assemble(encoded: list, k, members: Members) -> tuple[np.ndarray, list[TensorSpec]]:
     """Lay every segment's frame into one body, checksumming each frame as it is copied in."""
-    lengths = [{p: _nbytes(v) for p, v in enc.parts.items()} for *_, enc in encoded]
+    lengths = [{p: byte_size(v) for p, v in enc.parts.items()} for *_, enc in encoded]
     body = np.empty(sum(sum(ls.values()) for ls in lengths), np.uint8)
     specs, offset = [], 0
     for key, (tb, b, enc), ls in zip(members.keys(), encoded, lengths):
@@ -146,10 +143,7 @@ def _assemble(encoded: list, k, members: Members) -> tuple[np.ndarray, list[Tens
                 frame[at : at + ls[p]] = np.frombuffer(v, np.uint8)
                 at += ls[p]
             frame_sum = k.checksum(frame)
-        new_sum = enc.new_sum or (frame_sum if enc.verbatim else k.checksum(tb.bits))
-        base_sum = enc.base_sum or (k.checksum(b.bits) if b else None)
-        specs.append(TensorSpec(name=key, dtype=tb.dtype.name, shape=tb.shape, kind=enc.kind, offset=offset, parts=ls,
-                                checksum=new_sum, payload_checksum=frame_sum, base_checksum=base_sum))
+        specs.append(_spec(key, (tb, b, enc), k, offset, ls, frame_sum))
         offset += len(frame)
     body.flags.writeable = False
     return body, specs

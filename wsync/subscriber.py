@@ -470,15 +470,16 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
     Returns the version's bucket layouts.
     """
     members = [api.resolve(p.manifest, layouts) for p in payloads]
-    if hasattr(engine, "replace") and all(p.manifest.codec == "raw" for p in payloads):
-        payloads = [host_payload(p, backends.transfers()) if p.on_device else p for p in payloads]
-        _replace(engine, payloads, checksum, backend)
-        return members
-    state = bound if bound is not None else bind_engine(engine)
+    whole = hasattr(engine, "replace") and all(p.manifest.codec == "raw" for p in payloads)
+    state = None if whole else bound if bound is not None else bind_engine(engine)
     if isinstance(state, DeviceEngine):
         state.apply(payloads, checksum, members)
         return members
+    # from here on the host does the work: a body a link left in device memory comes over once
     payloads = [host_payload(p, backends.transfers()) if p.on_device else p for p in payloads]
+    if whole:
+        _replace(engine, payloads, checksum, backend)
+        return members
     _check_covers(state, members)
     # verifies every base and payload checksum, writes, and checks every result against the manifest
     applied: list = []

@@ -169,19 +169,7 @@ class Publisher:
             self._published_at[version] = time.time()  # before the encoder can start on it
             while len(self._published_at) > 1000:
                 self._published_at.pop(next(iter(self._published_at)))
-        if on_device:
-            self._publish_device(version, live)
-            return
-        layout = self._layout(live) if live is not None else None
-        make_kf = keyframe_due(self._published, self._since_keyframe, self.config.keyframe_every) \
-            or layout is None or layout != self._last_layout
-        if live is None or make_kf or not self._publish_live(version, live):
-            snap = Copying(live if live is not None else state, into=self._take_spare())
-            with self._cv:
-                self._spare_wanted = snap.on_host  # else a spare would never be used
-            self._queue.put((version, snap, make_kf))
-            snap.run([m.names for m in self._buckets(snap)])  # bucket by bucket: the encoder starts on each
-            self._last_layout = self._layout(snap) if layout is None else layout
+        make_kf = self._publish_device(version, live) if on_device else self._publish_host(version, state, live)
         with self._cv:  # the encoder thread reads _last
             self._last = version
         self._published += 1
@@ -189,10 +177,26 @@ class Publisher:
         if self.metrics is not None:
             self.metrics.published(version)
 
-    def _publish_device(self, version: int, src: DeviceSource) -> None:
+    def _keyframe_due(self, layout: tuple | None) -> bool:
+        return keyframe_due(self._published, self._since_keyframe, self.config.keyframe_every) \
+            or layout is None or layout != self._last_layout
+
+    def _publish_host(self, version: int, state, live: Bound | None) -> bool:
+        """Measure `live` against the mirror, or copy it (or a path's state) for the encoder; True: a keyframe."""
+        layout = self._layout(live) if live is not None else None
+        make_kf = self._keyframe_due(layout)
+        if live is None or make_kf or not self._publish_live(version, live):
+            snap = Copying(live if live is not None else state, into=self._take_spare())
+            with self._cv:
+                self._spare_wanted = snap.on_host  # else a spare would never be used
+            self._queue.put((version, snap, make_kf))
+            snap.run([m.names for m in self._buckets(snap)])  # bucket by bucket: the encoder starts on each
+            self._last_layout = self._layout(snap) if layout is None else layout
+        return make_kf
+
+    def _publish_device(self, version: int, src: DeviceSource) -> bool:
         """Snapshot a device state on the GPU (queued on the caller's stream) and hand it to the encoder."""
-        make_kf = keyframe_due(self._published, self._since_keyframe, self.config.keyframe_every) \
-            or src.key != self._last_layout
+        make_kf = self._keyframe_due(src.key)
         with self._cv:
             # one device snapshot waits for the encoder at most: each is a copy of the model on the trainer's GPU,
             # and the encoder keeps the previous one as its base
@@ -211,12 +215,7 @@ class Publisher:
             self._spare_wanted = False  # the encoder recycles device states itself; host spares would not fit
         self._queue.put((version, snap, make_kf))
         self._last_layout = src.key
-        with self._cv:
-            self._last = version
-        self._published += 1
-        self._since_keyframe = 1 if make_kf else self._since_keyframe + 1
-        if self.metrics is not None:
-            self.metrics.published(version)
+        return make_kf
 
     def _publish_live(self, version: int, live: State) -> bool:
         """The delta from the mirror to `live`, measured here (see mirror.py); False if the mirror is not ready."""

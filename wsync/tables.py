@@ -124,6 +124,12 @@ def write(bits, positions: np.ndarray | None, values: np.ndarray) -> None:
         bits[positions] = values
 
 
+def byte_size(v) -> int:
+    """Bytes in v: an array, a Table or a device tensor (each says its nbytes), or any buffer."""
+    n = getattr(v, "nbytes", None)
+    return n if isinstance(n, int) else memoryview(v).nbytes
+
+
 def as_array(bits) -> np.ndarray:
     """A contiguous array of the stream: bits itself, or a gathered copy of a Table."""
     return bits.gather() if isinstance(bits, Table) else bits

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import dtypes
 from ..codecs.delta_ref import DeltaSections
+from ..tables import byte_size
 
 
 def is_device(t) -> bool:
@@ -63,10 +65,8 @@ class DeviceKernels:
         """Every segment's frame laid out in one device buffer, each checksummed on the GPU, with no host copy
         of a device part (host parts, a zstd stage's output, go up once). Returns (body, [(key, offset,
         lengths, frame checksum)]). wsync.api._assemble's layout, where the body is a device tensor."""
-        from .. import dtypes
-
         parts = [list(enc.parts.items()) for *_, enc in encoded]
-        lengths = [{p: _nbytes(v) for p, v in ps} for ps in parts]
+        lengths = [{p: byte_size(v) for p, v in ps} for ps in parts]
         total = sum(sum(ls.values()) for ls in lengths)
         like = encoded[0][0].bits  # the first segment's buffer: the body goes on its device
         rt = self.rt
@@ -132,8 +132,3 @@ class DeviceKernels:
     def _counted(self, a: np.ndarray) -> np.ndarray:
         self.transfers.add(d2h=a.nbytes)
         return a
-
-
-def _nbytes(v) -> int:
-    n = getattr(v, "nbytes", None)
-    return n if isinstance(n, int) else memoryview(v).nbytes
