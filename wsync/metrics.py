@@ -13,8 +13,24 @@ nobody else's business by default.
 Publish -> live latency is measured by the subscriber against the publisher's
 wall clock (sent with each version), so across hosts it includes their clock
 offset; keep the clocks synchronised (NTP) for it to mean anything.
+
+The endpoint holds at most ``max_connections`` connections (default 16), each
+served by its own thread, so the threads it runs stay at that number plus one
+that accepts, whatever connects. When one more arrives, the connection that has
+been open longest is closed to make room: holding connections open cannot shut
+out a scraper that connects and asks at once; only opening ``max_connections``
+new ones within the milliseconds its scrape takes could.
+Each connection has ``deadline_s`` seconds (default 5) from its accept for the
+whole exchange: a client that sends nothing, trickles its request a byte at a
+time, or does not read the reply is dropped when they run out.
 """
 from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from .errors import BackendUnavailable
 
@@ -30,14 +46,119 @@ def _client():
     return prometheus_client
 
 
+class _DeadlineSocket(io.RawIOBase):
+    """A connection's reads and writes, each given only the time its deadline has left.
+
+    A timeout per recv would let a client that trickles a byte just inside it hold
+    the connection for ever; one deadline for the whole exchange cannot be stretched.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("metrics connection ran past its deadline")
+        self._sock.settimeout(left)
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        self._arm()
+        return self._sock.recv_into(buf)
+
+    def write(self, data) -> int:
+        self._arm()
+        self._sock.sendall(data)
+        return len(data)
+
+
+class _Handler(WSGIRequestHandler):
+    def setup(self):
+        self.connection = self.request
+        raw = _DeadlineSocket(self.request, time.monotonic() + self.server.deadline_s)
+        self.rfile, self.wfile = io.BufferedReader(raw), raw
+
+    def log_message(self, format, *args):
+        """A scrape is not worth a line on stderr."""
+
+
+class _CappedServer(WSGIServer):
+    """HTTP on a bounded set of connections, each with a deadline (see the module docstring)."""
+
+    request_queue_size = 128  # a burst of connects waits in the kernel, not refused there
+    block_on_close = False
+
+    def __init__(self, address, max_connections: int, deadline_s: float):
+        if max_connections < 1 or not deadline_s > 0:
+            raise ValueError(f"metrics endpoint needs max_connections >= 1 and deadline_s > 0, "
+                             f"got {max_connections} and {deadline_s}")
+        self.address_family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM,
+                                                 flags=socket.AI_PASSIVE)[0][0]
+        self.max_connections, self.deadline_s = max_connections, deadline_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._live: dict[socket.socket, None] = {}  # insertion order: the oldest first
+        self._lock = threading.Lock()
+        super().__init__(address, _Handler)
+
+    def process_request(self, request, client_address):
+        with self._lock:
+            if len(self._live) >= self.max_connections:
+                oldest = next(iter(self._live))
+                del self._live[oldest]
+                _drop(oldest)
+        # the evicted connection's thread gives its slot back as soon as its socket is shut
+        if not self._slots.acquire(timeout=self.deadline_s):
+            self.shutdown_request(request)
+            return
+        with self._lock:
+            self._live[request] = None
+        threading.Thread(target=self._serve, args=(request, client_address), daemon=True,
+                         name="wsync-metrics-conn").start()
+
+    def _serve(self, request, client_address):
+        try:
+            self.finish_request(request, client_address)
+        except OSError:  # a dropped or timed-out client is routine, not worth a traceback
+            pass
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            with self._lock:
+                self._live.pop(request, None)
+            self.shutdown_request(request)
+            self._slots.release()
+
+    def close_all(self) -> None:
+        with self._lock:
+            for sock in list(self._live):
+                _drop(sock)
+
+
+def _drop(sock: socket.socket) -> None:
+    """Unblock whichever thread serves sock; that thread closes it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class _Endpoint:
     """A private registry and the HTTP server that exposes it."""
 
-    def __init__(self, port: int, host: str):
+    def __init__(self, port: int, host: str, max_connections: int = 16, deadline_s: float = 5.0):
         pc = _client()
         self.pc = pc
         self.registry = pc.CollectorRegistry()
-        self._server, self._thread = pc.start_http_server(port, addr=host, registry=self.registry)
+        self._server = _CappedServer((host, port), max_connections, deadline_s)
+        self._server.set_app(pc.make_wsgi_app(self.registry))
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="wsync-metrics")
+        self._thread.start()
         self.address: tuple[str, int] = (host, self._server.server_address[1])
 
     @property
@@ -59,11 +180,12 @@ class _Endpoint:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._server.close_all()
 
 
 class PublisherMetrics(_Endpoint):
-    def __init__(self, port: int, host: str = "127.0.0.1"):
-        super().__init__(port, host)
+    def __init__(self, port: int, host: str = "127.0.0.1", **limits):
+        super().__init__(port, host, **limits)
         self.versions = self._counter("wsync_versions_published", "versions accepted by publish()")
         self.newest = self._gauge("wsync_newest_version", "the newest version published")
         self.bytes = self._counter("wsync_encoded_bytes", "bytes of encoded buckets, by codec", ["codec"])
@@ -82,8 +204,8 @@ class PublisherMetrics(_Endpoint):
 
 
 class SubscriberMetrics(_Endpoint):
-    def __init__(self, port: int, host: str = "127.0.0.1"):
-        super().__init__(port, host)
+    def __init__(self, port: int, host: str = "127.0.0.1", **limits):
+        super().__init__(port, host, **limits)
         self.versions = self._counter("wsync_versions_committed", "versions the engine committed")
         self.version = self._gauge("wsync_engine_version", "the version the engine serves")
         self.bytes = self._counter("wsync_received_bytes", "bytes of committed versions, by codec", ["codec"])
