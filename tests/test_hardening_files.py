@@ -169,16 +169,17 @@ def test_wsync_output_is_replaced_but_a_file_added_to_it_is_not_deleted(pair, ca
     assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no temp litter
 
 
-def test_a_replica_pulled_before_markers_is_still_ours(pair, tmp_path, rng):
-    """`wsync pull` before this change left exactly model.safetensors and wsync-version.json: still replaced."""
-    root, new = pair
+def test_a_folder_named_like_a_replica_but_without_a_marker_is_refused(pair, rng, capsys):
+    """Exactly model.safetensors and wsync-version.json, no marker: names prove nothing, so it stays."""
+    root, _ = pair
     out = root / "old-replica"
     out.mkdir()
     write_safetensors(out / "model.safetensors", as_state(_states(rng)[0]))
     (out / "wsync-version.json").write_text('{"version": 0}')
-    assert cli(["delta", "apply", str(root / "base"), str(root / "d.wsd"), "-o", str(out)]) == 0
-    got = read_checkpoint(out).state
-    assert {n: got[n].bits.tobytes() for n in got} == {n: v.tobytes() for n, v in new.items()}
+    before = _tree(out)
+    assert cli(["delta", "apply", str(root / "base"), str(root / "d.wsd"), "-o", str(out)]) == 2
+    assert "not a wsync output" in capsys.readouterr().err
+    assert _tree(out) == before
 
 
 def test_an_empty_folder_or_a_file_in_the_way(pair, capsys):

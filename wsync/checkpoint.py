@@ -16,7 +16,9 @@ import json
 import mmap
 import os
 import shutil
+import stat
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +27,7 @@ import numpy as np
 from . import dtypes, safejson
 from .bits import State, TensorBits
 from .errors import FormatError
-from .fsutil import MARKER, TEMP_TAG, atomic_write, check_inside, check_output, child, clean_stale, fsync_path, \
+from .fsutil import MARKER, TEMP_TAG, atomic_write, check_inside, check_output, child, clean_stale, \
     plain_name, replace_folder, temp_sibling
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -223,11 +225,34 @@ def _shards(ckpt: Checkpoint) -> dict[str, State]:
 
 
 def _copy_others(copy_from, tmp: Path) -> None:
-    """The base folder's other files (config, tokenizer), not its weights or wsync's own files."""
+    """The base folder's other files (config, tokenizer), not its weights or wsync's own files.
+
+    A file is read only if it lies in the base folder, links resolved: a link
+    to a file elsewhere in it is copied as that file, a link out of it is
+    skipped (and said), so a base folder cannot make wsync copy a file from
+    anywhere else on the machine into the output."""
     if copy_from is None or not Path(copy_from).is_dir():
         return
-    for f in Path(copy_from).iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_NAME, MARKER) \
-                and TEMP_TAG not in f.name:
-            shutil.copy2(f, tmp / f.name)
-            fsync_path(tmp / f.name)
+    base = Path(copy_from)
+    for f in sorted(base.iterdir()):
+        if f.suffix == ".safetensors" or f.name in (INDEX_NAME, MARKER) or TEMP_TAG in f.name or not f.is_file():
+            continue
+        real, top = f.resolve(), base.resolve()
+        if top not in real.parents:
+            print(f"wsync: not copying {f.name}: it is a symlink to {real}, outside {base}", file=sys.stderr)
+            continue
+        try:
+            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:  # it became a link since: not followed
+            print(f"wsync: not copying {f.name} from {base}: {e}", file=sys.stderr)
+            continue
+        with os.fdopen(fd, "rb") as src:
+            st = os.fstat(src.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            with open(tmp / f.name, "xb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                os.fchmod(dst.fileno(), stat.S_IMODE(st.st_mode))
+                dst.flush()
+                os.fsync(dst.fileno())
+        os.utime(tmp / f.name, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -7,8 +7,12 @@
   plain file name, checked before it becomes a path: it cannot point anywhere
   but into the folder wsync is writing.
 - wsync replaces a folder only if it wrote it: its folders carry a marker file
-  (``.wsync-output.json``) listing the files wsync put there. A folder without
-  one, or holding files the marker does not list, is refused, never emptied.
+  (``.wsync-output.json``) recording the name, size and hash of each file wsync
+  put there. A folder without a valid marker, whatever its files are named, is
+  refused, never emptied; so is one holding anything the marker does not
+  record as it was written: another file, a changed file, a sub-folder, a
+  link. Replacing removes only the recorded regular files (never through a
+  link), then the empty folder: never a folder's contents wholesale.
 - Temp files and folders are siblings named ``.<name>.wsync-tmp-<pid>-<random>``;
   one whose process is gone (a SIGKILLed pull) is removed by the next write of
   <name>. Nothing else is ever removed.
@@ -21,9 +25,13 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import xxhash
 
 from . import safejson
 from .errors import FormatError, OutputError
@@ -31,8 +39,8 @@ from .errors import FormatError, OutputError
 MARKER = ".wsync-output.json"  # in every folder wsync writes: proof that it may replace the folder
 TEMP_TAG = ".wsync-tmp-"
 MAX_NAME_BYTES = 255  # a longer name is refused by the filesystem anyway; say so before it does
-# A replica written by `wsync pull` before folders carried the marker: exactly these files.
-LEGACY_PULL = frozenset({"model.safetensors", "wsync-version.json"})
+MAX_MARKER = 1 << 20  # a marker longer than this was not written by wsync
+HASH_CHUNK = 4 << 20  # hashing reads a file through a buffer this size, never whole into memory
 
 
 def plain_name(name, what: str = "file name") -> str:
@@ -164,82 +172,159 @@ class atomic_write:
 
 # -- folders wsync owns --------------------------------------------------------------------------
 
+def file_record(path) -> dict:
+    """What the marker keeps of a file wsync wrote: its size and content hash, read without following a link."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        h, size = xxhash.xxh3_128(), 0
+        buf = bytearray(HASH_CHUNK)
+        view = memoryview(buf)
+        while n := os.readv(fd, [buf]):
+            h.update(view[:n])
+            size += n
+    finally:
+        os.close(fd)
+    return {"size": size, "xxh3_128": h.hexdigest()}
+
+
 def check_output(path) -> None:
     """Refuse (OutputError) an output folder path that wsync may not replace.
 
-    Fine: nothing there, an empty folder, or a folder whose marker lists every
-    file in it. Refused: a symlink, a file, any other non-empty folder."""
-    path = Path(path)
+    Fine: nothing there, an empty folder, or a folder whose marker records
+    every entry in it as a regular file wsync wrote, with the size and hash
+    it had then. Refused: a symlink, a file, a folder with no valid marker
+    (whatever its names look like), and a folder holding anything else: a
+    file the marker does not list, a changed file, a sub-folder, a link."""
+    _check_owned(Path(path))
+
+
+def _check_owned(path: Path) -> dict[str, dict] | None:
+    """check_output's rule; returns the marker's records (None: nothing there or empty)."""
     if path.is_symlink():
         raise OutputError(f"{path} is a symlink (to {path.resolve()}); wsync writes a folder of its own there. "
                           f"Give the real folder's path, or another one, as -o")
     if not path.exists():
-        return
+        return None
     if not path.is_dir():
         raise OutputError(f"{path} is a file, not a wsync output folder; choose another path for -o "
                           f"(or remove it yourself)")
-    held = {p.name for p in path.iterdir()}
+    held = sorted(os.scandir(path), key=lambda e: e.name)
     if not held:
-        return
+        return None
     owned = _owned(path)
     if owned is None:
-        raise OutputError(f"{path} is not empty and is not a wsync output (it has no {MARKER}); wsync replaces "
-                          f"only folders it wrote. Choose a new or empty folder for -o, or empty this one yourself")
-    extra = sorted(held - owned)
+        raise OutputError(f"{path} is not empty and is not a wsync output (it has no valid {MARKER} recording "
+                          f"what wsync wrote there); wsync replaces only folders it wrote. Choose a new or empty "
+                          f"folder for -o, or empty this one yourself")
+    extra = [e.name for e in held if e.name != MARKER and e.name not in owned]
     if extra:
         raise OutputError(f"{path} is a wsync output but holds files wsync did not write "
                           f"({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''}); move them out, "
                           f"or choose another folder for -o")
+    for e in held:
+        if e.name != MARKER and (why := _differs(e, owned[e.name])):
+            raise OutputError(f"{path}: {e.name} {why}, so wsync will not remove it; move it out, "
+                              f"or choose another folder for -o")
+    return owned
+
+
+def _differs(entry: os.DirEntry, record: dict) -> str | None:
+    """Why entry is not the regular file wsync wrote under that name (None: it is)."""
+    if entry.is_symlink():
+        return "is a symlink, and wsync writes only regular files"
+    if entry.is_dir(follow_symlinks=False):
+        return "is a folder, and wsync writes only regular files"
+    if not entry.is_file(follow_symlinks=False):
+        return "is not a regular file"
+    if entry.stat(follow_symlinks=False).st_size != record["size"] or file_record(entry.path) != record:
+        return "has changed since wsync wrote it"
+    return None
 
 
 def remove_output(path) -> None:
-    """Remove a folder wsync wrote (check_output's rule: its marker lists everything in it); anything else
-    stays, and OutputError says why."""
+    """Remove a folder wsync wrote (check_output's rule); anything else stays, and OutputError says why.
+
+    Only the regular files its marker records are unlinked (never through a
+    link), then the marker, then the empty folder."""
     path = Path(path)
-    if not path.exists():
+    owned = _check_owned(path)
+    if owned is None:
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
         return
-    check_output(path)
-    shutil.rmtree(path)
+    _remove_owned(path, owned)
 
 
-def _owned(path: Path) -> set[str] | None:
-    """The names wsync wrote in the folder, by its marker (None: not a wsync output)."""
-    marker = path / MARKER
-    if not marker.is_file() or marker.is_symlink():
-        held = {p.name for p in path.iterdir()}
-        return set(LEGACY_PULL) if held == LEGACY_PULL else None
+def _remove_owned(path: Path, owned: dict[str, dict]) -> None:
+    for name in owned:
+        try:
+            st = os.lstat(path / name)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            os.unlink(path / name)
+    if os.path.lexists(path / MARKER):
+        os.unlink(path / MARKER)
+    path.rmdir()  # refuses (ENOTEMPTY) if anything appeared meanwhile: it stays
+
+
+def _owned(path: Path) -> dict[str, dict] | None:
+    """The files wsync wrote in the folder, by its marker: name -> {size, xxh3_128} (None: not a wsync output)."""
     try:
-        with open(marker, "rb") as f:
-            doc = safejson.loads(f.read(1 << 20), what=str(marker))
-        files = doc["files"]
-        if doc.get("written_by") != "wsync" or not all(isinstance(n, str) for n in files):
-            return None
-    except (ValueError, KeyError, TypeError, OSError):
+        fd = os.open(path / MARKER, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # none, or a link
         return None
-    return set(files) | {MARKER}
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            doc = safejson.loads(f.read(MAX_MARKER), what=str(path / MARKER))
+        files = doc["files"]
+        if doc.get("written_by") != "wsync" or not isinstance(files, dict):
+            return None
+        for name, rec in files.items():
+            plain_name(name)
+            if not (isinstance(rec, dict) and set(rec) == {"size", "xxh3_128"} and isinstance(rec["size"], int)
+                    and isinstance(rec["xxh3_128"], str)):
+                return None
+    except (ValueError, KeyError, TypeError, OSError, FormatError):
+        return None
+    return files
 
 
 def replace_folder(tmp: Path, path: Path) -> None:
     """Make the complete folder tmp (a temp_sibling of path) appear at path, atomically, and durably.
 
-    tmp gets the marker first. An existing path is checked again (a person may
-    have added a file since) and swapped out in one step where the system can
-    (renameat2 RENAME_EXCHANGE), then removed: it held only what wsync wrote."""
-    names = sorted(p.name for p in tmp.iterdir())
+    tmp gets the marker first, recording the name, size and hash of every file
+    in it. An existing path is checked again (a person may have added or
+    changed a file since) and swapped out in one step where the system can
+    (renameat2 RENAME_EXCHANGE); then only the files its marker records are
+    removed from it (remove_output's rule)."""
+    records = {p.name: file_record(p) for p in sorted(tmp.iterdir())}
     with atomic_write(tmp / MARKER) as f:
-        f.write(json.dumps({"written_by": "wsync", "files": names}).encode())
+        f.write(json.dumps({"written_by": "wsync", "files": records}).encode())
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would lock out whoever serves the result
     fsync_path(tmp)
     if not os.path.lexists(path):
         os.rename(tmp, path)
     else:
-        check_output(path)
-        if not _exchange(tmp, path):
-            old = temp_sibling(path, folder=True)
-            os.rename(path, old / "old")  # out of the way; a kill here leaves it to clean_stale
+        owned = _check_owned(path) or {}
+        if _exchange(tmp, path):
+            old = tmp
+        else:
+            aside = temp_sibling(path, folder=True)
+            old = aside / "old"
+            os.rename(path, old)  # out of the way; a kill here leaves it to clean_stale
             os.rename(tmp, path)
-            tmp = old
-        shutil.rmtree(tmp)
+        try:
+            _remove_owned(old, owned)
+        except OSError:  # something was added to it while the new folder went in: it is not ours to remove
+            kept = path.parent / f"{path.name}.wsync-kept-{os.getpid()}-{time.time_ns()}"
+            os.rename(old, kept)
+            print(f"wsync: {path} was replaced, but files added to the old one meanwhile are kept in {kept}",
+                  file=sys.stderr)
+        if old != tmp:
+            old.parent.rmdir()
     fsync_path(path.parent)
 
 
