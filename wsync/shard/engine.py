@@ -13,6 +13,15 @@ the ready it reported and the commit it was answered with.
 
 The tensors are the rank's own local tensors (a DTensor is written through its
 local tensor, in place): the model keeps them, so nothing is re-bound.
+
+A rank that voted ready for version v and has heard neither commit nor abort
+*holds v pending*: it keeps serving what it served, and asks the coordinator
+for v's outcome each time its link comes up and every ``ask_every`` seconds
+until it gets one (a commit or abort re-sent, or ``settled``). So a link that
+drops just as the decision goes out costs the rank a delay, never a version
+apart from its peers. On every join it also says again what it last
+committed, since that report may have been lost with the link; it is how the
+coordinator learns the rank serves v.
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ log = logging.getLogger("wsync.shard")
 
 
 _WAKE = object()  # in the rank's inbox: look at the staging again
+_JOINED = object()  # in the rank's inbox: the coordinator link came up (again)
 
 
 class CommitTimeout(WsyncError, TimeoutError):
@@ -43,11 +53,13 @@ class ShardSubscriber:
     coordinator: its address. addresses: trainer rank -> its Publisher's address for this rank (None: the
     coordinator's address book, which the trainer ranks fill when they join). progress: called as
     progress(trainer_rank, version, bucket, buckets, bytes) as buckets arrive (on a receiver thread).
+    ask_every: seconds between asks for the outcome of a version this rank voted ready for and heard nothing
+    about (it also asks at once each time its coordinator link comes up).
     """
 
     def __init__(self, plan, rank: int, tensors: dict, *, coordinator: str, addresses: dict | None = None,
                  token=None, backend: str | None = None, connect_opts: dict | None = None,
-                 link_opts: dict | None = None, progress=None):
+                 link_opts: dict | None = None, progress=None, ask_every: float = 2.0):
         if not (isinstance(rank, int) and 0 <= rank < plan.engine.ranks):
             raise ValueError(f"engine rank must be in [0, {plan.engine.ranks}), got {rank!r}")
         self.plan, self.rank = plan, rank
@@ -65,11 +77,13 @@ class ShardSubscriber:
         self._round: int | None = None  # the version of the coordinator's round in progress
         self._reported = False  # this rank answered the round (ready or failed)
         self._staged: dict | None = None  # piece checksums of the staging it reported ready with
+        self._report: dict | None = None  # its last committed report, said again on every join
+        self.ask_every, self._asked, self._unknown = ask_every, 0.0, None
         self._closed = False
         if addresses is not None:
             self._make_stage({int(s): a for s, a in addresses.items()})
         self.member = Member(coordinator, {"role": "engine", "rank": rank, "plan": plan.hash}, self._inbox.put,
-                             token=token, link_opts=link_opts)
+                             token=token, link_opts=link_opts, on_join=lambda: self._inbox.put(_JOINED))
         self._thread = threading.Thread(target=self._run, name=f"wsync-shard-engine{rank}", daemon=True)
         self._thread.start()
 
@@ -87,6 +101,11 @@ class ShardSubscriber:
                                         + (f"; {self.error}" if self.error else ""))
                 self._cv.wait(0.5 if left is None else min(left, 0.5))
             return self.version
+
+    @property
+    def pending(self) -> int | None:
+        """The version this rank voted ready for and has no outcome of yet (it serves `version` meanwhile)."""
+        return self._round if self._round is not None and self._staged is not None else None
 
     def received_bytes(self) -> int:
         """Payload bytes this rank's staging took from every trainer rank so far."""
@@ -121,9 +140,13 @@ class ShardSubscriber:
             if msg is None:
                 return
             try:
-                if msg is not _WAKE:
+                if msg is _JOINED:
+                    self._rejoined()
+                elif msg is not _WAKE:
                     self._handle(msg)
                 self._advance()
+                if self.pending is not None and time.monotonic() - self._asked >= self.ask_every:
+                    self._ask()
             except WsyncError as e:  # a bad message or a failed copy: said, and the round fails
                 self.error = e
                 log.error("engine rank %d: %s", self.rank, e)
@@ -139,7 +162,27 @@ class ShardSubscriber:
         v = check_int(meta, "version")
         if msg.kind == "prepare":
             self._round, self._reported, self._staged = v, False, None
-        elif msg.kind == "commit" and self._round == v and self._staged is not None:
+        elif msg.kind == "commit":
+            self._commit(v)
+        elif msg.kind == "abort":
+            self._abort(v, meta)
+        elif msg.kind == "settled":  # the outcome again, for everyone: it settles a rank that missed its decision
+            if meta.get("outcome") == "committed" and self.pending == v:
+                self._commit(v)
+            elif meta.get("outcome") == "aborted" and self._round == v:
+                self._abort(v, {"reason": meta.get("reason")})
+        elif msg.kind == "repair":
+            self._keyframe(meta)
+        elif msg.kind == "unknown" and self.pending == v and self._unknown != v:
+            self._unknown = v
+            log.warning("engine rank %d voted ready for version %d and the coordinator has no record of its "
+                        "outcome; it serves version %s meanwhile and keeps asking", self.rank, v, self.version)
+
+    def _commit(self, v: int) -> None:
+        """The coordinator decided commit for v: copy the staging in if this rank holds v pending; if it already
+        serves v or newer, say so again (its report may have been lost); otherwise (it holds nothing of v) wait
+        for a newer version."""
+        if self._round == v and self._staged is not None:
             import torch
 
             with self.lock, torch.no_grad():  # under the lock, a reader sees the version with its bytes
@@ -147,16 +190,31 @@ class ShardSubscriber:
                 with self._cv:
                     self.version = v
                     self._event("committed", v)
-            self.member.send("committed", {"version": v, "partials": digests_doc(live)})
-            self._round = None
-        elif msg.kind == "abort":
-            if self._round == v:
-                self._round = None
-            self._keyframe(meta)
-            with self._cv:
+            self._report = {"version": v, "partials": digests_doc(live)}
+            self._round, self._staged = None, None
+            self.member.send("committed", self._report)
+        elif self.version is not None and self.version >= v and self._report is not None:
+            self.member.send("committed", self._report)
+
+    def _abort(self, v: int, meta: dict) -> None:
+        if self._round == v:
+            self._round, self._staged = None, None
+        self._keyframe(meta)
+        with self._cv:
+            if not any(e[0] == "aborted" and e[1] == v for e in self.events[-10:]):
                 self._event("aborted", v, str(meta.get("reason"))[:500])
-        elif msg.kind == "repair":
-            self._keyframe(meta)
+
+    def _rejoined(self) -> None:
+        """The link came up: say again what this rank serves, and ask about a version it holds pending."""
+        if self._report is not None:
+            self.member.send("committed", self._report)
+        if self.pending is not None:
+            self._ask()
+
+    def _ask(self) -> None:
+        self._asked = time.monotonic()
+        if self.member.up:  # with the link down, its next join asks
+            self.member.send("ask", {"version": self._round})
 
     def _keyframe(self, meta) -> None:
         srcs = meta.get("keyframe")

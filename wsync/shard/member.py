@@ -10,13 +10,24 @@ the transport's default 30 s: a round waiting on a rank that is gone would
 otherwise hold every engine rank's version for that long.
 
 A Member redials when its link drops and joins again (the coordinator then
-sends it what it needs: the address book, the round in progress), so a
-coordinator hiccup costs a round, not the ranks.
+sends it what it needs: the address book, the round in progress, a decision
+it missed), so a coordinator hiccup costs a round, not the ranks.
+
+Every join carries the Member's *incarnation*, random bits drawn once per
+Member. The coordinator gives a rank slot held by a live link only to the same
+incarnation (the member redialling before the coordinator saw its old link
+die); any other join for that rank, a second process started with the same
+rank or anyone else holding the token, is answered ``busy`` and keeps
+redialling until the slot's link is dead. A token shared by every rank cannot
+bind a rank to a credential (whoever holds it can derive any rank's), so this
+rule, not a derived key, is what keeps a live rank in its slot; the
+incarnation rides inside the authenticated link (private too under TLS).
 """
 from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 
 from ..errors import TransportError, WsyncError
@@ -65,7 +76,8 @@ class Member:
 
     def __init__(self, address: str, join: dict, on_message, *, token=None, link_opts: dict | None = None,
                  retry_s: float = 0.5, on_join=None):
-        self.address, self.join = address, join
+        self.incarnation = secrets.token_hex(16)
+        self.address, self.join = address, {**join, "incarnation": self.incarnation}
         self._on_message, self._retry_s, self._on_join = on_message, retry_s, on_join
         self._opts = with_device(address, with_token({**LINK_OPTS, **(link_opts or {})}, token))
         self._cv = threading.Condition()
@@ -74,6 +86,7 @@ class Member:
         self._closed = False
         self.error: WsyncError | None = None  # why the last dial failed, or the coordinator's refusal
         self.refused = False
+        self._busy = False  # the last join was turned away: the rank's slot is held by a live link
         self._thread = threading.Thread(target=self._run, name="wsync-shard-member", daemon=True)
         self._thread.start()
 
@@ -91,6 +104,10 @@ class Member:
             except WsyncError as e:
                 log.warning("could not send %s to the coordinator: %s", kind, e)
                 return False
+
+    @property
+    def up(self) -> bool:
+        return self._link is not None
 
     def wait_up(self, timeout: float) -> None:
         with self._cv:
@@ -117,13 +134,16 @@ class Member:
             else:
                 self._serve(link)
             with self._cv:
-                self._cv.wait_for(lambda: self._closed, timeout=self._retry_s)
+                self._cv.wait_for(lambda: self._closed, timeout=self._retry_s * (4 if self._busy else 1))
+
+    def _who(self) -> str:
+        return f"{self.join.get('role')} rank {self.join.get('rank')}"
 
     def _serve(self, link) -> None:
         try:
             link.send(Message("join", self.join))
             with self._cv:
-                self._link, self.error = link, None
+                self._link, self.error, self._busy = link, None, False
                 self._cv.notify_all()
             if self._on_join is not None:  # what this rank must say again to a coordinator that restarted
                 self._on_join()
@@ -132,11 +152,12 @@ class Member:
                     msg = link.recv(timeout=0.5)
                 except TransportTimeout:
                     continue
-                if msg.kind == "refused":
-                    self.error = CoordinatorError(f"the coordinator refused rank {self.join}: "
-                                                  f"{msg.meta.get('reason')}")
-                    self.refused = True
-                    log.error("%s", self.error)
+                if msg.kind in ("refused", "busy"):
+                    self.error = CoordinatorError(f"the coordinator refused {self._who()}: "
+                                                  f"{str(msg.meta.get('reason'))[:300]}")
+                    log.error("%s%s", self.error, "; trying again" if msg.kind == "busy" else "")
+                    # busy: the slot is held by a live link, not this one's to take now; maybe once that dies
+                    self.refused, self._busy = msg.kind == "refused", msg.kind == "busy"
                     return
                 self._on_message(msg)
         except WsyncError as e:
@@ -158,6 +179,7 @@ class Peer:
         self.link, self.events = link, events
         self.role: str | None = None
         self.rank = -1
+        self.incarnation: str | None = None  # the joined Member's random bits (member.Member)
         self._out: queue.Queue = queue.Queue()
         self._dead = False
 
@@ -172,9 +194,15 @@ class Peer:
     def send(self, kind: str, meta: dict) -> None:
         self._out.put(Message(kind, meta))
 
-    def refuse(self, reason: str) -> None:
-        log.error("coordinator refused %s: %s", self.link.peer, reason)
-        self.send("refused", {"reason": reason})
+    @property
+    def alive(self) -> bool:
+        """Its link is up (or still joining): a link in its resume window, or ended, is not."""
+        return not self._dead and getattr(self.link, "state", "up") in ("up", "connecting")
+
+    def refuse(self, reason: str, kind: str = "refused") -> None:
+        """Say why (kind "refused": for good; "busy": try again later), then end the link."""
+        log.error("coordinator %s %s: %s", "refused" if kind == "refused" else "turned away", self.link.peer, reason)
+        self.send(kind, {"reason": reason})
         self._out.put(None)
 
     def close(self) -> None:

@@ -44,9 +44,25 @@ class Round:
     ready: dict[int, dict[int, str]] = field(default_factory=dict)  # engine rank -> its staged partials
     committed: dict[int, dict[int, str]] = field(default_factory=dict)  # engine rank -> its live partials
     lost: set[int] = field(default_factory=set)  # engine ranks whose link dropped after the decision
+    outcome: str | None = None  # "committed" | "aborted" once decided: what a rank that asks is told
+    reason: str = ""
+    keyframe: dict[int, list[int]] = field(default_factory=dict)  # aborted: engine rank -> sources to re-key
+    # engine ranks known to serve this version or a newer one (a committed round is complete once all do)
+    confirmed: set[int] = field(default_factory=set)
+    doc: dict | None = None  # its entry in the coordinator's settled list, updated as late ranks confirm
 
     def all_reported(self, ranks: int) -> bool:
         return len(set(self.committed) | self.lost) == ranks
+
+    def unconfirmed(self, ranks: int) -> list[int]:
+        """Engine ranks not yet known to serve the committed version (or a newer one): [] for an abort, which
+        every rank obeys by doing nothing."""
+        return [] if self.outcome != "committed" else sorted(set(range(ranks)) - self.confirmed)
+
+    def decision(self) -> dict:
+        """What the decision log keeps of this round (decisions.py)."""
+        return {"outcome": self.outcome, "reason": self.reason, "keyframe": self.keyframe,
+                "expected": self.expected}
 
     def wrong(self, reports: dict[int, dict[int, str]]) -> dict[int, list[int]]:
         """For each reporting engine rank whose partials differ from the announced ones: the trainer ranks

@@ -42,15 +42,20 @@ class Source(Subscriber):
         if self.on_staged is not None:
             self.on_staged()
 
+    def _queue(self) -> list:
+        """The versions staged, oldest first (a plain list, or the list a Staging keeps)."""
+        return getattr(self._staged, "items", self._staged)
+
     def apply_through(self, version: int) -> str | None:
         """Apply every staged version up to `version`, in order; returns why one failed, or None."""
         failed = None
         with self._apply_lock:
             while True:
                 with self._cv:
-                    if not self._staged or self._staged[0].version > version:
+                    staged = self._queue()
+                    if not staged or staged[0].version > version:
                         return failed
-                    st = self._staged.pop(0)
+                    st = staged.pop(0)
                     before = self._stats["failures"]
                 self._apply(st)
                 with self._cv:
@@ -60,7 +65,8 @@ class Source(Subscriber):
     def overshot(self, version: int) -> bool:
         """The next version staged is past `version` while this source does not hold it: it never will."""
         with self._cv:
-            return self.version != version and bool(self._staged) and self._staged[0].version > version
+            staged = self._queue()
+            return self.version != version and bool(staged) and staged[0].version > version
 
     def restart(self) -> None:
         """Forget what is staged and take a keyframe (the staging was found wrong after it verified)."""
@@ -68,7 +74,7 @@ class Source(Subscriber):
             with self._cv:
                 self.version = self.engine.version = None
                 self._served = self._bound = None
-                self._staged.clear()
+                self._queue().clear()
             self._lost()
 
 
