@@ -38,7 +38,7 @@ from wsync.engines.peft import PEFT, adapter_state  # noqa: E402
 from wsync.subscriber import Subscriber  # noqa: E402
 from wsync.sync import Publisher  # noqa: E402
 
-TOKEN = b"bench-lora"
+TOKEN = b"bench-lora-token-16"
 
 
 def build(args, seed: int, dtype):

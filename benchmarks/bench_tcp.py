@@ -48,7 +48,7 @@ import numpy as np
 import xxhash
 
 
-TOKEN = "bench-token"
+TOKEN = "bench-token-16bytes"
 
 
 def auth_opts(mode: str, cert: str | None, listening: bool) -> dict:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import transformers
 
 
-TOKEN = b"engine-tests"
+TOKEN = b"engine-tests-token"
 
 
 def publisher(**kw):

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.gpu
-TOKEN = b"gpu-engine-test"
+TOKEN = b"gpu-engine-test-token"
 
 
 def _needs(pkg: str):

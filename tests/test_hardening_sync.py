@@ -26,7 +26,7 @@ from wsync.transports import Message, connect
 from wsync.sender import PROTOCOL
 
 ADDR = "tcp://127.0.0.1:0"
-TOKEN = b"hardening-token"
+TOKEN = b"hardening-token-16"
 
 
 def _state(rng, n=64 << 10):

@@ -40,9 +40,9 @@ def _port(address: str) -> int:
 
 @pytest.mark.parametrize("action", ["rewrite", "drop", "repeat", "swap"])
 def test_a_relay_without_the_token_cannot_change_drop_repeat_or_reorder_records(action):
-    lst = listen("tcp://127.0.0.1:0", token="s3cret", frame_bytes=64 << 10, resume_window=2)  # 16 frames
+    lst = listen("tcp://127.0.0.1:0", token="relay-test-secret-16", frame_bytes=64 << 10, resume_window=2)  # 16 frames
     relay = RecordRelay(_port(lst.address), action, tag=TAG)
-    cli = connect(relay.address, token="s3cret", streams=1)
+    cli = connect(relay.address, token="relay-test-secret-16", streams=1)
     srv = lst.accept(timeout=10)
     data = blob(1 << 20, 1)
     try:
@@ -68,9 +68,9 @@ def _quietly(fn, *args):
 def test_a_relay_that_only_forwards_changes_nothing_and_resumes_bit_exact():
     """The honest path with a token: several streams, many messages, and a cut that forces a resume
     (new connections, new keys, record counts from 0) all arrive bit-exact."""
-    lst = listen("tcp://127.0.0.1:0", token="s3cret", max_message=64 << 20)
+    lst = listen("tcp://127.0.0.1:0", token="relay-test-secret-16", max_message=64 << 20)
     proxy = Proxy(_port(lst.address), direction="down", cut_after=12 << 20)
-    cli = connect(proxy.address, token="s3cret", streams=3, frame_bytes=1 << 20)
+    cli = connect(proxy.address, token="relay-test-secret-16", streams=3, frame_bytes=1 << 20)
     srv = lst.accept(timeout=10)
     sent = [[blob(20 << 20, 2), blob(3, 3)], [blob(100, 4)], [], [blob(700 << 10, 5), blob(5 << 20, 6)]]
     try:
@@ -111,7 +111,7 @@ def _closed_by_peer(sock) -> bool:
 
 
 def test_a_trickling_handshake_is_dropped_at_one_total_deadline():
-    lst = listen("tcp://127.0.0.1:0", token="t", handshake_timeout=1.0)
+    lst = listen("tcp://127.0.0.1:0", token="wire-test-token-16", handshake_timeout=1.0)
     s = socket.create_connection(("127.0.0.1", _port(lst.address)))
     try:
         for byte in _hello():  # one byte every 0.1 s: each read is quick, the whole takes 3.8 s
@@ -128,7 +128,7 @@ def test_a_trickling_handshake_is_dropped_at_one_total_deadline():
 
 def test_the_token_proof_is_checked_before_the_request_is_read():
     """A stranger announcing a 1 MiB request is refused at its proof: nothing is read or allocated for it."""
-    lst = listen("tcp://127.0.0.1:0", token="t", handshake_timeout=5.0)
+    lst = listen("tcp://127.0.0.1:0", token="wire-test-token-16", handshake_timeout=5.0)
     s = socket.create_connection(("127.0.0.1", _port(lst.address)))
     try:
         s.sendall(_hello())
@@ -151,7 +151,7 @@ def test_the_token_proof_is_checked_before_the_request_is_read():
 def test_a_flood_of_tricklers_keeps_threads_bounded_and_honest_peers_get_in():
     cap, flood = 16, 300
     base = threading.active_count()
-    lst = listen("tcp://127.0.0.1:0", token="t", max_handshakes=cap, handshake_timeout=30.0)
+    lst = listen("tcp://127.0.0.1:0", token="wire-test-token-16", max_handshakes=cap, handshake_timeout=30.0)
     socks, stop = [], threading.Event()
 
     def trickle():  # one byte of hello per socket every 0.5 s: alive as far as any per-read timeout sees
@@ -177,7 +177,7 @@ def test_a_flood_of_tricklers_keeps_threads_bounded_and_honest_peers_get_in():
             most = max(most, threading.active_count() - base)
         # the listener's accept loop and door watchdog, this test's trickler, and at most cap admitting threads
         assert most <= cap + 4, f"{most} threads for {flood} strangers (cap {cap})"
-        cli = connect(lst.address, token="t", streams=2, timeout=20)
+        cli = connect(lst.address, token="wire-test-token-16", streams=2, timeout=20)
         srv = lst.accept(timeout=10)
         srv.send(Message("bucket", {}, [blob(3 << 20, 9)]))
         assert bytes(cli.recv(timeout=30).blobs[0]) == blob(3 << 20, 9)
@@ -195,8 +195,8 @@ def test_a_flood_of_tricklers_keeps_threads_bounded_and_honest_peers_get_in():
 def test_a_listener_refuses_a_message_larger_than_its_role_allows():
     """A listener (the publisher) hears only control messages: a token holder announcing 64 MiB is refused
     at the header, before anything is allocated, and the link fails with a clear error."""
-    lst = listen("tcp://127.0.0.1:0", token="t")
-    cli = connect(lst.address, token="t", streams=1)
+    lst = listen("tcp://127.0.0.1:0", token="wire-test-token-16")
+    cli = connect(lst.address, token="wire-test-token-16", streams=1)
     srv = lst.accept(timeout=10)
     try:
         with pytest.raises(TransportError):
@@ -216,8 +216,8 @@ def _send_quietly(link, msg) -> None:
 
 
 def test_a_receiver_that_knows_what_to_expect_narrows_the_limit():
-    lst = listen("tcp://127.0.0.1:0", token="t")
-    cli = connect(lst.address, token="t", streams=1)
+    lst = listen("tcp://127.0.0.1:0", token="wire-test-token-16")
+    cli = connect(lst.address, token="wire-test-token-16", streams=1)
     srv = lst.accept(timeout=10)
     try:
         cli.limit(1 << 20)  # e.g. a subscriber that knows its layout's bucket sizes

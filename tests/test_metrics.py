@@ -20,7 +20,7 @@ from wsync.sync import Publisher
 parser = pytest.importorskip("prometheus_client.parser")
 
 ADDR = "tcp://127.0.0.1:0"
-TOKEN = b"metrics-token"
+TOKEN = b"metrics-token-16b"
 
 
 def scrape(url: str) -> dict:
@@ -158,10 +158,10 @@ def test_wsync_works_without_prometheus_client():
         import numpy as np
         import wsync
         from wsync.errors import BackendUnavailable
-        with wsync.Publisher("tcp://127.0.0.1:0", token=b"t") as pub:
+        with wsync.Publisher("tcp://127.0.0.1:0", token=b"metrics-token-other") as pub:
             pub.publish({"w": np.zeros(8, np.float32)}, version=0)
         try:
-            wsync.Publisher("tcp://127.0.0.1:0", token=b"t", metrics_port=0)
+            wsync.Publisher("tcp://127.0.0.1:0", token=b"metrics-token-other", metrics_port=0)
         except BackendUnavailable as e:
             assert "wsync[metrics]" in str(e), e
         else:

@@ -101,9 +101,9 @@ def test_pull_shows_a_bar_per_version_when_forced(monkeypatch, capsys, tmp_path)
 
     monkeypatch.setenv("WSYNC_PROGRESS", "1")
     state = {"w": np.arange(40_000, dtype=np.uint16), "b": np.ones(64, np.float32)}
-    with Publisher("tcp://127.0.0.1:0", token=b"t") as pub:
+    with Publisher("tcp://127.0.0.1:0", token=b"progress-token-16b") as pub:
         pub.publish(state, version=3)
-        assert pull(pub.address, tmp_path / "replica", token=b"t", timeout=60) == 3
+        assert pull(pub.address, tmp_path / "replica", token=b"progress-token-16b", timeout=60) == 3
     err = capsys.readouterr().err
     assert "version 3" in err and "100%" in err and "KB" in err and "\r" in err
 

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from wsync.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
-from wsync.errors import TransportError
+from wsync.subscriber import WaitTimeout
 from wsync.serve import replica_metadata
 from wsync.serve import find_versions, pull, read_replica, serve
 from wsync.snapshot import as_state, digest
 
-TOKEN = "serve-test-token"
+TOKEN_HEX = "5e" * 16  # the command line takes hex
+TOKEN = bytes.fromhex(TOKEN_HEX)
 
 
 def _series(root, n, rng, size=50_000):
@@ -37,6 +38,12 @@ def _series(root, n, rng, size=50_000):
     for f in root.rglob("*"):
         os.utime(f, (old, old))
     return states
+
+
+def _token_file(folder) -> str:
+    path = folder / "token"
+    path.write_text(TOKEN_HEX + "\n")
+    return str(path)
 
 
 def _serving(src, **kw):
@@ -93,8 +100,9 @@ def test_pull_with_wrong_token_gets_nothing(tmp_path, rng):
     _series(src, 1, rng)
     addr, stop, t = _serving(src)
     try:
-        with pytest.raises(TransportError, match="token"):  # refused: said at once, not waited out
-            pull(addr, tmp_path / "out", token="wrong", timeout=30, progress=False)
+        # nobody can prove a wrong token's "no" came from the publisher, so it is retried, then named
+        with pytest.raises(WaitTimeout, match="prove the shared token"):
+            pull(addr, tmp_path / "out", token=b"the-wrong-token-16", connect_timeout=2, timeout=30, progress=False)
         assert not (tmp_path / "out").exists()
     finally:
         stop.set()
@@ -111,7 +119,7 @@ def test_killed_pull_leaves_last_good_version(tmp_path, rng):
     addr, stop, t = _serving(src, codec="raw")  # raw: big enough to kill mid-flight
     try:
         env = dict(os.environ, PYTHONPATH=os.getcwd(), WSYNC_PROGRESS="1")  # the bar, though stderr is a pipe
-        p = subprocess.Popen([sys.executable, "-m", "wsync.cli", "pull", addr, "-o", str(out), "--token", TOKEN],
+        p = subprocess.Popen([sys.executable, "-m", "wsync.cli", "pull", addr, "-o", str(out), "--token-file", _token_file(tmp_path)],
                              stderr=subprocess.PIPE, text=True, env=env)
         seen = ""
         while "bucket" not in seen:  # the progress bar is drawn: bytes are flowing (it ends no line until done)

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from engine_helpers import rl_step  # noqa: E402  (an RL step's effect on bf16 weights)
 
 ADDR = "tcp://127.0.0.1:0"
-TOKEN = b"sync-test-token"
+TOKEN = b"sync-test-token-16"
 
 
 def tiny_qwen(seed: int, tie: bool = True, vocab: int = 256):

@@ -230,8 +230,8 @@ def test_concurrent_send_and_recv_on_both_sides(pair):
 
 
 def test_several_subscribers_on_one_listener():
-    lst = listen("tcp://127.0.0.1:0", token="tok")
-    subs = [connect(lst.address, token="tok", streams=1 + i % 3) for i in range(5)]
+    lst = listen("tcp://127.0.0.1:0", token="listener-token-16b")
+    subs = [connect(lst.address, token="listener-token-16b", streams=1 + i % 3) for i in range(5)]
     links = [lst.accept(timeout=10) for _ in subs]
     assert all(links) and len({ln.session for ln in links}) == 5
     by_session = {ln.session: ln for ln in links}
@@ -246,10 +246,10 @@ def test_several_subscribers_on_one_listener():
 
 
 def test_wrong_or_missing_token_is_refused_and_logged(caplog):
-    lst = listen("tcp://127.0.0.1:0", token="right")
+    lst = listen("tcp://127.0.0.1:0", token="the-right-token-16")
     with caplog.at_level(logging.WARNING, logger=LOG):
         with pytest.raises(TransportError, match="token"):
-            connect(lst.address, token="wrong", timeout=5)
+            connect(lst.address, token="the-wrong-token-16", timeout=5)
         with pytest.raises(TransportError, match="token"):
             connect(lst.address, timeout=5)
         assert wait_for_log(caplog, lambda m: "bad or missing token" in m)  # the client without one
@@ -257,7 +257,7 @@ def test_wrong_or_missing_token_is_refused_and_logged(caplog):
     refusals = [r for r in caplog.records if r.name == LOG and "refused" in r.getMessage()]
     assert len(refusals) >= 2 and all("127.0.0.1:" in r.getMessage() for r in refusals)
     assert lst.accept(timeout=0.2) is None  # nothing unauthenticated reached accept()
-    good = connect(lst.address, token="right")  # and the listener still serves good peers
+    good = connect(lst.address, token="the-right-token-16")  # and the listener still serves good peers
     link = lst.accept(timeout=10)
     good.send(Message("ok", {}, [b"x"]))
     assert bytes(link.recv(5).blobs[0]) == b"x"
@@ -267,7 +267,7 @@ def test_wrong_or_missing_token_is_refused_and_logged(caplog):
 def test_client_with_token_refuses_a_listener_without_one():
     lst = listen("tcp://127.0.0.1:0")
     with pytest.raises(TransportError, match="does not check tokens"):
-        connect(lst.address, token="secret", timeout=5)
+        connect(lst.address, token="client-secret-16-bytes", timeout=5)
     lst.close()
 
 
@@ -416,8 +416,8 @@ def test_tls_round_trip(tmp_path, caplog):
     cert, key = self_signed(tmp_path)
     server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server_ctx.load_cert_chain(cert, key)
-    lst = listen("tcp://127.0.0.1:0", tls=server_ctx, token="t")
-    cli = connect(lst.address, tls={"cafile": cert}, token="t", streams=2, frame_bytes=1 << 20)
+    lst = listen("tcp://127.0.0.1:0", tls=server_ctx, token="tls-token-16-bytes")
+    cli = connect(lst.address, tls={"cafile": cert}, token="tls-token-16-bytes", streams=2, frame_bytes=1 << 20)
     srv = lst.accept(timeout=10)
     data = blob(9 << 20, 9)
     t, out = recv_in_thread(srv)
@@ -427,7 +427,7 @@ def test_tls_round_trip(tmp_path, caplog):
     assert isinstance(cli._socks[0], ssl.SSLSocket)
     with caplog.at_level(logging.WARNING, logger=LOG):  # a plain client is turned away, and logged
         with pytest.raises(TransportError):
-            connect(lst.address, token="t", timeout=3, handshake_timeout=2)
+            connect(lst.address, token="tls-token-16-bytes", timeout=3, handshake_timeout=2)
         assert wait_for_log(caplog, lambda m: "127.0.0.1:" in m)
     cli.close(), srv.close(), lst.close()
 

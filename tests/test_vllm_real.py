@@ -43,7 +43,7 @@ from wsync import engines  # noqa: E402
 from wsync.integrations.common import token_id  # noqa: E402
 from wsync.sync import Publisher  # noqa: E402
 
-TOKEN = b"vllm-real-test"
+TOKEN = b"vllm-real-test-token"
 EXTENSION = "wsync.engines.vllm.WsyncWorkerExtension"
 _g = torch.Generator().manual_seed(123)
 POOL = [torch.randint(0, 512, (int(n),), generator=_g).tolist() for n in torch.randint(2, 9, (64,), generator=_g)]

@@ -37,7 +37,7 @@ import vllm  # noqa: E402
 from wsync.engines import vllm_shard  # noqa: E402
 from wsync.integrations.common import token_id  # noqa: E402
 
-TOKEN = b"vllm-shard-test"
+TOKEN = b"vllm-shard-test-token"
 EXTENSION = "wsync.engines.vllm.WsyncWorkerExtension"
 VERSIONS = 6
 CORRUPT_AT = 3  # trainer rank 1 flips a byte of its piece for engine rank 0 after hashing it, at this version

@@ -52,3 +52,13 @@ class JSONError(FormatError, ValueError):
     Also a ValueError, so code that already turns json's own ValueError into its
     error (a TransportError for a bad message header) treats it the same way.
     """
+
+
+PEER_TEXT_MAX = 200
+
+
+def peer_text(text, limit: int = PEER_TEXT_MAX) -> str:
+    """Text a peer sent, fit to put in an error or a log line: control characters (a terminal's escapes, line
+    breaks that would forge log lines) become spaces, and at most `limit` characters are kept."""
+    s = "".join(" " if (ord(c) < 32 or 127 <= ord(c) < 160) else c for c in str(text))
+    return s if len(s) <= limit else s[:limit] + "..."

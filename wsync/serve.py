@@ -1,7 +1,8 @@
 """`wsync serve` and `wsync pull`: a checkpoint folder as a publisher, and a folder that follows one.
 
-    wsync serve ./ckpts --listen 127.0.0.1:7070 --token T    # every checkpoint in ./ckpts, and new ones as they appear
-    wsync pull tcp://127.0.0.1:7070 -o ./replica --token T   # newest version, resumable
+    python -c 'import secrets; print(secrets.token_hex(16))' > ~/.wsync-token   # once; both ends read the same file
+    wsync serve ./ckpts --listen 127.0.0.1:7070 --token-file ~/.wsync-token  # every checkpoint in ./ckpts, and new ones
+    wsync pull tcp://127.0.0.1:7070 -o ./replica --token-file ~/.wsync-token  # newest version, resumable
 
 serve publishes SRC: a .safetensors file or a checkpoint folder is one version
 (version 0); a folder of checkpoints (files or sub-folders whose names end in a
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint, prepare_output, read_checkpoint, write_checkpoint
 from .engines.shadow import Shadow
-from . import safejson
+from . import safejson, tokens
 from .errors import FormatError, WsyncError
 from .layout import Members, plan
 from .subscriber import version_digest
@@ -188,8 +189,8 @@ def add_parsers(sub) -> None:
                                           "of them named by step, like step_0004: the number is the version")
     s.add_argument("--listen", required=True,
                    help="HOST:PORT or a full address (tcp://, ucx://, local://); 127.0.0.1 keeps it on this machine")
-    s.add_argument("--token", help="shared secret subscribers must prove (HMAC); without one, anyone who reaches "
-                                   "the port can read the weights (default: none, warned off loopback)")
+    tokens.add_cli_options(s, "the shared secret subscribers must prove (HMAC); without one, anyone who reaches "
+                              "the port can read the weights (default: none, warned off loopback)")
     s.add_argument("--no-watch", action="store_true", help="serve what is there and exit once sent")
     s.add_argument("--codec", choices=["delta", "raw"], default="delta",
                    help="delta: only what changed between versions; raw: every version whole (default delta)")
@@ -208,7 +209,7 @@ def add_parsers(sub) -> None:
     p.add_argument("address", help="the publisher: HOST:PORT or a full address (tcp://HOST:PORT, ...)")
     p.add_argument("-o", "--output", type=Path, required=True,
                    help="replica folder: new, empty, or one an earlier pull wrote (then only deltas are fetched)")
-    p.add_argument("--token", help="the publisher's shared secret (serve --token)")
+    tokens.add_cli_options(p, "the publisher's shared secret (as serve was given it)")
     p.add_argument("--version", type=int, help="wait for at least this version instead of the newest announced")
     p.add_argument("--connect-timeout", type=float, default=60.0,
                    help="seconds for the publisher to answer before giving up; inf waits (default 60)")
@@ -222,12 +223,12 @@ def _address(s: str) -> str:
 
 
 def _serve_cmd(a) -> None:
-    serve(a.src, _address(a.listen), token=a.token, watch=not a.no_watch, codec=a.codec, tier=a.tier,
+    serve(a.src, _address(a.listen), token=tokens.from_cli(a), watch=not a.no_watch, codec=a.codec, tier=a.tier,
           keyframe_every=a.keyframe_every, follow_symlinks=a.follow_symlinks, flush_timeout=a.flush_timeout,
           metrics_port=a.metrics_port)
 
 
 def _pull_cmd(a) -> None:
-    v = pull(_address(a.address), a.output, token=a.token, timeout=a.timeout, version=a.version,
+    v = pull(_address(a.address), a.output, token=tokens.from_cli(a), timeout=a.timeout, version=a.version,
              connect_timeout=a.connect_timeout)
     print(f"{a.output} holds version {v} (digest verified)")

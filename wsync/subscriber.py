@@ -43,6 +43,7 @@ from .payload import Payload
 from .sender import PROTOCOL
 from .snapshot import as_state, to_torch
 from .transports import Message, TransportTimeout, connect, parse_address
+from .tokens import check as check_token
 from .transports.base import with_device, with_token
 from .transports.tcp.auth import Refused
 
@@ -82,7 +83,7 @@ class Subscriber:
         if apply not in ("background", "poll"):
             raise ValueError(f"apply must be 'background' or 'poll', got {apply!r}")
         self.address, self.engine, self.mode, self.backend = address, engine, apply, backend
-        self._token, self._opts, self._retry_s = token, with_device(address, connect_opts), retry_s
+        self._token, self._opts, self._retry_s = check_token(token), with_device(address, connect_opts), retry_s
         self.progress = progress  # called as progress(version, bucket, buckets, bytes) as buckets arrive
         self.on_commit = on_commit  # called as on_commit({version, bytes, keyframe, apply_s}) per committed version
         self.newest_seen: int | None = None  # newest version the publisher has announced

@@ -86,7 +86,8 @@ def _warn_if_open(address: str, token) -> None:
         loopback = a.host == "localhost"
     if not loopback:
         log.warning("publisher at %s listens beyond this machine without a token: anyone who reaches the port "
-                    "can subscribe and read the weights; pass token=... (wsync serve --token)", address)
+                    "can subscribe and read the weights; pass token=wsync.tokens.load() (WSYNC_TOKEN), or "
+                    "wsync serve --token-file PATH", address)
 
 
 class FlushTimeout(WsyncError, TimeoutError):

@@ -11,6 +11,7 @@ through the same link in the same run, so the ratio is what to read.
 from __future__ import annotations
 
 import json
+import secrets
 import os
 import subprocess
 import sys
@@ -69,9 +70,10 @@ def publisher_main(argv=None) -> None:
     pub.close()
 
 
-def run_mode(mode: str, paths: list, *, listen: str = "tcp://127.0.0.1:0", wan=None, token: str = "wsync-bench",
+def run_mode(mode: str, paths: list, *, listen: str = "tcp://127.0.0.1:0", wan=None, token: str | None = None,
              bucket_bytes: int = 16 << 20) -> dict:
     """Publish version 0 (warm-up keyframe, not timed) then each later one; time each from publish to commit."""
+    token = token or secrets.token_hex(16)  # a fresh one per run (tokens.py: at least 16 bytes)
     pub = _spawn(wan, "a", "publisher_main", listen, token, mode, str(bucket_bytes), *map(str, paths))
     sub = None
     try:

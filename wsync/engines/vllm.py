@@ -165,7 +165,7 @@ class WsyncWorkerExtension:
         """token_id: the token's fingerprint (wsync.integrations.common.token_id); RPC arguments get logged,
         so the token itself comes from WSYNC_TOKEN / WSYNC_TOKEN_FILE in each worker's environment.
         layerwise: as LoadWeights (on vLLM's CPU backend "auto" reloads layerwise)."""
-        from ..integrations.common import engine_token
+        from ..tokens import engine_token
         from ..subscriber import Subscriber
 
         self.wsync_engine = LoadWeights(self.get_model, layerwise=layerwise, device=getattr(self, "device", None),
@@ -198,7 +198,7 @@ class WsyncWorkerExtension:
         Returns the plan's hash (the trainer ranks' must be the same)."""
         from vllm.distributed import parallel_state as ps
 
-        from ..integrations.common import engine_token
+        from ..tokens import engine_token
         from . import vllm_shard
 
         if ps.get_pp_group().world_size != 1:
@@ -233,7 +233,7 @@ class WsyncWorkerExtension:
                              lora_int_id: int = 1, config: dict | str | None = None) -> None:
         """Follow a Publisher of one PEFT adapter's versions (``engines.peft.adapter_state``).
         config: its LoraConfig as JSON values (``engines.peft.config_dict``): r, lora_alpha, target_modules."""
-        from ..integrations.common import engine_token
+        from ..tokens import engine_token
         from ..subscriber import Subscriber
         from .vllm_lora import VLLMLoRA
 

@@ -49,7 +49,7 @@ class WsyncWeightTransferEngine(WeightTransferEngine[WsyncInitInfo, WsyncUpdateI
         # parameters' (a layerwise reload has them on meta)
         self.engine = LoadWeights(lambda: self.model, layerwise=True if init_info.layerwise else "auto",
                                   device=self.device, model_config=lambda: self.model_config)
-        from ..integrations.common import engine_token
+        from ..tokens import engine_token
 
         token = bytes.fromhex(init_info.token) if init_info.token else engine_token(init_info.token_id)
         self.sub = Subscriber(init_info.address, engine=self.engine, token=token, apply="poll")

@@ -16,14 +16,14 @@ engine say "wrong token" without learning it.
 """
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import os
 from dataclasses import dataclass, field
 
-from ..errors import WsyncError
+from ..tokens import TOKEN_ENV, TOKEN_FILE_ENV, engine_token, load as load_token, token_id
 
-TOKEN_ENV, TOKEN_FILE_ENV = "WSYNC_TOKEN", "WSYNC_TOKEN_FILE"  # hex token, or a file holding it
+__all__ = ["SyncConfig", "TOKEN_ENV", "TOKEN_FILE_ENV", "advertised", "check_exposure", "engine_token", "env_config",
+           "host_state", "load_token", "next_version", "token_id"]
 
 
 @dataclass(kw_only=True)
@@ -59,44 +59,6 @@ class SyncConfig:
     def dial_address(self, pub) -> str:
         """The address an engine on another host dials to reach `pub`."""
         return advertised(pub.address, self.advertise)
-
-
-def load_token(token: str | bytes | None = None) -> bytes | None:
-    """The shared token: given (hex string or bytes), else WSYNC_TOKEN (hex), else the file WSYNC_TOKEN_FILE names."""
-    if isinstance(token, bytes):
-        return token
-    if not token:
-        token = os.environ.get(TOKEN_ENV)
-    if not token and os.environ.get(TOKEN_FILE_ENV):
-        with open(os.environ[TOKEN_FILE_ENV]) as f:
-            token = f.read().strip()
-    if not token:
-        return None
-    try:
-        return bytes.fromhex(token)
-    except ValueError:
-        raise ValueError("the wsync token must be hex (e.g. python -c 'import secrets; print(secrets.token_hex(16))')"
-                         ) from None
-
-
-def token_id(token: bytes | None) -> str | None:
-    """A fingerprint of the token, safe to send and log: it names the token without revealing it."""
-    if token is None:
-        return None
-    return hashlib.sha256(b"wsync token id\0" + token).hexdigest()[:16]
-
-
-def engine_token(expected_id: str | None) -> bytes | None:
-    """The engine's side of a control plane that carried only token_id: its own token, checked against the id."""
-    if expected_id is None:
-        return None
-    token = load_token()
-    if token is None:
-        raise WsyncError(f"the trainer's publisher wants a token (id {expected_id}); give this engine the same "
-                         f"token in {TOKEN_ENV} (hex) or a file named by {TOKEN_FILE_ENV}")
-    if token_id(token) != expected_id:
-        raise WsyncError(f"this engine's token (id {token_id(token)}) is not the trainer's (id {expected_id})")
-    return token
 
 
 def check_exposure(address: str, token: bytes | None) -> None:

@@ -41,6 +41,7 @@ import xxhash
 
 from .. import safejson
 from ..errors import ChecksumError, TransportError
+from ..tokens import check as check_token
 
 MAGIC = b"WSM1"
 ENVELOPE = struct.Struct("<4sIQ")
@@ -148,10 +149,11 @@ def connect(address: str, **opts) -> Link:
 
 
 def with_token(opts: dict | None, token) -> dict:
-    """opts plus token= for transports that authenticate peers (tcp); none is passed when token is None."""
+    """opts plus token= for transports that authenticate peers (tcp); none is passed when token is None.
+    A token too short to resist offline guessing is refused here, in the caller's thread (tokens.py)."""
     opts = dict(opts or {})
     if token is not None:
-        opts["token"] = token
+        opts["token"] = check_token(token)
     return opts
 
 

@@ -20,7 +20,8 @@ Built for long fat pipes and for links that drop:
   ``resume_window`` seconds and the link carries on from the last good frame,
   with nothing lost or repeated; after the window both sides see TransportError;
 * **auth**: with ``token=...`` every connection runs an HMAC-SHA256
-  challenge-response both ways, and a peer without the token is refused and
+  challenge-response both ways (a token of fewer than 16 bytes is refused:
+  see tokens.py), and a peer without the token is refused and
   logged (logger ``wsync.transports.tcp``) before ``accept()`` ever sees it.
   Every record after the handshake then carries a keyed-BLAKE3 MAC under a
   key of that connection (mac.py), so a relay without the token cannot change,
@@ -37,8 +38,9 @@ Built for long fat pipes and for links that drop:
 
 Usage (through ``wsync.transports``)::
 
-    lst = listen("tcp://0.0.0.0:7070", token="s3cret")
-    link = connect("tcp://trainer:7070?streams=8", token="s3cret")
+    token = wsync.tokens.load()                        # WSYNC_TOKEN / WSYNC_TOKEN_FILE (hex, >= 16 bytes)
+    lst = listen("tcp://0.0.0.0:7070", token=token)
+    link = connect("tcp://trainer:7070?streams=8", token=token)
 
 Options come from address parameters (``?streams=8&resume_window=60``) and
 keyword arguments (which win). ``send`` returns once every byte is in the
@@ -54,7 +56,8 @@ import socket
 import threading
 from dataclasses import dataclass
 
-from ...errors import TransportError
+from ...errors import TransportError, peer_text
+from ...tokens import check as check_token
 from .. import options
 from ..base import Address
 from .auth import Refused, TlsConfig, client_context, reply, server_context, server_handshake, tune
@@ -122,7 +125,8 @@ LISTEN_MAX_MESSAGE, DIAL_MAX_MESSAGE = 16 << 20, 64 << 30
 
 
 def listen(addr: Address, *, token=None, tls=None, **opts) -> "TcpListener":
-    return TcpListener(addr, TcpConfig.from_options(addr.params, opts, listening=True), token, server_context(tls))
+    return TcpListener(addr, TcpConfig.from_options(addr.params, opts, listening=True), check_token(token),
+                       server_context(tls))
 
 
 def connect(addr: Address, *, token=None, tls=None, timeout: float = 30.0, **opts) -> TcpLink:
@@ -130,7 +134,7 @@ def connect(addr: Address, *, token=None, tls=None, timeout: float = 30.0, **opt
     import time
 
     cfg = TcpConfig.from_options(addr.params, opts)
-    link = ClientLink(cfg, addr.host, addr.port, token, client_context(tls))
+    link = ClientLink(cfg, addr.host, addr.port, check_token(token), client_context(tls))
     link.bring_up(False, time.monotonic() + timeout)
     return link
 
@@ -194,6 +198,7 @@ class TcpListener:
             threading.Thread(target=self._admit, args=(conn, peer, entry), daemon=True, name="wsync-admit").start()
 
     def _admit(self, conn, peer: str, entry) -> None:
+        keys = None  # a refusal after the token check goes under the connection's MAC: the client believes only that
         try:
             tune(conn, self.cfg)
             conn.settimeout(self.cfg.handshake_timeout)
@@ -209,7 +214,7 @@ class TcpListener:
             self._link_for(req, peer).attach(conn, req, keys)
         except Refused as ex:
             log.warning("tcp listener %s refused %s: %s", self.address, peer, ex)
-            reply(conn, None, error=str(ex))
+            reply(conn, keys, error=str(ex))
             conn.close()
         except (TransportError, OSError, ValueError) as ex:
             log.warning("tcp listener %s dropped %s: %s", self.address, peer, ex)
@@ -247,4 +252,4 @@ def _check_request(req: dict) -> None:
         ok = (type(req.get("streams")) is int and 1 <= req["streams"] <= 64 and req["dir"] == "up"
               and req["index"] == 0 and isinstance(req.get("state"), str))
     if not ok:
-        raise Refused(f"malformed connection request {str(req)[:200]}")
+        raise Refused(f"malformed connection request {peer_text(req)}")

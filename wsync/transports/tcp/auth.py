@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 
 from ... import safejson
-from ...errors import TransportError
+from ...errors import TransportError, peer_text
 
 VERSION = 2  # 2: token proof before the request, MACs on request, reply and records
 HELLO_C = struct.Struct("<4sH32s")
@@ -188,20 +188,27 @@ def _token(token) -> bytes | None:
 def client_handshake(sock: socket.socket, token, request: dict, peer: str,
                      deadline: float) -> tuple[dict, Keys | None]:
     """Prove the token, check the server's proof, send request; the server's reply (ok) and the
-    connection's keys (None without a token), or TransportError."""
+    connection's keys (None without a token), or TransportError.
+
+    With a token, only a reply under the connection's MAC is a refusal (Refused, which callers treat as
+    final): the hello and everything a peer says before it proves the token can come from anyone on the
+    path, so a wrong magic, another protocol version, a listener without auth, a failed proof or an
+    unauthenticated "no" is a plain TransportError, retried like a dropped connection. Without a token
+    nothing can be verified and a refusal is taken as said."""
     key, nc = _token(token), secrets.token_bytes(32)
+    unverified = TransportError if key is not None else Refused
     try:
         sock.sendall(HELLO_C.pack(MAGIC, VERSION, nc))
         magic, version, auth, ns, mac_s = HELLO_S.unpack(read_exact(sock, HELLO_S.size, peer, deadline))
         if magic != MAGIC:
-            raise Refused(f"{peer} is not a wsync tcp listener (it answered {magic!r})")
+            raise unverified(f"{peer} is not a wsync tcp listener (it answered {magic!r})")
         if version != VERSION:
-            raise Refused(f"{peer} speaks wsync tcp protocol v{version}, this side v{VERSION}; "
-                          "run the same wsync version on both ends")
+            raise unverified(f"{peer} speaks wsync tcp protocol v{version}, this side v{VERSION}; "
+                             "run the same wsync version on both ends")
         if key is not None and not auth:
-            raise Refused(f"{peer} does not check tokens; refusing to connect with one (give it the token)")
+            raise unverified(f"{peer} does not check tokens; refusing to connect with one (give it the token)")
         if key is not None and not hmac.compare_digest(mac_s, _mac(key, b"wsync-server", nc, ns)):
-            raise Refused(f"{peer} failed to prove the shared token (wrong token on one side?)")
+            raise unverified(f"{peer} failed to prove the shared token (wrong token on one side?)")
         keys = Keys(key, nc, ns) if key is not None else None
         proof = _mac(key, b"wsync-client", ns, nc) if key is not None else bytes(MAC_SIZE)
         body = json.dumps(request, separators=(",", ":")).encode()
@@ -210,11 +217,11 @@ def client_handshake(sock: socket.socket, token, request: dict, peer: str,
         tag = read_exact(sock, MAC_SIZE, peer, deadline)
     except OSError as e:
         raise TransportError(f"handshake with {peer} failed: {e}") from None
-    if not answer.get("ok"):
-        hint = "; pass token=..." if auth and key is None else ""
-        raise Refused(f"{peer} refused the connection: {answer.get('error', 'no reason given')}{hint}")
     if keys is not None and not hmac.compare_digest(tag, keys.tag(b"wsync-reply", body)):
         raise TransportError(f"the handshake reply from {peer} failed its MAC: it was changed on the path")
+    if not answer.get("ok"):
+        hint = "; give this side the token (WSYNC_TOKEN, --token-file or token=)" if auth and key is None else ""
+        raise Refused(f"{peer} refused the connection: {peer_text(answer.get('error', 'no reason given'))}{hint}")
     return answer, keys
 
 
