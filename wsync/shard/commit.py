@@ -273,6 +273,9 @@ class Coordinator:
                                     reason=f"learned from engine rank {rank}, which serves it")
             for u in sorted(self._rounds)[:-KEEP_ROUNDS]:
                 del self._rounds[u]
+            for (role, r), peer in list(self._peers.items()):
+                if role == "engine" and r != rank:  # one that holds v staged commits it; any other ignores it
+                    peer.send("commit", {"version": v})
         for u, past in sorted(self._rounds.items()):
             if u > v or past.outcome != "committed" or rank in past.confirmed:
                 continue

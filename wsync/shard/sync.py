@@ -206,13 +206,17 @@ class ShardPublisher:
             return None
         return streams.tables((views[p.src_name], p.local) for p in order)
 
-    def wait(self, version: int, timeout: float | None = None) -> dict:
+    def wait(self, version: int, timeout: float | None = None, complete: bool = False) -> dict:
         """The coordinator's outcome for `version` or the newer version its round was for: a dict with
-        version, outcome ("committed" or "aborted"), reason, digest (the engine's) and expected (the trainer's)."""
+        version, outcome ("committed" or "aborted"), reason, digest (the engine's), expected (the trainer's),
+        complete and unconfirmed. A commit some engine rank has not confirmed yet (its link dropped as the
+        decision went out) is complete=False, naming the ranks in unconfirmed; the coordinator says it again
+        once they confirm. complete=True waits for that word (an abort is complete as decided)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
-                hit = next((s for s in self.settled if s["version"] >= version), None)
+                hit = next((s for s in self.settled if s["version"] >= version
+                            and (s.get("complete", True) or not complete)), None)
                 if hit is not None:
                     return hit
                 if self.member.refused:
@@ -252,8 +256,13 @@ class ShardPublisher:
 
     def _on_message(self, msg) -> None:
         if msg.kind == "settled" and isinstance(msg.meta.get("version"), int):
+            doc = dict(msg.meta)
             with self._cv:
-                self.settled.append(dict(msg.meta))
-                del self.settled[:-1000]
+                same = [i for i, s in enumerate(self.settled) if s["version"] == doc["version"]]
+                if same:  # the coordinator's newer word on a round (a late rank confirmed it): it replaces the old
+                    self.settled[same[-1]] = doc
+                else:
+                    self.settled.append(doc)
+                    del self.settled[:-1000]
                 self._cv.notify_all()
 
