@@ -195,7 +195,38 @@ def test_a_coordinator_that_died_between_its_commits_settles_every_rank_when_bac
     wait_until(lambda: g.coord.status()["unconfirmed"] == {}, "every engine rank confirms version 2")
     if durable:
         doc = g.coord.wait_settled(2, timeout=WAIT, complete=True)
-        assert doc["outcome"] == "committed" and doc["unconfirmed"] == [], doc
+        assert doc["outcome"] == "committed" and doc["unconfirmed"] == [] and doc["digest"] == doc["expected"], doc
+
+
+def test_a_version_a_rank_already_serves_is_not_aborted_by_a_round_run_again(rings):
+    """With no decision log, the coordinator that comes back runs version 2's round again (the trainer ranks
+    announce it again); rank 1 stays away past that round's timeout. Rank 0 serves 2 already, so an abort
+    would leave the ranks a version apart: the round commits instead, and rank 1 commits 2 once it is back."""
+    g = rings(ask_every=600.0)
+    g.commit(0)
+    g.commit(1)
+    dropped = drop_commit(g.subs[1], 2, close_link=False)
+    g.publish(2)
+    assert dropped.wait(WAIT)
+    assert g.subs[0].wait_for(2, timeout=WAIT) == 2
+    away = g.subs[1].member.address
+    for m in [g.subs[1].member] + [pub.member for pub in g.pubs]:  # rank 1 and the trainer ranks cannot reach it
+        m.address = "tcp://127.0.0.1:9"
+    g.coord.close()
+    g.coord = Coordinator(g.plan, g.address, token=TOKEN, timeout=1.0, commit_timeout=30.0)
+    wait_until(lambda: g.coord.status()["unconfirmed"] == {2: [1]}, "rank 0 says it serves version 2")
+    for pub in g.pubs:  # the trainer ranks come back and announce version 2 again: its round runs again
+        pub.member.address = away
+    wait_until(lambda: g.coord.status()["round"] == {"version": 2, "phase": "commit"},
+               "version 2's round run again, past its timeout, and committed")
+    assert not g.coord.settled and g.subs[1].version == 1 and g.holds(1, 1)
+    g.subs[1].member.address = away
+    for r in range(N):
+        assert g.subs[r].wait_for(2, timeout=WAIT) == 2
+        assert g.holds(r, 2), r
+    res = g.pubs[0].wait(2, timeout=WAIT, complete=True)
+    assert res["outcome"] == "committed" and res["unconfirmed"] == [], res
+    g.commit(3)
 
 
 def test_a_second_join_for_a_live_rank_is_turned_away(rings):

@@ -218,12 +218,12 @@ class Coordinator:
                 peer.send("settled", dict(self.settled[-1]))
             return
         self._send_book(rank)
-        rnd = self._round
-        if rnd is not None and rnd.phase == "prepare" and rank not in rnd.ready:
-            peer.send("prepare", {"version": rnd.version})
         for past in sorted(self._rounds.values(), key=lambda r: r.version):
             if rank in past.unconfirmed(self.N):  # a rank that holds it staged commits it; any other ignores it
                 peer.send("commit", {"version": past.version})
+        rnd = self._round  # after the decisions it missed: a prepare would replace the version it holds
+        if rnd is not None and rnd.phase == "prepare" and rank not in rnd.ready:
+            peer.send("prepare", {"version": rnd.version})
 
     def _send_book(self, r: int) -> None:
         peer = self._peers.get(("engine", r))
@@ -264,7 +264,7 @@ class Coordinator:
     def _confirm(self, rank: int, v: int, partials: dict[int, str]) -> None:
         """Engine rank `rank` reports it serves v: every committed round up to v is confirmed for it."""
         rnd = self._round
-        if v not in self._rounds and (rnd is None or v > rnd.version) and v > max(self._rounds, default=-1):
+        if v not in self._rounds and (rnd is None or v >= rnd.version) and v > max(self._rounds, default=-1):
             # a commit decided before this coordinator started, with no record of it here: a rank serving v
             # proves it was decided (only a coordinator says commit), so a rank that holds v staged may too
             log.warning("engine rank %d serves version %d, committed before this coordinator started; "
@@ -332,6 +332,9 @@ class Coordinator:
 
     def _abort(self, reason: str, wrong: dict[int, list[int]]) -> None:
         rnd = self._round
+        known = self._rounds.get(rnd.version)
+        if known is not None and known is not rnd and known.outcome == "committed":
+            return self._commit_again(known, reason, wrong)
         rnd.outcome, rnd.reason, rnd.keyframe = "aborted", reason, wrong
         log.warning("version %d aborted on every engine rank: %s", rnd.version, reason)
         try:
@@ -343,6 +346,28 @@ class Coordinator:
             if peer is not None:
                 self._tell(peer, rnd)
         self._settle()
+
+    def _commit_again(self, known: Round, reason: str, wrong: dict[int, list[int]]) -> None:
+        """A round run again for a version a rank already serves (learned after a restart with no decision log)
+        that would abort: v was committed, and an abort now would leave that rank a version apart. So it is
+        committed again: ranks holding it staged commit it, the rest stay unconfirmed until a newer version."""
+        rnd = self._round
+        log.error("version %d was committed before this coordinator started, so its round here is not aborted "
+                  "although %s; ranks that hold it commit it", rnd.version, reason)
+        rnd.outcome, rnd.reason = "committed", f"committed before; its round here failed: {reason}"
+        rnd.confirmed |= known.confirmed
+        rnd.committed.update(known.committed)
+        try:
+            self._record(rnd)
+        except (OSError, WsyncError) as e:  # it was decided before: what is on disk (or not) does not change that
+            log.error("version %d: the decision could not be recorded: %s", rnd.version, e)
+            self._rounds[rnd.version] = rnd
+        rnd.phase, rnd.deadline = "commit", time.monotonic() + self.commit_timeout
+        self._broadcast("engine", "commit", {"version": rnd.version})
+        for r, srcs in wrong.items():
+            peer = self._peers.get(("engine", r))
+            if peer is not None:
+                peer.send("repair", {"version": rnd.version, "keyframe": srcs})
 
     def _record(self, rnd: Round) -> None:
         """Before any rank hears the decision: on disk if there is a state dir, and in memory for asking ranks."""
