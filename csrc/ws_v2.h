@@ -492,7 +492,8 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
   std::vector<std::vector<T>> es(static_cast<size_t>(nc));
   std::vector<int> errs(static_cast<size_t>(nc), 0);
   std::atomic<uint64_t> used{0};
-  parallel_for(nc, 1, [&](int64_t c) {
+  // One chunk with at most budget changes: its sections into gs, ss, es, its error into errs; the count.
+  auto run = [&](int64_t c, uint64_t budget) -> uint32_t {
     const uint32_t len = uint32_t(chunk_len(n, c));
     // scratch per thread, a chunk's worth; a chunk keeps only what it decoded, and at most what is left of K
     thread_local std::vector<uint32_t> rank, snap;
@@ -528,7 +529,7 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
       }
     } emit{gap.data(), st.data(), &esc, base, -1};
     uint32_t count = 0;
-    const uint64_t budget = k - std::min<uint64_t>(k, used.load());
+    esc.clear();
     const uint8_t* pb = pos + pa[size_t(c)];
     const uint8_t* sb = steps + sa[size_t(c)];
     const uint64_t plen = uint64_t(pa[size_t(c + 1)] - pa[size_t(c)]);
@@ -544,17 +545,29 @@ bool decode(const Stream& old, int64_t n, const uint8_t* model, int64_t model_le
       e = decode_chunk<T>(base, len, pb, plen, sb, slen, mv, lo, hi, cs.kind, cs.shift, cs.ebits, budget, sc, emit,
                           &count);
     errs[size_t(c)] = e;
-    if (e) return;
-    used += count;
+    if (e) return 0;
     gs[size_t(c)].assign(gap.data(), gap.data() + count);
     ss[size_t(c)].assign(st.data(), st.data() + count);
-  });
-  for (int64_t c = 0; c < nc; ++c)
-    if (errs[size_t(c)]) return err = "v2 chunk " + std::to_string(c) + ": " + err_text(errs[size_t(c)]), false;
-  uint64_t got = 0, got_esc = 0;
-  for (int64_t c = 0; c < nc; ++c) got += gs[size_t(c)].size(), got_esc += es[size_t(c)].size();
-  if (got != k)
-    return err = "v2: decoded " + std::to_string(got) + " changes, the model declares " + std::to_string(k), false;
+    return count;
+  };
+  // In parallel a chunk's budget is what the chunks that happened to finish first left of K, so which error
+  // a bad payload gets would depend on the schedule; it only stops a chunk early.
+  parallel_for(nc, 1, [&](int64_t c) { used += run(c, k - std::min<uint64_t>(k, used.load())); });
+  uint64_t got = 0;
+  for (int64_t c = 0; c < nc; ++c) got += errs[size_t(c)] ? 0 : gs[size_t(c)].size();
+  if (got != k || std::any_of(errs.begin(), errs.end(), [](int e) { return e != 0; })) {
+    // A bad payload: decoded again in chunk order, each chunk's budget what the chunks before it left, as
+    // the reference does, so the error is the reference's and the same on every run.
+    got = 0;
+    for (int64_t c = 0; c < nc; ++c) {
+      got += run(c, k - std::min<uint64_t>(k, got));
+      if (errs[size_t(c)]) return err = "v2 chunk " + std::to_string(c) + ": " + err_text(errs[size_t(c)]), false;
+    }
+    if (got != k)
+      return err = "v2: decoded " + std::to_string(got) + " changes, the model declares " + std::to_string(k), false;
+  }
+  uint64_t got_esc = 0;
+  for (int64_t c = 0; c < nc; ++c) got_esc += es[size_t(c)].size();
   out.table.assign(static_cast<size_t>(2 * nc), 0);
   out.gaps.resize(size_t(k));
   out.steps.resize(size_t(k));
