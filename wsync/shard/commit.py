@@ -11,14 +11,40 @@ it say *abort* to all: every rank keeps serving the previous version.
 
 Messages (JSON meta, no blobs), over Member links (member.py)::
 
-    any -> coord     join {role: "trainer"|"engine", rank, plan, addresses (trainers: engine rank -> address)}
+    any -> coord     join {role: "trainer"|"engine", rank, plan, incarnation, addresses (trainers: engine rank -> address)}
+    coord -> any     refused {reason}  |  busy {reason}          busy: the rank's slot is held by a live link
     coord -> engine  book {addresses: {trainer rank: address}}   where its sources publish, once all have joined
     trainer -> coord published {version, partials: {engine rank: digest}}
     coord -> engine  prepare {version}                            every trainer rank published it
     engine -> coord  ready {version, partials: {trainer rank: digest}}  |  failed {version, reason}
     coord -> engine  commit {version}  |  abort {version, reason, keyframe: [trainer ranks]}
     engine -> coord  committed {version, partials}                digests of what its live tensors now hold
-    coord -> all     settled {version, outcome: "committed"|"aborted", reason, digest}
+    coord -> all     settled {version, outcome: "committed"|"aborted", reason, digest, expected, complete, unconfirmed}
+    engine -> coord  ask {version}                                it voted ready for version and heard no outcome
+    coord -> engine  commit | abort (again)  |  unknown {version}  the decision, or: none recorded here
+
+The decision outlives the link it went out on. A rank's link may drop just
+as *commit* goes out; then that rank holds v staged and voted, and serves
+v-1. So the coordinator keeps each decision (in memory, and on disk first if
+it has a state dir: decisions.py) and says it again: to a rank that rejoins
+without having confirmed it, to a rank that asks (a rank holding a voted
+version asks on every join and every ``ask_every`` seconds), and in
+``settled``, which every rank acts on. A commit is *complete* once every
+engine rank confirmed it serves v or newer (its committed report, said again
+on every join); until then ``settled`` says complete False and names the
+ranks in ``unconfirmed`` (and says so again, complete, when they confirm),
+and ``status()`` lists them.
+
+While the coordinator is down, every rank keeps serving its last committed
+version, and a rank that holds a voted version keeps it and asks each time
+its link comes up. Started again on the same state dir, the coordinator
+answers from its decision log (and runs no round for a version already
+decided); with no state dir it learns a commit from a rank that reports
+serving it (only a coordinator's commit puts a version there), tells the
+ranks holding it staged to commit, and commits rather than aborts a round
+run again for it. With neither (no log, and every rank that committed v
+gone), a rank asking about v is told ``unknown``: it keeps serving v-1 and
+says so, and the next round brings every rank to one version.
 
 Rounds run one at a time, for the newest version every trainer rank has
 published (versions published meanwhile are skipped: the engines' staging
