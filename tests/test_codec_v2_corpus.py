@@ -1,7 +1,7 @@
 """The seeded v2 decoder corpus (tests/fuzz/make_v2_corpus.py) replayed against the reference and the C++ paths.
 
 Every input must get one answer from every decoder: the same v1 sections, byte for byte, or a refusal with
-the same WsyncError subclass. The C++ decoder runs as the bit planes, the planes without AVX2 and the
+the same WsyncError subclass that names the same chunk, and the same count error. The C++ decoder runs as the bit planes, the planes without AVX2 and the
 portable code (each a process of its own: the switches are read once per process) and must give the same
 messages as well; the reference words its own. Each decoder runs in a subprocess, so a crash is a failure
 with the decoder named, not a lost test run.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -81,6 +82,13 @@ def _same(a: list, b: list, messages: bool) -> bool:
         (a[0] not in ("decoded", "applied") or a[1] == b[1])
 
 
+def _where(message: str) -> tuple:
+    """The chunk a refusal names, and whether it is for more changes than the model declares: the C++
+    decoder words its errors its own way, but names the chunk and the count the reference does."""
+    chunk = re.search(r"v2 chunk \d+", message)
+    return chunk and chunk.group(), "more changes than the model declares" in message
+
+
 def _disagreements(cases, answers: dict, key: str) -> list:
     ref = answers["reference"][key]
     bad = []
@@ -92,6 +100,8 @@ def _disagreements(cases, answers: dict, key: str) -> list:
                 bad.append((case.label, name, "not a WsyncError", got))
             if not _same(ref[i], got, messages=False):
                 bad.append((case.label, name, "differs from the reference", got, ref[i]))
+            elif refusal and _where(got[1]) != _where(ref[i][1]):
+                bad.append((case.label, name, "another chunk or count than the reference's", got, ref[i]))
             if name != "reference" and not _same(row["planes"], got, messages=True):
                 bad.append((case.label, name, "differs from the planes", got, row["planes"]))
     return bad
