@@ -293,11 +293,12 @@ def test_serve_refuses_symlinks_out_of_the_served_folder(tmp_path, rng, capsys):
     (src / "step_0003" / "model.safetensors").symlink_to(src / "step_0000" / "model.safetensors")
     _aged(src)
     _aged(outside)
-    assert cli(["serve", str(src), "--listen", "127.0.0.1:0", "--no-watch"]) == 0
+    nobody = ["--no-watch", "--flush-timeout", "0.1"]  # nobody pulls here: serve says so and exits 2
+    assert cli(["serve", str(src), "--listen", "127.0.0.1:0", *nobody]) == 2
     lines = capsys.readouterr().out
     assert "published version 0 " in lines and "published version 3 " in lines
     assert "published version 1 " not in lines and "published version 2 " not in lines
     assert lines.count("symlink") >= 2 and "--follow-symlinks" in lines
-    assert cli(["serve", str(src), "--listen", "127.0.0.1:0", "--no-watch", "--follow-symlinks"]) == 0
+    assert cli(["serve", str(src), "--listen", "127.0.0.1:0", *nobody, "--follow-symlinks"]) == 2
     lines = capsys.readouterr().out
     assert all(f"published version {v} " in lines for v in range(4))

@@ -137,3 +137,87 @@ def test_killed_pull_leaves_last_good_version(tmp_path, rng):
     finally:
         stop.set()
         t.join(10)
+
+
+# -- serve --no-watch says why it served nothing; pull says what it waits for -----------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_no_watch_with_no_valid_file_fails_naming_each_one(tmp_path, capsys):
+    from wsync.cli import main as cli
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.bin").write_bytes(b"\0" * 64)
+    (src / "step_0001.safetensors").write_bytes(b"\xff" * 64)  # a header length that does not fit the file
+    (src / "step_0002").mkdir()
+    old = time.time() - 10
+    for f in [src, *src.iterdir()]:
+        os.utime(f, (old, old))
+    assert cli(["serve", str(src), "--listen", "127.0.0.1:0", "--no-watch", "--flush-timeout", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to serve" in err
+    assert "model.bin: not a .safetensors file" in err
+    assert "step_0001.safetensors: " in err and "header length" in err
+    assert "step_0002: a folder with no .safetensors file or index" in err
+    (src / "step_0001.safetensors").unlink()
+    (src / "step_0002").rmdir()
+    (src / "model.bin").unlink()
+    assert cli(["serve", str(src), "--listen", "127.0.0.1:0", "--no-watch"]) == 2
+    assert f"{src} is empty" in capsys.readouterr().err
+
+
+def test_serve_no_watch_that_served_nobody_exits_nonzero(tmp_path, rng, capsys):
+    from wsync.cli import main as cli
+
+    src = tmp_path / "src"
+    src.mkdir()
+    _series(src, 1, rng, size=1000)
+    assert cli(["serve", str(src), "--listen", "127.0.0.1:0", "--no-watch", "--flush-timeout", "0.5"]) == 2
+    out = capsys.readouterr()
+    assert "published version 0 " in out.out
+    assert "served nobody: no subscriber took version 0" in out.err
+
+
+def test_serve_no_watch_returns_once_a_subscriber_took_the_newest(tmp_path, rng):
+    src = tmp_path / "src"
+    src.mkdir()
+    states = _series(src, 2, rng, size=1000)
+    lines, result = [], {}
+
+    def run():
+        try:
+            serve(src, "tcp://127.0.0.1:0", token=TOKEN, watch=False, settle_s=0.5, log=lines.append, flush_timeout=60)
+            result["ok"] = True
+        except BaseException as e:  # noqa: BLE001
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60  # only to turn a hang into a failure
+    while not any(line.startswith("waiting up to") for line in lines):
+        assert time.monotonic() < deadline and t.is_alive(), (lines, result)
+        time.sleep(0.02)
+    addr = lines[0].split(" at ")[1]
+    assert pull(addr, tmp_path / "out", token=TOKEN, timeout=30, progress=False) == 1
+    t.join(30)
+    assert result == {"ok": True}
+    assert digest(read_checkpoint(tmp_path / "out").state) == digest(as_state(states[1]))
+
+
+def test_pull_says_what_it_waits_for_every_few_seconds(tmp_path):
+    from wsync.subscriber import WaitTimeout
+
+    addr = f"tcp://127.0.0.1:{_free_port()}"
+    said = []
+    with pytest.raises(WaitTimeout, match="announced no version within 1.5s"):
+        pull(addr, tmp_path / "out", connect_timeout=1.5, progress=False, say=said.append, say_every=0.4)
+    assert len(said) >= 2, said
+    assert all(line.startswith(f"waiting for {addr}: nothing listening, ") and line.endswith(" of 1.5")
+               for line in said), said

@@ -60,13 +60,17 @@ def shard_name(name, tensor: str | None = None) -> str:
     return name
 
 
-def read_safetensors(path) -> tuple[State, dict[str, str]]:
+def read_safetensors(path, *, private: bool = False) -> tuple[State, dict[str, str]]:
+    """The tensors of a safetensors file as views of one mapping of it (no copy), and its metadata.
+
+    private: a copy-on-write mapping, writable, whose writes stay in this process (the file never
+    changes); only the pages written become this process's own memory. Default: read-only."""
     path = Path(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
             raise FormatError(f"{path}: {size} bytes is too short for a safetensors file")
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY if private else mmap.ACCESS_READ)
     (hlen,) = struct.unpack_from("<Q", mm)
     if hlen > MAX_HEADER or 8 + hlen > size:
         raise FormatError(f"{path}: header length {hlen} does not fit a {size}-byte file")
@@ -115,30 +119,31 @@ def write_safetensors(path, state: State, metadata: dict[str, str] | None = None
             f.write(memoryview(state[name].bits).cast("B"))
 
 
-def read_checkpoint(path, *, inside=None) -> Checkpoint:
-    """A .safetensors file, or a folder with model.safetensors or a sharded index.
+def read_checkpoint(path, *, inside=None, private: bool = False) -> Checkpoint:
+    """A .safetensors file, or a folder with model.safetensors or a sharded index, mapped (read_safetensors).
 
     inside: a folder every file read must resolve into (FormatError otherwise), so
-    a symlink cannot make a reader of one folder read files from elsewhere."""
+    a symlink cannot make a reader of one folder read files from elsewhere.
+    private: writable copy-on-write mappings (see read_safetensors)."""
     path = Path(path)
 
     def checked(p: Path) -> Path:
         return p if inside is None else check_inside(inside, p)
 
     if path.is_file():
-        state, meta = read_safetensors(checked(path))
+        state, meta = read_safetensors(checked(path), private=private)
         return Checkpoint(state, None, meta)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such safetensors file or checkpoint folder")
     if (path / INDEX_NAME).is_file():
-        return _read_sharded(path, checked)
+        return _read_sharded(path, checked, private)
     if (path / SINGLE_NAME).is_file():
-        state, meta = read_safetensors(checked(path / SINGLE_NAME))
+        state, meta = read_safetensors(checked(path / SINGLE_NAME), private=private)
         return Checkpoint(state, {n: SINGLE_NAME for n in state}, meta)
     raise FileNotFoundError(f"{path}: folder has neither {SINGLE_NAME} nor {INDEX_NAME}")
 
 
-def _read_sharded(path: Path, checked) -> Checkpoint:
+def _read_sharded(path: Path, checked, private: bool = False) -> Checkpoint:
     try:
         weight_map = safejson.loads(checked(path / INDEX_NAME).read_text(), what=str(path / INDEX_NAME))["weight_map"]
         shards = sorted(set(weight_map.values()))
@@ -150,7 +155,7 @@ def _read_sharded(path: Path, checked) -> Checkpoint:
             shard_name(shard)
         except FormatError as e:
             raise FormatError(f"{path / INDEX_NAME}: {e}") from None
-        tensors, m = read_safetensors(checked(path / shard))
+        tensors, m = read_safetensors(checked(path / shard), private=private)
         meta = meta or m
         for name, tb in tensors.items():
             state[name] = tb

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from .snapshot import State
 
@@ -33,6 +34,9 @@ class Encoded:
     buckets: list = field(default_factory=list)  # transport Messages, in order
     error: BaseException | None = None  # set if encoding failed; the version is then skipped
     nbytes: int = 0  # payload bytes so far
+    # None: the buckets are kept above as they are encoded. Otherwise make(i) encodes bucket i for the one sender
+    # that asks, and nothing is kept (a keyframe of a state on disk: it can always be encoded again)
+    make: Callable[[int], Any] | None = None
 
     @property
     def done(self) -> bool:

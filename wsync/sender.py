@@ -115,6 +115,7 @@ class Sender:
             need |= msg.kind == "ack" and bool(msg.meta.get("need_keyframe"))
         with self.pub._cv:
             self.acked = version
+            self.pub._took(version, self.fanout)
             self.need_keyframe |= need
             self.pub._cv.notify_all()
 
@@ -125,6 +126,7 @@ class Sender:
                 with self.pub._cv:
                     if msg.kind == "ack":
                         self.acked = msg.meta.get("version")
+                        self.pub._took(self.acked, 1)
                         self.need_keyframe |= bool(msg.meta.get("need_keyframe"))
                     elif msg.kind == "need":
                         self.need_keyframe = True

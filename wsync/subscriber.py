@@ -560,10 +560,17 @@ def version_digest(tensors, members: list[Members], backend: str | None = None) 
 
 
 def _replace(engine, payloads: list[Payload], checksum: str, backend) -> None:
-    new, records = {}, []
-    for p in payloads:
-        new.update(api.apply_state(None, p, backend=backend))
-        records += [(s.name, s.dtype, s.numel, s.checksum) for s in p.manifest.tensors]
+    """A keyframe into an engine that takes states whole. Each bucket is checked against its manifest as it is
+    decoded; an engine with replace_parts (engines.Spool) takes them one at a time, so the decoded model is
+    never in memory beside the received one."""
+    records = [(s.name, s.dtype, s.numel, s.checksum) for p in payloads for s in p.manifest.tensors]
     if segment_digest(records) != checksum:
         raise ChecksumError(f"keyframe digests to {segment_digest(records)}, expected {checksum}")
+    parts = (api.apply_state(None, p, backend=backend) for p in payloads)
+    if hasattr(engine, "replace_parts"):
+        engine.replace_parts(parts)
+        return
+    new = {}
+    for part in parts:
+        new.update(part)
     engine.replace(new)

@@ -43,7 +43,7 @@ from .sender import Sender
 from .layout import Bound, Members, bind, plan, segment_digest
 from .mirror import LiveDelta, Mirror
 from .device import DeviceSource, DeviceState, on_one_device
-from .snapshot import Copying, State, blank_like, plan_buckets, unique_tensors, wait_copied
+from .snapshot import Copying, State, as_state, blank_like, off_host, plan_buckets, unique_tensors, wait_copied
 from .transports import Message, listen, parse_address
 from .transports.base import with_token
 
@@ -129,6 +129,7 @@ class Publisher:
         self._bind = _Binder()
         self._device_pending = False  # a device snapshot is queued or being encoded
         self._peers: list[Sender] = []
+        self._taken: dict[int, int] = {}  # version -> acknowledgements of it, from subscribers gone since too
         self._error: BaseException | None = None
         self._closed = False
         self._queue: queue.Queue = queue.Queue(self.config.max_queued)
@@ -154,8 +155,13 @@ class Publisher:
 
     # -- trainer-facing ----------------------------------------------------------------------
 
-    def publish(self, state, version: int) -> None:
-        """Snapshot `state` (a state_dict, dict of arrays, or checkpoint path) as `version` and send it behind."""
+    def publish(self, state, version: int, *, frozen: bool = False) -> None:
+        """Snapshot `state` (a state_dict, dict of arrays, or checkpoint path) as `version` and send it behind.
+
+        frozen: the caller promises the state's memory never changes while the publisher may read it (a
+        read-only mapping of a settled file, as `wsync serve` has). It is then encoded where it lies, never
+        copied, never made the mirror; a keyframe of it is encoded anew for each subscriber that needs one,
+        a bucket at a time, and not kept: the publisher holds no copy of the model, encoded or not."""
         self._raise_pending()
         if self._closed:
             raise WsyncError("publisher is closed")
@@ -163,14 +169,16 @@ class Publisher:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if self._last is not None and version <= self._last:
             raise VersionError(f"versions must increase: got {version} after {self._last}")
-        live = self._bind(state, self.config.bucket_bytes)
+        # a frozen state is read where it lies: binding would copy what it may not write (a read-only mapping)
+        live = None if frozen else self._bind(state, self.config.bucket_bytes)
         on_device = isinstance(live, DeviceSource)
         with self._cv:
-            self._host_trainer = live is not None and not on_device  # worth keeping a host mirror for
+            self._host_trainer = live is not None and not on_device  # worth keeping a host mirror for (not frozen)
             self._published_at[version] = time.time()  # before the encoder can start on it
             while len(self._published_at) > 1000:
                 self._published_at.pop(next(iter(self._published_at)))
-        make_kf = self._publish_device(version, live) if on_device else self._publish_host(version, state, live)
+        make_kf = self._publish_device(version, live) if on_device \
+            else self._publish_host(version, state, live, frozen=frozen)
         with self._cv:  # the encoder thread reads _last
             self._last = version
         self._published += 1
@@ -182,8 +190,21 @@ class Publisher:
         return keyframe_due(self._published, self._since_keyframe, self.config.keyframe_every) \
             or layout is None or layout != self._last_layout
 
-    def _publish_host(self, version: int, state, live: Bound | None) -> bool:
-        """Measure `live` against the mirror, or copy it (or a path's state) for the encoder; True: a keyframe."""
+    def _publish_host(self, version: int, state, live: Bound | None, *, frozen: bool = False) -> bool:
+        """Measure `live` against the mirror, or copy it (or a path's state) for the encoder; True: a keyframe.
+
+        frozen: hand the state itself to the encoder (see publish)."""
+        if frozen:
+            if isinstance(state, dict) and any(off_host(t) for t in state.values()):
+                raise ValueError("publish(frozen=True) is for host memory that never changes (a mapped file); "
+                                 "device tensors are snapshotted: publish them without frozen")
+            snap = _Frozen(as_state(state))
+            make_kf = self._keyframe_due(self._layout(snap))
+            with self._cv:
+                self._spare_wanted = False
+            self._queue.put((version, snap, make_kf))
+            self._last_layout = self._layout(snap)
+            return make_kf
         layout = self._layout(live) if live is not None else None
         make_kf = self._keyframe_due(layout)
         if live is None or make_kf or not self._publish_live(version, live):
@@ -299,6 +320,25 @@ class Publisher:
             with self._cv:
                 self._cv.wait(0.2)
         return have
+
+    def wait_taken(self, timeout: float | None = None) -> int:
+        """Block until a subscriber has acknowledged the newest version, or timeout seconds pass; returns how
+        many acknowledgements of it arrived (0: nobody took it), counting subscribers that have left since."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while not self._taken.get(self._history.newest, 0):
+                left = None if deadline is None else deadline - time.monotonic()
+                if self._closed or (left is not None and left <= 0):
+                    break
+                self._cv.wait(min(left, 1.0) if left is not None else 1.0)
+            return self._taken.get(self._history.newest, 0)
+
+    def _took(self, version, n: int) -> None:
+        """n subscribers acknowledged version. Holds _cv."""
+        if isinstance(version, int):
+            self._taken[version] = self._taken.get(version, 0) + n
+            while len(self._taken) > 1000:
+                self._taken.pop(next(iter(self._taken)))
 
     def close(self) -> None:
         with self._cv:
@@ -495,7 +535,7 @@ class Publisher:
         def make():
             return [plan(state, names) for names in
                     plan_buckets([(n, tb.nbytes) for n, tb in state.items()], self.config.bucket_bytes)]
-        if isinstance(state, (Bound, Copying)):
+        if isinstance(state, (Bound, Copying, _Frozen)):
             return state.plan(("buckets", self.config.bucket_bytes), make)
         return make()
 
@@ -507,17 +547,12 @@ class Publisher:
 
         Returns each segment's checksum (as its manifest gives it)."""
         sums = []  # (key, dtype, numel, checksum) of every segment: the version digest, without another pass
-        with self._cv:
-            at = self._published_at.get(enc.version)  # publish()'s wall clock: subscribers measure latency from it
         try:
             for i in range(enc.count):
                 p = payload(i)
-                sums += [(t.name, t.dtype, t.numel, t.checksum) for t in p.manifest.tensors]
+                msg = self._message(enc, i, p, sums)
                 last = i == enc.count - 1
-                # the digest of the whole version rides on its last bucket, the one the subscriber applies after
-                meta = {"version": enc.version, "base_version": enc.base_version, "index": i, "count": enc.count,
-                        "checksum": segment_digest(sums) if last else None, "published_at": at}
-                msg = Message("bucket", meta, [p.header(), p.body])
+                meta = msg.meta
                 with self._cv:
                     if last:
                         enc.checksum = meta["checksum"]
@@ -535,6 +570,17 @@ class Publisher:
                 self._history.drop(enc.version)
                 self._cv.notify_all()
             raise
+
+    def _message(self, enc: Encoded, i: int, p, sums: list) -> Message:
+        """Bucket i of enc as a message; sums collects each segment's checksum record, in order."""
+        with self._cv:
+            at = self._published_at.get(enc.version)  # publish()'s wall clock: subscribers measure latency from it
+        sums += [(t.name, t.dtype, t.numel, t.checksum) for t in p.manifest.tensors]
+        last = i == enc.count - 1
+        # the digest of the whole version rides on its last bucket, the one the subscriber applies after
+        meta = {"version": enc.version, "base_version": enc.base_version, "index": i, "count": enc.count,
+                "checksum": segment_digest(sums) if last else None, "published_at": at}
+        return Message("bucket", meta, [p.header(), p.body])
 
     def _encoder(self, enc: Encoded, base: State | None, state: State, host: bool = False):
         """payload(i) for _fill: bucket i of state, as a delta against base (raw if base is None).
@@ -561,6 +607,8 @@ class Publisher:
 
         The history's keyframe is encoded to host bytes (host): it stays for many versions, and a device
         body would hold a model's worth of device memory all that time."""
+        if isinstance(kf.state, _Frozen):
+            return self._streamed_keyframe(kf)
         with self._cv:
             host = host or kf is self._history.keyframe
         with kf.lock:
@@ -570,10 +618,28 @@ class Publisher:
                 kf.checksum, kf.encoded = enc.checksum, enc
             return kf.encoded
 
+    def _streamed_keyframe(self, kf: Keyframe) -> Encoded:
+        """A keyframe of a frozen state for one sender: each bucket encoded as it asks for it, and let go
+        once sent, so serving any number of subscribers holds one bucket per sender, never the model."""
+        enc = Encoded(kf.version, None, kf.checksum, len(self._buckets(kf.state)))
+        payload, sums = self._encoder(enc, None, kf.state), []
+
+        def make(i: int) -> Message:
+            msg = self._message(enc, i, payload(i), sums)
+            if i == enc.count - 1:
+                with self._cv:
+                    enc.checksum = kf.checksum = msg.meta["checksum"]
+                    self._history.known(enc.version, enc.checksum)
+            if self.metrics is not None:
+                self.metrics.sent_bytes("raw", msg.nbytes)
+            return msg
+        enc.make = make
+        return enc
+
     def _recycle(self, old: State | None) -> None:
         """Keep a state no one needs any more, so the next publish() copies into warm memory. Holds _cv."""
         if old is not None and old is not self._state and old is not self._mirror.state \
-                and id(old) not in self._keyframe_states:
+                and id(old) not in self._keyframe_states and not isinstance(old, _Frozen):
             self._spare = old
 
     def _take_spare(self, device: bool = False) -> State | None:
@@ -658,12 +724,32 @@ class Publisher:
         return self._on_demand
 
     def _wait_bucket(self, enc: Encoded, i: int):
+        if enc.make is not None:  # encoded now, for this sender alone
+            try:
+                return enc.make(i)
+            except WsyncError as e:
+                log.error("encoding bucket %d of version %s failed: %s", i, enc.version, e)
+                return None
         with self._cv:
             while len(enc.buckets) <= i and enc.error is None and not self._closed:
                 self._cv.wait(1.0)
             if enc.error is not None or self._closed:
                 return None
             return enc.buckets[i]
+
+
+class _Frozen(dict):
+    """A state publish() was promised never changes (publish(frozen=True)): encoded where it lies."""
+
+    def __init__(self, state: State):
+        super().__init__(state)
+        self._plans: dict = {}
+
+    def plan(self, key, make):
+        """A value computed once per key for this state (its bucket layouts)."""
+        if key not in self._plans:
+            self._plans[key] = make()
+        return self._plans[key]
 
 
 class _Binder:
