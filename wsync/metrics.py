@@ -101,25 +101,33 @@ class _CappedServer(WSGIServer):
         self.address_family = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM,
                                                  flags=socket.AI_PASSIVE)[0][0]
         self.max_connections, self.deadline_s = max_connections, deadline_s
-        self._slots = threading.BoundedSemaphore(max_connections)
         self._live: dict[socket.socket, None] = {}  # insertion order: the oldest first
+        self._threads: list[threading.Thread] = []  # only the accepting thread touches it
         self._lock = threading.Lock()
         super().__init__(address, _Handler)
 
     def process_request(self, request, client_address):
-        with self._lock:
-            if len(self._live) >= self.max_connections:
-                oldest = next(iter(self._live))
-                del self._live[oldest]
-                _drop(oldest)
-        # the evicted connection's thread gives its slot back as soon as its socket is shut
-        if not self._slots.acquire(timeout=self.deadline_s):
-            self.shutdown_request(request)
-            return
+        give_up = time.monotonic() + self.deadline_s
+        while True:
+            # a thread counts until it has ended, not merely let go of its socket, so the bound is strict
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if len(self._threads) < self.max_connections:
+                break
+            if time.monotonic() > give_up:
+                self.shutdown_request(request)
+                return
+            with self._lock:
+                if len(self._live) >= self.max_connections:
+                    oldest = next(iter(self._live))
+                    del self._live[oldest]
+                    _drop(oldest)
+            self._threads[0].join(0.01)
         with self._lock:
             self._live[request] = None
-        threading.Thread(target=self._serve, args=(request, client_address), daemon=True,
-                         name="wsync-metrics-conn").start()
+        t = threading.Thread(target=self._serve, args=(request, client_address), daemon=True,
+                             name="wsync-metrics-conn")
+        self._threads.append(t)
+        t.start()
 
     def _serve(self, request, client_address):
         try:
@@ -132,7 +140,6 @@ class _CappedServer(WSGIServer):
             with self._lock:
                 self._live.pop(request, None)
             self.shutdown_request(request)
-            self._slots.release()
 
     def close_all(self) -> None:
         with self._lock:
