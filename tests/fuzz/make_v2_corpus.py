@@ -1,7 +1,7 @@
 """A seeded corpus of delta v2 decoder inputs: valid payloads and mutations of them that reach the decoder.
 
-The coverage-guided fuzzing of the v2 decoder kept no corpus; this one is regenerated from a seed, the same
-bytes on every machine, so CI replays exactly what was checked here (tests/test_codec_v2_corpus.py).
+A fuzz corpus is only worth keeping if every run replays the same one: this one is regenerated from a seed,
+the same bytes on every machine, so CI replays exactly what was checked here (tests/test_codec_v2_corpus.py).
 v2_corpus.sha256 holds the seed and the digest of the whole corpus: a change to this generator, to the
 reference encoder, or to anything they draw from shows up as a digest mismatch, not as a quietly different
 corpus. Randomness comes only from random.Random's getrandbits, randrange and choice, whose streams Python
