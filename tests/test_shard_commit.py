@@ -181,6 +181,8 @@ def test_a_coordinator_that_died_between_its_commits_settles_every_rank_when_bac
     g = rings(state_dir=str(tmp_path) if durable else None, ask_every=600.0)  # rank 1 asks only on joining
     g.commit(0)
     g.commit(1)
+    if durable:
+        assert sorted(DecisionLog(tmp_path, g.plan.hash).load()) == [0, 1]
     dropped = drop_commit(g.subs[1], 2, close_link=False)
     g.publish(2)
     assert dropped.wait(WAIT)

@@ -11,7 +11,7 @@ it say *abort* to all: every rank keeps serving the previous version.
 
 Messages (JSON meta, no blobs), over Member links (member.py)::
 
-    any -> coord     join {role: "trainer"|"engine", rank, plan, incarnation, addresses (trainers: engine rank -> address)}
+    any -> coord     join {role: "trainer"|"engine", rank, plan, incarnation, addresses (trainers: engine -> address)}
     coord -> any     refused {reason}  |  busy {reason}          busy: the rank's slot is held by a live link
     coord -> engine  book {addresses: {trainer rank: address}}   where its sources publish, once all have joined
     trainer -> coord published {version, partials: {engine rank: digest}}

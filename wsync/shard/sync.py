@@ -91,21 +91,23 @@ class ShardPublisher:
     they are given (the coordinator's address book). The coordinator link is tcp whatever this says. host: where
     tcp and ucx Publishers listen, on free ports; local ones take a fresh name each. timeout: seconds a round
     may wait for every engine rank to be ready; connect_timeout: seconds to reach the coordinator (the constructor
-    waits: a version published before would get no round). publisher_config: wsync.Publisher's (codec, ...).
+    waits: a version published before would get no round). coordinator_state_dir: with host_coordinator, where
+    the coordinator records its decisions (commit.Coordinator's state_dir). publisher_config: wsync.Publisher's
+    (codec, ...).
     """
 
     def __init__(self, plan, rank: int, *, coordinator: str, host_coordinator: bool = False, token=None,
                  host: str = "127.0.0.1", transport: str = "tcp", timeout: float = 60.0, backend: str | None = None,
                  listen_opts: dict | None = None, link_opts: dict | None = None, connect_timeout: float = 60.0,
-                 **publisher_config):
+                 coordinator_state_dir=None, **publisher_config):
         if not (isinstance(rank, int) and 0 <= rank < plan.trainer.ranks):
             raise ValueError(f"trainer rank must be in [0, {plan.trainer.ranks}), got {rank!r}")
         data_address(transport, host, None)  # a bad transport fails before anything listens
         self.plan, self.rank, self.transport = plan, rank, transport
         self.sends = plan.sends(rank)  # engine rank -> this rank's pieces for it
         self.kernels = backends.kernels(backend)
-        self.coordinator = Coordinator(plan, coordinator, token=token, timeout=timeout, link_opts=link_opts) \
-            if host_coordinator else None
+        self.coordinator = Coordinator(plan, coordinator, token=token, timeout=timeout, link_opts=link_opts,
+                                       state_dir=coordinator_state_dir) if host_coordinator else None
         self.coordinator_address = self.coordinator.address if self.coordinator else coordinator
         self.buffers = {r: buffers_for(plan, pieces) for r, pieces in self.sends.items()}
         self._names = sorted({p.src_name for pieces in self.sends.values() for p in pieces})
