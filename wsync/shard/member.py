@@ -153,7 +153,8 @@ class Member:
                 except TransportTimeout:
                     continue
                 if msg.kind in ("refused", "busy"):
-                    self.error = CoordinatorError(f"the coordinator refused {self._who()}: "
+                    said = "refused" if msg.kind == "refused" else "turned away"
+                    self.error = CoordinatorError(f"the coordinator {said} {self._who()}: "
                                                   f"{str(msg.meta.get('reason'))[:300]}")
                     log.error("%s%s", self.error, "; trying again" if msg.kind == "busy" else "")
                     # busy: the slot is held by a live link, not this one's to take now; maybe once that dies
