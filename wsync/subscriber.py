@@ -1,7 +1,7 @@
 """Subscriber (engine side): follow a Publisher, and move an engine from version to version atomically.
 
     sub = wsync.Subscriber("tcp://trainer:7070", engine=wsync.engines.HF(model), token=...)
-    sub.wait_for(step)          # or, between decode steps: sub.poll()
+    sub.wait_for(step, timeout=600)   # or, between decode steps: sub.poll()
 
 A receiver thread stages whole versions (every bucket of one version, parsed
 and checked); applying them is a transaction (see ``apply_version``): verify
@@ -13,6 +13,17 @@ redialled, and the hello tells the publisher where to resume. Why the last dial
 failed is kept in ``error`` and named by wait_for's timeout; a listener that
 refuses us (token, protocol version) is dialled less and less often, and after
 GIVE_UP refusals in a row wait_for raises the refusal instead of waiting on.
+
+Memory is bounded against the publisher: what the subscriber holds for
+versions not yet applied is bounded in bytes by the layout it serves (or, for
+an engine with no tensors yet, by ``max_version_bytes``), checked before
+anything is allocated (staging.py): a version declaring more buckets or bytes
+than one version of that layout can take, with every codec's worst case, is
+refused (``staging.Oversized``; the link refuses a larger message at its
+header), and wait_for raises it after GIVE_UP refusals in a row. In poll mode
+an engine that polls seldom does not make it hold every version meanwhile: one
+keyframe and the deltas after it wait (a keyframe supersedes what was staged
+before it; deltas past twice the bound are dropped and a keyframe asked for).
 
 ``on_commit``, if given, is called once per version the engine commits, in
 order, with ``{"version", "bytes", "keyframe", "apply_s"}`` (one poll may commit
@@ -46,42 +57,30 @@ from .transports import Message, TransportTimeout, connect, parse_address
 from .tokens import check as check_token
 from .transports.base import with_device, with_token
 from .transports.tcp.auth import Refused
+from .transports.tcp.frames import MessageTooLarge
+from .staging import NO_LAYOUT_BYTES, Limits, Oversized, Staged, Staging, table_bytes  # noqa: F401 - Staged: re-exported
 
 log = logging.getLogger("wsync.sync")
 GIVE_UP = 3  # wait_for raises the apply error (or refusal) after this many in a row (the subscriber keeps trying)
 MAX_PAUSE = 30.0  # seconds between dials at most, once a listener keeps refusing us
+MAX_LAYOUTS = 4096  # member tables kept (a layout per bucket) ...
+LAYOUT_BYTES = 64 << 20  # ... and their bytes, unless the version served needs more (see _learn)
+WAIT_LOG_S = 5.0  # wait_for without a timeout says what it is waiting for this often: a silent hang helps nobody
 
 
 class WaitTimeout(WsyncError, TimeoutError):
     """wait_for / wait_announced ran out of time; the message says why when the publisher could not be reached."""
 
 
-class Staged:
-    """One version, received whole and parsed (payload checksums are checked when it is applied)."""
-
-    def __init__(self, meta: dict):
-        self.version: int = meta["version"]
-        self.base_version: int | None = meta["base_version"]
-        self.count: int = meta["count"]
-        self.checksum: str | None = meta["checksum"]  # the digest comes with the last bucket
-        at = meta.get("published_at")  # the publisher's wall clock at publish(), for the latency metric
-        self.published_at: float | None = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) \
-            else None
-        self.payloads: list[Payload] = []
-        self.nbytes = 0
-
-    @property
-    def keyframe(self) -> bool:
-        return all(p.manifest.codec == "raw" for p in self.payloads)
-
-
 class Subscriber:
     def __init__(self, address: str, *, engine, token=None, apply: str = "background", backend: str | None = None,
                  connect_opts: dict | None = None, retry_s: float = 0.5, progress=None, relay: str | None = None,
                  relay_opts: dict | None = None, served: list | None = None, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1", on_commit=None):
+                 metrics_host: str = "127.0.0.1", on_commit=None, max_version_bytes: int | None = None):
         if apply not in ("background", "poll"):
             raise ValueError(f"apply must be 'background' or 'poll', got {apply!r}")
+        if max_version_bytes is not None and (type(max_version_bytes) is not int or max_version_bytes < 1):
+            raise ValueError(f"max_version_bytes must be a positive int, got {max_version_bytes!r}")
         self.address, self.engine, self.mode, self.backend = address, engine, apply, backend
         self._token, self._opts, self._retry_s = check_token(token), with_device(address, connect_opts), retry_s
         self.progress = progress  # called as progress(version, bucket, buckets, bytes) as buckets arrive
@@ -90,7 +89,11 @@ class Subscriber:
         self._lockstep = parse_address(address).scheme in ("gloo", "nccl")
         self._cv = threading.Condition()
         self._apply_lock = threading.RLock()  # one applier at a time: poll() may be called from several threads
-        self._staged: list[Staged] = []
+        self._staged = Staging()  # versions received, not applied yet: one keyframe and the deltas after it
+        # the most one version may take: stated, or from the layout served (or the engine's tensors); see staging.py
+        self._max_version_bytes = max_version_bytes
+        self._limits: Limits | None = None
+        self._limits_of: object = ()  # the served layouts _limits was computed from
         self._need_keyframe = False  # an apply failed: ignore deltas until a keyframe comes
         self._streak = 0  # failed applies in a row; keyframe requests back off, and wait_for gives up at GIVE_UP
         self._report_need = False
@@ -101,8 +104,10 @@ class Subscriber:
         self._layouts: dict[str, Members] = {}  # member tables by hash, learned from keyframes (deltas name them)
         # the layouts of the version the engine serves (given: a replica's, saved with it by `wsync pull`)
         self._served: list[Members] | None = served if engine.version is not None else None
+        self._layout_cost: dict[str, int] = {}  # bytes of each table's JSON, held to a budget (_learn)
+        self._layout_bytes = 0
         for m in self._served or []:
-            self._layouts[m.hash] = m
+            self._learn(m)
         self._bound: Bound | DeviceEngine | None = None  # the engine's tensors, bound once (segment tables reused every version)
         # the last failure, kept for callers to inspect: an apply refused, or while no link is up, why the last dial failed
         self.error: WsyncError | None = None
@@ -128,7 +133,10 @@ class Subscriber:
     # -- engine-facing -----------------------------------------------------------------------
 
     def poll(self) -> int | None:
-        """Apply every staged version now, in this thread; return the newest version applied, or None."""
+        """Apply every staged version now, in this thread; return the newest version applied, or None.
+
+        What waits is at most one keyframe and the deltas after it: a version a later keyframe superseded
+        is never applied (and gives no on_commit), since the keyframe alone ends in the same state."""
         applied = None
         with self._apply_lock:  # taken and applied in order, never two versions at once
             while (st := self._take()) is not None:
@@ -137,8 +145,17 @@ class Subscriber:
         return applied
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
-        """Block until the engine serves `version` or newer; returns the version served."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Block until the engine serves `version` or newer; returns the version served.
+
+            sub.wait_for(step, timeout=600)   # WaitTimeout after 600 s, naming why if the publisher is unreachable
+
+        Without a timeout it may wait forever (a publisher that never comes); it then logs what it waits
+        for every WAIT_LOG_S seconds, e.g. "waiting for version 3 from tcp://127.0.0.1:7070: nothing
+        received yet, 12 s" (a warning while nothing arrives or no link is up). It raises the error after
+        GIVE_UP failures in a row: applies refused, oversized versions, or dials refused."""
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        said = start
         while True:
             if self.mode == "poll":
                 self.poll()
@@ -152,8 +169,23 @@ class Subscriber:
                 if left is not None and left <= 0:
                     raise self._timeout(f"engine still at version {self.version} after {timeout:g}s, "
                                         f"waited for {version}")
+                if deadline is None and time.monotonic() - said >= WAIT_LOG_S:
+                    said = time.monotonic()
+                    self._say_waiting(version, said - start)
                 if not self._staged or self.mode == "background":
                     self._cv.wait(min(left, 0.5) if left is not None else 0.5)
+
+    def _say_waiting(self, version: int, waited: float) -> None:
+        """Under _cv: one line on what wait_for waits for (a warning while nothing comes in)."""
+        quiet = self.newest_seen is None or self._link is None
+        if self.newest_seen is None:
+            what = "nothing received yet"
+        else:
+            what = f"engine at version {self.version}, newest announced {self.newest_seen}"
+        if self._link is None:
+            what += "; no link to the publisher" + (f": {self.error}" if self.error is not None else "")
+        log.log(logging.WARNING if quiet else logging.INFO, "waiting for version %s from %s: %s, %.0f s",
+                version, self.address, what, waited)
 
     def wait_announced(self, timeout: float | None = None) -> int:
         """Block until the publisher has announced a version (its newest on connect); return the newest seen."""
@@ -181,9 +213,12 @@ class Subscriber:
         return WaitTimeout(what)
 
     def stats_snapshot(self) -> dict:
-        """A consistent copy of the counters (versions, bytes, failures, reconnects, the last version's numbers)."""
+        """A consistent copy of the counters (versions, bytes, failures, reconnects, the last version's numbers),
+        and what waits to be applied: staged (versions) and staged_bytes (what they hold)."""
         with self._cv:
-            return copy.deepcopy(self._stats)
+            out = copy.deepcopy(self._stats)
+            out["staged"], out["staged_bytes"] = len(self._staged.items), self._staged.held
+            return out
 
     @property
     def stats(self) -> dict:
@@ -232,13 +267,16 @@ class Subscriber:
                 pause = self._retry_s
                 self._linked(link)
                 try:
+                    self._narrow(link)
                     # without the layout of what it serves it cannot take deltas: it asks for a keyframe
                     known = self._served is not None
                     self._send(Message("hello", {"protocol": PROTOCOL, "version": self.version if known else None,
                                                  "checksum": self._served_checksum() if known else None}))
                     self._receive(link)
                 except WsyncError as e:
-                    if not self._closed:
+                    if isinstance(e, (Oversized, MessageTooLarge)):
+                        self._oversized(e)
+                    elif not self._closed:
                         self._link_lost(link, e)
                 finally:
                     self._link = None
@@ -277,6 +315,40 @@ class Subscriber:
         else:
             log.warning("subscriber link to %s lost (%s); redialling", self.address, e)
 
+    def _version_limits(self) -> Limits:
+        """What one version may take (staging.Limits): stated, else from the layouts served, else from the
+        engine's tensors, else the cap for a subscriber that knows no layout yet. Cached per layout served."""
+        if self._max_version_bytes is not None:
+            return Limits.stated(self._max_version_bytes, "max_version_bytes allows")
+        served = self._served
+        if self._limits is None or self._limits_of is not served:
+            if served:
+                lim = Limits.of_layouts(served)
+            else:
+                with self._apply_lock:  # not while poll() swaps the engine's tensors
+                    lim = Limits.of_tensors(self.engine.tensors())
+            self._limits = lim or Limits.stated(NO_LAYOUT_BYTES, "a subscriber takes while it knows no layout "
+                                                                "(set max_version_bytes)")
+            self._limits_of = served
+        return self._limits
+
+    def _narrow(self, link) -> None:
+        """Tell the link the largest message to accept: a bucket is never more than its version."""
+        limit = getattr(link, "limit", None)
+        if limit is not None:
+            lim = self._version_limits()
+            limit(lim.version_bytes, why=lim.why)
+
+    def _oversized(self, e: WsyncError) -> None:
+        """A version larger than the layout allows was refused (nothing was allocated for it); counted
+        like a refused apply, so wait_for raises it once it keeps happening."""
+        with self._cv:
+            self.error = self._apply_error = e
+            self._streak += 1
+            self._stats["failures"] += 1
+            self._cv.notify_all()
+        log.error("refused a version from the publisher %s: %s; redialling", self.address, e)
+
     def _served_checksum(self) -> str | None:
         if self.version is None or self._served is None:
             return None
@@ -300,6 +372,8 @@ class Subscriber:
                 continue
             if msg.kind != "bucket" or len(msg.blobs) != 2:
                 raise TransportError(f"unexpected {msg.kind!r} message from the publisher")
+            if msg.meta.get("index") == 0:  # a new version: the layout served may have changed since the last
+                self._narrow(link)
             cur = self._add_bucket(cur, msg)
             if cur is not None and len(cur.payloads) == cur.count:
                 self._stage(cur)
@@ -309,14 +383,14 @@ class Subscriber:
         m = msg.meta
         try:
             if m["index"] == 0:
-                cur = Staged(m)
+                cur = Staged(m, self._version_limits())  # Oversized for more buckets than the layout can have
             elif cur is None or m["version"] != cur.version or m["index"] != len(cur.payloads):
                 raise TransportError(f"bucket {m['index']} of version {m['version']} arrived out of order")
+            cur.add(msg.nbytes)  # Oversized once the version's buckets add up to more than it can take
             # checked and unzipped now, while later buckets are still on the wire
             payload = Payload.from_parts(msg.blobs[0], msg.blobs[1])
-            cur.payloads.append(api.prepare(payload, backend=self.backend))
+            cur.kept(api.prepare(payload, backend=self.backend))
             self._learn(payload.manifest.members)
-            cur.nbytes += msg.nbytes
             if len(cur.payloads) == cur.count:
                 cur.checksum = m["checksum"]
                 if not isinstance(cur.checksum, str):
@@ -330,8 +404,13 @@ class Subscriber:
 
     def _stage(self, st: Staged) -> None:
         with self._cv:
-            self._staged.append(st)
+            kept = self._staged.add(st, 2 * st.limits.version_bytes)
             self._cv.notify_all()
+        if not kept:
+            log.warning("the engine has not polled while deltas up to version %s arrived: dropped those past the "
+                        "first waiting version (more than twice the %s bytes %s); asking for a keyframe",
+                        st.version, st.limits.version_bytes, st.limits.why)
+            self._ask_keyframe()
         if self.mode == "background":
             self.poll()
         if self._lockstep or self.mode == "poll":
@@ -339,13 +418,26 @@ class Subscriber:
             self._ack(st.version)
 
     def _learn(self, members: Members | None) -> None:
-        """Keep an inline member table, so later deltas can name it by hash."""
+        """Keep an inline member table, so later deltas can name it by hash.
+
+        Held to MAX_LAYOUTS tables and, in bytes of their JSON, to LAYOUT_BYTES or three times those of
+        the version served, whichever is more: a publisher could otherwise send a new large table with
+        every version. The oldest go first, never those of the version served (its deltas need them)."""
         if members is None or members.hash in self._layouts:
             return
+        cost = table_bytes(members.names, [len(s) for s in members.shapes])
         with self._cv:
-            if len(self._layouts) >= 4096:  # a layout per bucket; old ones go first
-                self._layouts.pop(next(iter(self._layouts)))
+            keep = {m.hash for m in self._served or []}
+            budget = max(LAYOUT_BYTES, 3 * sum(self._layout_cost.get(h, 0) for h in keep))
+            for h in list(self._layouts):
+                if len(self._layouts) < MAX_LAYOUTS and self._layout_bytes + cost <= budget:
+                    break
+                if h not in keep:
+                    del self._layouts[h]
+                    self._layout_bytes -= self._layout_cost.pop(h, 0)
             self._layouts[members.hash] = members
+            self._layout_cost[members.hash] = cost
+            self._layout_bytes += cost
 
     def _saw(self, version) -> None:
         if isinstance(version, int):
@@ -362,7 +454,7 @@ class Subscriber:
 
     def _take(self) -> Staged | None:
         with self._cv:
-            return self._staged.pop(0) if self._staged else None
+            return self._staged.take()
 
     def _send(self, msg: Message) -> None:
         link = self._link
@@ -380,6 +472,9 @@ class Subscriber:
         self._need_keyframe = True
         if self._streak > 1:  # a keyframe that cannot apply here would otherwise be re-sent in a hot loop
             time.sleep(min(0.1 * 2 ** self._streak, 10.0))
+        self._ask_keyframe()
+
+    def _ask_keyframe(self) -> None:
         if self._lockstep:
             with self._cv:
                 self._report_need = True  # said in the next ack: a group link only speaks in lockstep

@@ -40,6 +40,7 @@ REC_SIZE = REC.size + REC_SUM.size  # 56
 MAGIC = b"WSF1"
 HEAD, FRAME, ACK, CLOSE = 1, 2, 3, 4
 MAX_HEAD = 16 << 20  # JSON header of one message
+MIN_HEAD_LIMIT = 64 << 10  # ...which a narrowed max_message (TcpLink.limit) lowers, never below this
 MAX_BLOBS = 1 << 16
 MIN_FRAME, MAX_FRAME = 4 << 10, 256 << 20
 
@@ -50,6 +51,10 @@ class CorruptRecord(ChecksumError):
     def __init__(self, msg: str, key: tuple | None = None):
         super().__init__(msg)
         self.key = key  # (seq, blob, frame) when known, to count resends per frame
+
+
+class MessageTooLarge(TransportError):
+    """A peer announced a message larger than this side accepts; refused before anything is allocated."""
 
 
 @dataclass
@@ -88,8 +93,10 @@ def encode_head(kind: str, meta: dict, sizes: list[int], frame: int) -> bytes:
     return json.dumps({"kind": kind, "meta": meta, "sizes": sizes, "frame": frame}, separators=(",", ":")).encode()
 
 
-def decode_head(body: bytes, max_message: int) -> tuple[str, dict, list[int], int]:
-    """Validate a HEAD body: field types, blob count, total size and frame size all bounded."""
+def decode_head(body: bytes, max_message: int, why: str | None = None) -> tuple[str, dict, list[int], int]:
+    """Validate a HEAD body: field types, blob count, total size and frame size all bounded.
+
+    why: what set max_message, when the receiver narrowed it (TcpLink.limit), for the refusal."""
     try:
         doc = safejson.loads(body, what="message header")
         kind, meta, sizes, frame = doc["kind"], doc["meta"], doc["sizes"], doc["frame"]
@@ -101,8 +108,10 @@ def decode_head(body: bytes, max_message: int) -> tuple[str, dict, list[int], in
     if not MIN_FRAME <= frame <= MAX_FRAME:
         raise TransportError(f"peer chose a frame size of {frame} bytes, outside [{MIN_FRAME}, {MAX_FRAME}]")
     if sum(sizes) > max_message:
-        raise TransportError(f"peer announced a {sum(sizes)}-byte message, above max_message={max_message}; "
-                             "raise max_message on this side if that is expected")
+        if why is not None:
+            raise MessageTooLarge(f"peer announced a {sum(sizes)}-byte message, above the {max_message} bytes {why}")
+        raise MessageTooLarge(f"peer announced a {sum(sizes)}-byte message, above max_message={max_message}; "
+                              "raise max_message on this side if that is expected")
     return kind, meta, sizes, frame
 
 

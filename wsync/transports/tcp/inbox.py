@@ -62,13 +62,14 @@ class Buffers:
 class InMsg:
     __slots__ = ("kind", "meta", "bufs", "frame", "held", "claimed", "missing", "size")
 
-    def __init__(self, kind: str, meta: dict, sizes: list[int], frame: int, alloc):
+    def __init__(self, kind: str, meta: dict, sizes: list[int], frame: int, alloc, head: int = 0):
         self.kind, self.meta, self.frame = kind, meta, frame
         self.bufs = [alloc(n) for n in sizes]
         self.held = [set() for _ in sizes]  # frame indices received and verified
         self.claimed: set[tuple[int, int]] = set()  # frames a reader is receiving right now
         self.missing = sum(tf.frame_count(n, frame) for n in sizes)
-        self.size = sum(sizes)
+        # its header counts too: a stream of blob-less messages with large metas would otherwise cost nothing
+        self.size = sum(sizes) + head
 
 
 class Inbox:
@@ -76,6 +77,7 @@ class Inbox:
 
     def __init__(self, cv: threading.Condition, max_message: int, recv_window: int, pool_bytes: int):
         self.cv, self.max_message, self.recv_window = cv, max_message, recv_window
+        self.limit_why: str | None = None  # what narrowed max_message (TcpLink.limit), named when refusing
         self.buffers = Buffers(pool_bytes)
         self.msgs: dict[int, InMsg] = {}
         self.complete_below = 0  # every message below this is complete (delivered or waiting in msgs)
@@ -92,7 +94,8 @@ class Inbox:
         """Register a message; waits while the application lags by more than recv_window."""
         if self.known(seq):
             return  # a HEAD sent again after a reconnect
-        kind, meta, sizes, frame = tf.decode_head(body, self.max_message)
+        kind, meta, sizes, frame = tf.decode_head(body, self.max_message, self.limit_why)
+        size = sum(sizes) + len(body)
         incomplete = [m.size for m in self.msgs.values() if m.missing]
         if len(incomplete) >= MAX_INCOMPLETE or seq >= self.complete_below + (1 << 20):
             raise TransportError(f"peer announced message {seq} with {len(incomplete)} still incomplete; "
@@ -101,14 +104,14 @@ class Inbox:
             raise TransportError(f"peer announced message {seq} of {sum(sizes)} bytes with {sum(incomplete)} bytes of "
                                  f"earlier messages still incomplete, above 2 x max_message={self.max_message}")
         # only deliverable bytes count: waiting on an incomplete earlier message could deadlock
-        while live() and self.ready_bytes and self.ready_bytes + sum(sizes) > self.recv_window:
+        while live() and self.ready_bytes and self.ready_bytes + size > self.recv_window:
             self.app_lags = True
             self.cv.wait()
         self.app_lags = False
         if not live():
             return
         try:
-            self.msgs[seq] = InMsg(kind, meta, sizes, frame, self.buffers.take)
+            self.msgs[seq] = InMsg(kind, meta, sizes, frame, self.buffers.take, len(body))
         except MemoryError:
             raise TransportError(f"cannot allocate {sum(sizes)} bytes for message {seq}; "
                                  "lower max_message or free memory") from None

@@ -185,12 +185,15 @@ class TcpLink:
             self._end(TransportError(f"link to {self.peer} was closed by this side"))
         self._reap()
 
-    def limit(self, max_message: int) -> None:
+    def limit(self, max_message: int, why: str | None = None) -> None:
         """The largest message this side accepts from now on: a receiver that knows what it expects
-        (a layout's bucket sizes) narrows the configured max_message, so a larger one is refused
-        before anything is allocated for it."""
+        (a subscriber: what one version of its engine's layout can take) sets it, so a larger one is
+        refused at its header, before anything is allocated for it (frames.MessageTooLarge, naming
+        `why`, e.g. "one version of the engine's layout can take"). Message headers are held to it too."""
+        if max_message < 1:
+            raise ValueError(f"max_message must be positive, got {max_message}")
         with self.cv:
-            self.inbox.max_message = max_message
+            self.inbox.max_message, self.inbox.limit_why = max_message, why
 
     def _check_open(self) -> None:
         if self.state in ("failed", "closed"):
@@ -326,8 +329,9 @@ class TcpLink:
         if rec.type == tf.FRAME:
             return self._read_frame(e, sock, rec, header, mac, live)
         if rec.type == tf.HEAD:
-            if rec.length > tf.MAX_HEAD:
-                raise TransportError(f"{self.peer} sent a {rec.length}-byte message header (limit {tf.MAX_HEAD})")
+            most = min(tf.MAX_HEAD, max(self.inbox.max_message, tf.MIN_HEAD_LIMIT))
+            if rec.length > most:
+                raise TransportError(f"{self.peer} sent a {rec.length}-byte message header (limit {most})")
             body = read(sock, rec.length, self.peer)
             self._check_body(sock, mac, header, body, xxhash.xxh3_64_intdigest(body) == rec.body_sum,
                              f"header of message {rec.seq}", (rec.seq, -1, -1))
