@@ -18,6 +18,12 @@ in the safetensors metadata (and copied to ``OUT/wsync-version.json``). OUT must
 be new, empty, or a folder wsync wrote (fsutil.check_output); nothing else is
 ever emptied. Run again (after an interruption, or later),
 it starts from what OUT holds and fetches only the deltas since.
+
+serve maps each checkpoint and keeps no copy of it, encoded or not; pull
+holds the version it receives and writes it out through a mapping, never a
+second in-memory copy. ``serve --no-watch`` exits non-zero if it could serve
+no file (naming each and why) or nobody took what it served. docs/serve.md
+states these promises and the tests that hold them.
 """
 from __future__ import annotations
 
@@ -117,7 +123,7 @@ def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1
     if pub.metrics is not None:
         log(f"metrics at {pub.metrics.url}")
     done: set[int] = set()
-    skipped: list[str] = []
+    skipped: dict[str, str] = {}  # name -> why it was not served (said if --no-watch serves nothing)
     said_empty = False
     try:
         while True:
@@ -130,13 +136,13 @@ def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1
                 if version in done or (pub._last is not None and version <= pub._last):
                     continue
                 if not _settled(path, settle_s):
-                    skipped.append(f"{path.name}: still changing (taken once unchanged for {settle_s:g}s)")
+                    skipped[path.name] = f"still changing (taken once unchanged for {settle_s:g}s)"
                     break  # later ones wait for this one: versions go out in order
                 try:
                     ck = read_checkpoint(path, inside=None if follow_symlinks else src)
                 except (WsyncError, OSError) as e:
                     log(f"skipping {path}: {e}")
-                    skipped.append(f"{path.name}: {e}")
+                    skipped[path.name] = str(e)
                     done.add(version)
                     continue
                 pub.publish(ck.state, version=version, frozen=True)
@@ -153,10 +159,10 @@ def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1
         pub.close()
 
 
-def _serve_once(pub, src: Path, skipped: list[str], timeout: float, log) -> None:
+def _serve_once(pub, src: Path, skipped: dict[str, str], timeout: float, log) -> None:
     """serve --no-watch's end: something was published and somebody took it, or NothingServed says why not."""
     if pub._last is None:
-        reasons = skipped + unservable(src)  # unservable names only what was never tried
+        reasons = [f"{n}: {why}" for n, why in skipped.items()] + unservable(src)  # unservable: what was never tried
         raise NothingServed(f"nothing to serve in {src}: " + "; ".join(reasons) + ". serve takes .safetensors files "
                             "or checkpoint folders whose names end in their step number (step_0004), or SRC itself "
                             "as one checkpoint")
