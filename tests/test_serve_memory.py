@@ -23,7 +23,7 @@ from wsync.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from wsync.serve import pull, serve
 from wsync.snapshot import as_state
 
-TENSORS, PER = 16, 1 << 20  # 16 tensors of 1 Mi bf16-like elements: 32 MiB
+TENSORS, PER = 32, 1 << 20  # 32 tensors of 1 Mi bf16-like elements: 64 MiB
 BUCKET = 1 << 20  # many buckets, so streaming them one at a time shows
 ENV = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), WSYNC_PROGRESS="0")
 
@@ -94,13 +94,17 @@ def test_serve_encodes_each_pull_from_the_mapped_file_and_keeps_no_copy(tmp_path
     srv = _Serving(src, monkeypatch)
     try:
         addr = srv.published(0)
+
+        def pull_elsewhere(out):
+            r = subprocess.run([sys.executable, "-m", "wsync.cli", "pull", addr, "-o", str(out), "--quiet"],
+                               env=ENV, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr
+        pull_elsewhere(tmp_path / "warm")  # what serving imports on first use (and compiles, fresh) is not counted
         tracemalloc.start()
         try:
             start = tracemalloc.get_traced_memory()[0]
             for i in range(2):  # a second subscriber costs no more than the first
-                r = subprocess.run([sys.executable, "-m", "wsync.cli", "pull", addr, "-o", str(tmp_path / f"r{i}"),
-                                    "--quiet"], env=ENV, capture_output=True, text=True, timeout=120)
-                assert r.returncode == 0, r.stderr
+                pull_elsewhere(tmp_path / f"r{i}")
             peak = tracemalloc.get_traced_memory()[1] - start
         finally:
             tracemalloc.stop()
@@ -109,7 +113,8 @@ def test_serve_encodes_each_pull_from_the_mapped_file_and_keeps_no_copy(tmp_path
         assert kf.encoded is None  # nothing encoded is kept: each subscriber's keyframe went out a bucket at a time
         assert all(_mapped(tb.bits) for tb in kf.state.values())  # the very pages of the file, not a copy
         assert pub._mirror.state is None and pub._spare is None
-        assert peak < size / 2, (peak, size)  # a few buckets in flight, never the model
+        # the buckets in flight (what the sockets' buffers hold, unacknowledged), never the model
+        assert peak < size / 2, (peak, size)
         assert _same(tmp_path / "r0", state) and _same(tmp_path / "r1", state)
     finally:
         srv.close()
@@ -146,6 +151,7 @@ def test_pull_writes_a_keyframe_through_a_mapping_and_resumes_from_one(tmp_path,
     srv = _ServingElsewhere(src)
     try:
         srv.published(1)
+        assert pull(srv.address, tmp_path / "warm", timeout=60, progress=False) == 1  # first-use imports not counted
         tracemalloc.start()
         try:
             start = tracemalloc.get_traced_memory()[0]
