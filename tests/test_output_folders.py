@@ -139,3 +139,24 @@ def test_delta_apply_does_not_copy_a_base_file_through_a_link_out_of_the_base(pa
     assert "not copying config.json" in capsys.readouterr().err
     assert not (out / "config.json").exists()
     assert (out / "tokenizer.json").read_text() == "{}" and not (out / "tokenizer.json").is_symlink()
+
+
+def test_a_folder_named_like_a_dead_runs_temp_folder_is_emptied_only_of_plain_files(pair):
+    """What a killed write leaves (regular files) goes; a sub-folder or a link in it means it is not that, and it
+    all stays."""
+    import subprocess
+
+    root, _ = pair
+    out = root / "out"
+    dead = subprocess.Popen(["true"])  # a pid whose process is gone
+    dead.wait()
+    mine = root / f".out.wsync-tmp-{dead.pid}-abc123"
+    (mine / "photos").mkdir(parents=True)
+    (mine / "photos" / "cat.jpg").write_bytes(b"meow")
+    (mine / "notes.txt").write_text("mine")
+    left = root / f".out.wsync-tmp-{dead.pid}-def456"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"half written")
+    assert _apply(root, out) == 0
+    assert _tree(mine) == {"photos": None, "photos/cat.jpg": b"meow", "notes.txt": b"mine"}
+    assert not left.exists()

@@ -24,7 +24,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import stat
 import sys
 import tempfile
@@ -94,7 +93,9 @@ def clean_stale(path) -> list[Path]:
     """Remove the temp siblings of path left by wsync processes that no longer run; returns them.
 
     Only names temp_sibling makes are touched, and only when their process is gone
-    (its pid names no live process on this machine)."""
+    (its pid names no live process on this machine). A temp folder goes only if it
+    holds what a killed write leaves: regular files, and an output it had moved
+    aside (removed by remove_output's rule); one holding anything else stays."""
     path = Path(path)
     pattern = re.compile(re.escape(f".{path.name}{TEMP_TAG}") + r"(\d+)-[A-Za-z0-9_]+(\.tmp)?")
     removed = []
@@ -107,11 +108,30 @@ def clean_stale(path) -> list[Path]:
         if m is None or _alive(int(m.group(1))):
             continue
         if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
+            if not _remove_temp_folder(p):
+                continue
         else:
             p.unlink(missing_ok=True)
         removed.append(p)
     return removed
+
+
+def _remove_temp_folder(p: Path) -> bool:
+    """Remove a dead run's temp folder if it holds only what a write leaves (see clean_stale); False if not."""
+    try:
+        entries = list(os.scandir(p))
+        aside = [e for e in entries if e.name == "old" and e.is_dir(follow_symlinks=False)]
+        if any(not e.is_file(follow_symlinks=False) for e in entries if e not in aside):
+            return False
+        for e in aside:
+            remove_output(Path(e.path))  # an output replace_folder had moved aside when it was killed
+        for e in entries:
+            if e not in aside:
+                os.unlink(e.path)
+        p.rmdir()
+    except (OSError, OutputError):
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
