@@ -15,7 +15,8 @@
   link), then the empty folder: never a folder's contents wholesale.
 - Temp files and folders are siblings named ``.<name>.wsync-tmp-<pid>-<random>``;
   one whose process is gone (a SIGKILLed pull) is removed by the next write of
-  <name>. Nothing else is ever removed.
+  <name>, a folder only if it holds what such a write leaves (regular files).
+  Nothing else is ever removed.
 """
 from __future__ import annotations
 
