@@ -191,3 +191,17 @@ def test_frozen_versions_are_deltas_against_each_other_and_no_mirror_is_made(tmp
         assert pub._mirror.state is None
         assert pub._history.deltas[1].base_version == 0  # a delta, not a second keyframe
         assert pub._history.keyframe.version == 0
+
+
+def test_pull_into_a_folder_whose_parents_do_not_exist_yet(tmp_path, rng, monkeypatch):
+    src = tmp_path / "model.safetensors"
+    state = {n: v[:1000] for n, v in list(_state(rng).items())[:2]}
+    _write(src, state)
+    srv = _Serving(src, monkeypatch)
+    try:
+        out = tmp_path / "a" / "b" / "replica"
+        assert pull(srv.published(0), out, timeout=60, progress=False) == 0
+        assert _same(out, state)
+        assert sorted(p.name for p in out.parent.iterdir()) == ["replica"]  # no scratch file left beside it
+    finally:
+        srv.close()

@@ -56,6 +56,7 @@ class Spool:
 
         Each part is written out before the next is made, so at most one is in memory; the state changes
         only once every part has been taken (a failed part leaves the engine as it was)."""
+        self._beside.parent.mkdir(parents=True, exist_ok=True)  # where the output will be written anyway
         clean_stale(self._beside)
         tmp = temp_sibling(self._beside)
         try:
