@@ -10,13 +10,15 @@ told after a reconnect, so it resends only the rest.
 Blobs come out of ``recv`` as 1-D uint8 memoryviews (over recycled numpy
 buffers). Memory is bounded: a message's buffers are allocated when its HEAD arrives,
 after checking its size against ``max_message`` and the bytes of messages
-announced but still incomplete against twice that (a sender that keeps
-announcing without finishing is refused, not fed); a reader stops reading (and
+announced but still incomplete against ``max_incomplete``, twice that or what
+the sockets can hold in flight (a sender that keeps announcing without
+finishing is refused, not fed); a reader stops reading (and
 TCP pushes back on the sender) while complete messages the application has
 not taken exceed ``recv_window``.
 """
 from __future__ import annotations
 
+import mmap
 import sys
 import threading
 import time
@@ -35,7 +37,10 @@ MAX_INCOMPLETE = 256  # messages announced but not complete; a sane sender has a
 class Buffers:
     """Receive buffers: numpy.empty when fresh (pages are faulted in by recv_into, outside the GIL,
     where bytearray(n) would zero them first while holding it), recycled once the caller lets go
-    (its reference count says so; a memoryview over a buffer holds a reference)."""
+    (its reference count says so; a memoryview over a buffer holds a reference). A large one is a mapping
+    of its own, so when the caller lets go of one the pool does not keep, its pages go back to the system
+    at once (freed into malloc's heap they may stay resident), and a receiver's memory follows what it
+    holds."""
 
     def __init__(self, limit: int):
         self.limit = limit  # bytes kept for reuse; 0 turns recycling off
@@ -51,8 +56,8 @@ class Buffers:
                 del self._kept[i]  # by position: deque.remove would compare arrays elementwise
                 self._kept.append(b)
                 return b if b.nbytes == n else b[:n]
-        b = np.empty(n, dtype=np.uint8)
-        if 0 < n <= self.limit:
+        b = np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
+        if n <= self.limit:
             self._kept.append(b)
             while sum(x.nbytes for x in self._kept) > self.limit:
                 self._kept.popleft()
@@ -78,6 +83,7 @@ class Inbox:
     def __init__(self, cv: threading.Condition, max_message: int, recv_window: int, pool_bytes: int):
         self.cv, self.max_message, self.recv_window = cv, max_message, recv_window
         self.limit_why: str | None = None  # what narrowed max_message (TcpLink.limit), named when refusing
+        self.max_incomplete = 2 * max_message  # bytes of messages announced and not complete yet (see TcpLink.limit)
         self.buffers = Buffers(pool_bytes)
         self.msgs: dict[int, InMsg] = {}
         self.complete_below = 0  # every message below this is complete (delivered or waiting in msgs)
@@ -100,9 +106,9 @@ class Inbox:
         if len(incomplete) >= MAX_INCOMPLETE or seq >= self.complete_below + (1 << 20):
             raise TransportError(f"peer announced message {seq} with {len(incomplete)} still incomplete; "
                                  "protocol broken")
-        if sum(incomplete) + sum(sizes) > 2 * self.max_message:
+        if sum(incomplete) + sum(sizes) > self.max_incomplete:
             raise TransportError(f"peer announced message {seq} of {sum(sizes)} bytes with {sum(incomplete)} bytes of "
-                                 f"earlier messages still incomplete, above 2 x max_message={self.max_message}")
+                                 f"earlier messages still incomplete, above {self.max_incomplete}")
         # only deliverable bytes count: waiting on an incomplete earlier message could deadlock
         while live() and self.ready_bytes and self.ready_bytes + size > self.recv_window:
             self.app_lags = True

@@ -110,6 +110,12 @@ def _limit_unsent(socks, lowat: int) -> None:
             pass
 
 
+def in_flight(cfg) -> int:
+    """Bytes a sender may have handed to its kernel that this side has not read yet: both socket buffers of
+    every stream (Linux doubles what was asked for; an autotuned one is taken at 32 MiB)."""
+    return cfg.streams * 2 * ((cfg.sndbuf or 32 << 20) + (cfg.rcvbuf or 32 << 20))
+
+
 class TcpLink:
     """A Link (see base.py). Extra verbs: flush(timeout) waits until the peer holds every sent message."""
 
@@ -189,11 +195,18 @@ class TcpLink:
         """The largest message this side accepts from now on: a receiver that knows what it expects
         (a subscriber: what one version of its engine's layout can take) sets it, so a larger one is
         refused at its header, before anything is allocated for it (frames.MessageTooLarge, naming
-        `why`, e.g. "one version of the engine's layout can take"). Message headers are held to it too."""
+        `why`, e.g. "one version of the engine's layout can take"). Message headers are held to it too,
+        and the receive buffers kept for reuse to twice it (pool_bytes, if lower, stays)."""
         if max_message < 1:
             raise ValueError(f"max_message must be positive, got {max_message}")
         with self.cv:
             self.inbox.max_message, self.inbox.limit_why = max_message, why
+            # messages announced and still incomplete: a sender's next message starts once the last one is in
+            # its kernel, so small messages may be many at once; what the sockets can hold in between bounds them
+            self.inbox.max_incomplete = max(2 * max_message, in_flight(self.cfg))
+            # buffers kept for reuse: two of the largest messages let each one reuse the one before last (the
+            # last may still be in use), and no more stay resident for a receiver that expects small ones
+            self.inbox.buffers.limit = min(self.cfg.pool_bytes, 2 * max_message)
 
     def _check_open(self) -> None:
         if self.state in ("failed", "closed"):
