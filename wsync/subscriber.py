@@ -93,7 +93,7 @@ class Subscriber:
         # the most one version may take: stated, or from the layout served (or the engine's tensors); see staging.py
         self._max_version_bytes = max_version_bytes
         self._limits: Limits | None = None
-        self._limits_of: object = ()  # the served layouts _limits was computed from
+        self._limits_of: tuple | None = None  # the hashes of the served layouts _limits was computed from
         self._need_keyframe = False  # an apply failed: ignore deltas until a keyframe comes
         self._streak = 0  # failed applies in a row; keyframe requests back off, and wait_for gives up at GIVE_UP
         self._report_need = False
@@ -321,16 +321,23 @@ class Subscriber:
         if self._max_version_bytes is not None:
             return Limits.stated(self._max_version_bytes, "max_version_bytes allows")
         served = self._served
-        if self._limits is None or self._limits_of is not served:
-            if served:
-                lim = Limits.of_layouts(served)
-            else:
-                with self._apply_lock:  # not while poll() swaps the engine's tensors
-                    lim = Limits.of_tensors(self.engine.tensors())
-            self._limits = lim or Limits.stated(NO_LAYOUT_BYTES, "a subscriber takes while it knows no layout "
-                                                                "(set max_version_bytes)")
-            self._limits_of = served
+        key = None if not served else tuple(m.hash for m in served)  # a new list every version, the same layouts
+        if self._limits is None or self._limits_of != key:
+            self._limits, self._limits_of = self._limits_from(served), key
         return self._limits
+
+    def _limits_from(self, served) -> Limits:
+        if served:
+            return Limits.of_layouts(served)
+        try:
+            with self._apply_lock:  # not while poll() swaps the engine's tensors
+                lim = Limits.of_tensors(self.engine.tensors())
+        except Exception as e:  # noqa: BLE001 - an engine not ready to list its tensors: the stated cap holds
+            log.warning("cannot size versions from the engine's tensors (%s); until a version commits, a version "
+                        "may take up to %d bytes (max_version_bytes sets it)", e, NO_LAYOUT_BYTES)
+            lim = None
+        return lim or Limits.stated(NO_LAYOUT_BYTES, "a subscriber takes while it knows no layout "
+                                                     "(set max_version_bytes)")
 
     def _narrow(self, link) -> None:
         """Tell the link the largest message to accept: a bucket is never more than its version."""
