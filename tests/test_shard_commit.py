@@ -275,3 +275,33 @@ def test_the_decision_log_keeps_decisions_and_refuses_a_damaged_file(tmp_path):
     log.path.write_bytes(b'{"format": 1, "plan": "abcd", "decisions": [{"version": "3"}]}')
     with pytest.raises(FormatError, match="cannot be read"):
         DecisionLog(tmp_path, "abcd").load()
+
+
+def test_wait_for_without_a_timeout_says_what_it_waits_for_and_ends_at_close(monkeypatch, caplog):
+    from wsync.shard import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "WAIT_LOG_S", 0.2)
+    plan = make_plan(M, N, "hf")
+    tensors = {name: torch.zeros(p.shape, dtype=torch.bfloat16)
+               for (rank, name), p in plan.engine.locals.items() if rank == 0}
+    nobody = Coordinator(plan, "tcp://127.0.0.1:0", token=TOKEN)  # a coordinator no trainer rank joins
+    sub = ShardSubscriber(plan, 0, tensors, coordinator=nobody.address, token=TOKEN)
+    outcome = []
+    t = threading.Thread(target=lambda: outcome.append(_catch(sub.wait_for, 3)), daemon=True)
+    try:
+        with caplog.at_level("WARNING", logger="wsync.shard"):
+            t.start()
+            wait_until(lambda: any("engine rank 0 waiting for version 3" in r.getMessage() for r in caplog.records),
+                       "a line saying what wait_for waits for")
+    finally:
+        sub.close()
+        nobody.close()
+    t.join(WAIT)
+    assert not t.is_alive() and "closed while waiting for version 3" in str(outcome[0])
+
+
+def _catch(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the test looks at what ended the wait
+        return e

@@ -31,6 +31,7 @@ import threading
 import time
 
 from ..errors import WsyncError
+from ..subscriber import WAIT_LOG_S
 from .member import Member, check_digests, check_int, digests_doc
 from .rounds import partial_digest
 from .stage import Stage
@@ -88,12 +89,24 @@ class ShardSubscriber:
         self._thread.start()
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
-        """Block until this rank serves `version` or newer (so every rank committed it); returns the version."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Block until this rank serves `version` or newer (so every rank committed it); returns the version.
+
+        Without a timeout it may wait forever (a trainer that never publishes it), so it logs what it waits
+        for every WAIT_LOG_S seconds; pass timeout= (e.g. 600) to get a CommitTimeout naming the last outcomes."""
+        start = said = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         with self._cv:
             while self.version is None or self.version < version:
+                if deadline is None and time.monotonic() - said >= WAIT_LOG_S:
+                    said = time.monotonic()
+                    log.warning("engine rank %d waiting for version %d (serving %s%s; last outcomes: %s), %.0f s",
+                                self.rank, version, self.version,
+                                f", version {self.pending} staged" if self.pending is not None else "",
+                                self.events[-3:] or "none yet", said - start)
                 if self.member.refused:
                     raise self.member.error
+                if self._closed:
+                    raise WsyncError(f"engine rank {self.rank} was closed while waiting for version {version}")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise CommitTimeout(f"engine rank {self.rank} still serves version {self.version} after "
