@@ -1,4 +1,4 @@
-"""What a new user meets first (issue 18: 4, 5, 6, 7, 12): the real `wsync` command in a subprocess, exit codes,
+"""What a new user meets first: the real `wsync` command in a subprocess, exit codes,
 one-line errors without tracebacks, the cause of a failed pull, quiet normal shutdowns. Sockets on 127.0.0.1 only."""
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import logging
 import os
 import secrets
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -23,22 +21,7 @@ from wsync.errors import TransportError
 from wsync.snapshot import as_state, digest
 from wsync.transports.tcp import auth
 
-HANG = 60  # seconds: only to turn a hang into a failure, never a measurement
-
-
-def wsync_cli(*args, timeout=HANG, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "wsync.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, **kw)
-
-
-def one_line_error(r: subprocess.CompletedProcess, code: int = 2) -> str:
-    """The run failed with `code` and said why in its last stderr line, with no traceback; returns that line."""
-    assert r.returncode == code, (r.returncode, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("wsync: "), r.stderr
-    return last
-
+from cli_helpers import HANG, Serving, one_line_error, wsync_cli
 
 def _model(path, seed=0):
     state = {"w": np.random.default_rng(seed).standard_normal(1000).astype(np.float32)}
@@ -46,25 +29,6 @@ def _model(path, seed=0):
     old = time.time() - 10  # settled: serve takes a checkpoint once it stops changing
     os.utime(path, (old, old))
     return state
-
-
-class Serving:
-    """`wsync serve ...` in a subprocess, on 127.0.0.1:0; .address once it says where."""
-
-    def __init__(self, *args):
-        self.proc = subprocess.Popen([sys.executable, "-m", "wsync.cli", "serve", *map(str, args),
-                                      "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
-        line = self.proc.stdout.readline()  # "serving SRC at tcp://127.0.0.1:PORT"
-        assert " at tcp://" in line, (line, self.proc.stderr.read() if self.proc.poll() is not None else "")
-        self.address = line.split(" at ")[1].strip()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        self.proc.communicate(timeout=HANG)
 
 
 def _free_port() -> int:

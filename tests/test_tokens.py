@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,9 +18,10 @@ from wsync.snapshot import as_state, digest
 from wsync.transports import connect, listen
 from wsync.transports.tcp import auth
 
+from cli_helpers import HANG, Serving, wsync_cli
+
 HEX = "c4" * 16
 TOKEN = bytes.fromhex(HEX)
-HANG = 60  # seconds: only to turn a hang into a failure, never a measurement
 
 
 # -- strength ------------------------------------------------------------------------------------------------------
@@ -57,30 +55,6 @@ def test_hex_tokens_from_text_need_sixteen_bytes(monkeypatch, tmp_path):
 # -- the command line reads tokens from files and the environment ---------------------------------------------------
 
 
-def _cli(*args, env=None, timeout=HANG) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_TOKEN")} | (env or {})
-    return subprocess.run([sys.executable, "-m", "wsync.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
-class _Serving:
-    def __init__(self, src, *args, env=None):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_TOKEN")} | (env or {})
-        self.proc = subprocess.Popen([sys.executable, "-m", "wsync.cli", "serve", str(src), *map(str, args),
-                                      "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
-        line = self.proc.stdout.readline()
-        assert " at tcp://" in line, (line, self.proc.stderr.read() if self.proc.poll() is not None else "")
-        self.address = line.split(" at ")[1].strip()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        _, self.stderr = self.proc.communicate(timeout=HANG)
-
-
 def _model(path):
     state = {"w": np.arange(4096, dtype=np.float32)}
     write_checkpoint(path, Checkpoint(as_state(state), None, {}))
@@ -90,13 +64,13 @@ def _model(path):
 def test_serve_and_pull_read_the_token_from_the_environment_and_files(tmp_path):
     state = _model(tmp_path / "model.safetensors")
     (tmp_path / "token").write_text(HEX + "\n")
-    with _Serving(tmp_path / "model.safetensors", env={tokens.TOKEN_ENV: HEX}) as srv:
+    with Serving(tmp_path / "model.safetensors", env={tokens.TOKEN_ENV: HEX}) as srv:
         # the publisher holds the token it found in WSYNC_TOKEN: a pull without one is turned away
-        r = _cli("pull", srv.address, "-o", tmp_path / "none", "--connect-timeout", "inf")
+        r = wsync_cli("pull", srv.address, "-o", tmp_path / "none", "--connect-timeout", "inf")
         assert r.returncode != 0 and "token" in r.stderr.strip().splitlines()[-1]
-        r = _cli("pull", srv.address, "-o", tmp_path / "by-file", env={tokens.TOKEN_FILE_ENV: str(tmp_path / "token")})
+        r = wsync_cli("pull", srv.address, "-o", tmp_path / "by-file", env={tokens.TOKEN_FILE_ENV: str(tmp_path / "token")})
         assert r.returncode == 0, r.stderr
-        r = _cli("pull", srv.address, "-o", tmp_path / "by-flag", "--token-file", tmp_path / "token")
+        r = wsync_cli("pull", srv.address, "-o", tmp_path / "by-flag", "--token-file", tmp_path / "token")
         assert r.returncode == 0, r.stderr
         assert "visible to other users" not in r.stderr
     for out in ("by-file", "by-flag"):
@@ -106,15 +80,15 @@ def test_serve_and_pull_read_the_token_from_the_environment_and_files(tmp_path):
 
 def test_a_token_on_the_command_line_works_and_says_it_is_visible(tmp_path):
     _model(tmp_path / "model.safetensors")
-    with _Serving(tmp_path / "model.safetensors", "--token", HEX) as srv:
-        r = _cli("pull", srv.address, "-o", tmp_path / "out", "--token", HEX)
+    with Serving(tmp_path / "model.safetensors", "--token", HEX) as srv:
+        r = wsync_cli("pull", srv.address, "-o", tmp_path / "out", "--token", HEX)
     assert r.returncode == 0, r.stderr
     assert "visible to other users" in r.stderr and "visible to other users" in srv.stderr
 
 
 def test_a_short_token_on_the_command_line_is_refused_with_how_to_make_one(tmp_path):
     _model(tmp_path / "model.safetensors")
-    r = _cli("serve", tmp_path / "model.safetensors", "--listen", "127.0.0.1:0", "--no-watch", "--token", "ab12")
+    r = wsync_cli("serve", tmp_path / "model.safetensors", "--listen", "127.0.0.1:0", "--no-watch", "--token", "ab12")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "at least 16" in r.stderr and "token_hex(16)" in r.stderr
 

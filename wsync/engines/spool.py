@@ -20,32 +20,21 @@ import numpy as np
 
 from ..bits import State, TensorBits
 from ..fsutil import clean_stale, temp_sibling
-from ..snapshot import as_state, digest
+from .shadow import Shadow
 
 ALIGN = 64  # each tensor starts on a cache line in the scratch file, so its view is aligned for any dtype
 
 
-class Spool:
-    """Host-memory engine for one replica folder: same verbs as engines.Shadow, tensors mapped from files.
+class Spool(Shadow):
+    """Host-memory engine for one replica folder: engines.Shadow whose keyframes are mapped from files.
 
     beside: the output path; scratch files are its temp siblings (fsutil.temp_sibling), so the next run
     removes one a killed pull left behind."""
 
     def __init__(self, beside, state: State | None = None):
-        self.version: int | None = None
-        self.state: State = dict(state or {})
+        super().__init__()
+        self.state = dict(state or {})  # the caller's arrays as they are: mapped, not copied
         self._beside = Path(beside)
-
-    def tensors(self) -> State:
-        return self.state
-
-    def load(self, named) -> None:
-        for name, tb in as_state(named).items():
-            cur = self.state.get(name)
-            if cur is not None and (cur.dtype, cur.shape) == (tb.dtype, tb.shape) and cur.bits.flags.writeable:
-                cur.bits[:] = tb.bits
-            else:
-                self.state[name] = TensorBits(tb.dtype, tb.shape, tb.bits.copy())
 
     def replace(self, state: State) -> None:
         """Take a whole new state (a keyframe)."""
@@ -75,6 +64,3 @@ class Spool:
             tmp.unlink(missing_ok=True)  # the mapping keeps the pages; nothing stays on disk
         self.state = {name: TensorBits(dt, shape, data[at : at + n].view(dt.bits_dtype))
                       for name, dt, shape, at, n in placed}
-
-    def digest(self) -> str:
-        return digest(self.state)
