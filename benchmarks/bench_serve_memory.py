@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -35,24 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
+from wsync.bench.hardware import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", WSYNC_PROGRESS="0")
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        m = re.search(r"Model name:\s*(.+)", out)
-        if m:
-            return f"{m.group(1).strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
-
-
 def make_checkpoint(path: Path, size: int, tensors: int, seed: int = 0) -> None:
     """A safetensors file of `tensors` bf16 tensors, written piece by piece (never whole in this process)."""
-    from wsync.checkpoint import write_safetensors  # noqa: F401  (the format reference)
     import struct
 
     per = size // tensors // 2 * 2
@@ -163,7 +151,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="wsync-bench-serve-") as d:
         r = run(a.size_mib << 20, a.tensors, Path(d))
-    r["cpu"] = cpu_name()
+    r["cpu"] = f"{cpu_model()}, {os.cpu_count()} CPUs"
     r["command"] = " ".join(["python", "benchmarks/bench_serve_memory.py"] + (argv or sys.argv[1:]))
     for k in ("baseline_x", "serve_idle_x", "serve_after_x", "serve_peak_x", "pull_peak_x"):
         print(f"{k:15s} {r[k]:.2f}")

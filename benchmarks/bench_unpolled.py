@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
 
 import numpy as np
+
+from wsync.bench.hardware import cpu_model
 
 TOKEN = b"bench-unpolled-token-0123"
 
@@ -45,15 +48,6 @@ def rss(field: str = "VmRSS") -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
 
 
 def publisher(versions: int, n: int) -> None:
@@ -127,7 +121,7 @@ def subscriber(args) -> dict:
             child.kill()
     growth = [r - base for _, r in samples]
     return {
-        "cpu": cpu_name(),
+        "cpu": f"{cpu_model()}, {os.cpu_count()} CPUs",
         "versions": args.versions,
         "version_bytes": one,
         "bound_bytes": 2 * one,
