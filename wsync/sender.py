@@ -40,9 +40,12 @@ class Sender:
         t.start()
 
     def stop(self) -> None:
+        # a bye only over a link that is up: a plain send on a dropped tcp link waits for it to resume, and
+        # the close below (which also releases our threads' sends and receives) would wait behind it
+        say = getattr(self.link, "send_while_up", self.link.send)
         try:
             if not self.dead and not self.lockstep:
-                self.link.send(Message("bye", {}))
+                say(Message("bye", {}))
         except WsyncError:
             pass
         self._die()

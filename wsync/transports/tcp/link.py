@@ -110,6 +110,9 @@ def _limit_unsent(socks, lowat: int) -> None:
             pass
 
 
+CLOSE_ANSWER = 2.0  # seconds close() waits for the peer to answer its CLOSE
+
+
 def in_flight(cfg) -> int:
     """Bytes a sender may have handed to its kernel that this side has not read yet: both socket buffers of
     every stream (Linux doubles what was asked for; an autotuned one is taken at 32 MiB)."""
@@ -138,9 +141,19 @@ class TcpLink:
     # -- application verbs ------------------------------------------------------------------
 
     def send(self, msg: Message) -> None:
+        self._send(msg, resume=True)
+
+    def send_while_up(self, msg: Message) -> None:
+        """send(), for a last word not worth a resume: ConnectionLost at once if the link is not up, or
+        if it breaks before msg is in the kernel (msg may then still go out, should the link resume)."""
+        self._send(msg, resume=False)
+
+    def _send(self, msg: Message, resume: bool) -> None:
         views = as_views(msg.blobs)
         with self.cv:
             self._check_open()
+            if not resume and self.state != "up":
+                raise ConnectionLost(f"link to {self.peer} is {self.state}")
             try:
                 om = self.out.add(msg.kind, msg.meta, views)
             except TypeError as e:
@@ -149,8 +162,11 @@ class TcpLink:
             if self.state == "up":
                 self.out.queue(om)
                 self.cv.notify_all()
+            e = self.epoch
             while om.pending != 0:
                 self._check_open()
+                if not resume and not self._live(e):
+                    raise ConnectionLost(f"link to {self.peer} is {self.state}")
                 self.cv.wait()
 
     def recv(self, timeout: float | None = None) -> Message:
@@ -178,16 +194,28 @@ class TcpLink:
                 self.cv.wait(left)
 
     def close(self) -> None:
-        try:
-            self.flush(self.cfg.linger)  # let the peer get what we sent before saying goodbye
-        except TransportError:
-            pass
+        """Orderly end: wait (up to linger) for the peer to acknowledge what was sent, then CLOSE and its
+        answer. Safe from several threads at once (a Subscriber's caller and its receiving thread both
+        close): a later caller waits on the same handshake, as ending the link shuts every socket, and a
+        peer whose other streams see that before its stream 0 reader reaches the CLOSE takes the close
+        for a drop and waits resume_window for us to come back.
+
+        A link that is not up (broken, or still connecting) ends at once, without lingering: no connection
+        can carry what was sent until the dialling side brings a new epoch up, which a closing caller
+        would wait for on a network that just failed; what the peer lacks is lost either way."""
         with self.cv:
+            deadline = time.monotonic() + self.cfg.linger
+            while self.out.retained and self.state == "up":  # let the peer get what we sent before goodbye
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cv.wait(left)
             if self.state == "up":
                 self.state = "closing"
                 self.out.control.append(("close",))
                 self.cv.notify_all()
-                self.cv.wait_for(lambda: self.state != "closing", timeout=2.0)  # the peer answers CLOSE
+            if self.state == "closing":  # ended by the answer to our CLOSE, or by writing ours to the peer's
+                self.cv.wait_for(lambda: self.state != "closing", timeout=CLOSE_ANSWER)
             self._end(TransportError(f"link to {self.peer} was closed by this side"))
         self._reap()
 
@@ -248,8 +276,9 @@ class TcpLink:
         with self.cv:
             if e != self.epoch or self.state not in ("up", "closing"):
                 return
-            if self.state == "closing":
-                return self._end(TransportError(f"link to {self.peer} was closed by this side"))
+            if self.state == "closing":  # the peer ends its connections once it has our answer, or its own
+                return self._end(TransportError(f"{self.peer} closed the link") if self._peer_closed
+                                 else TransportError(f"link to {self.peer} was closed by this side"))
             self.state = "broken"
             self._retire()
             log.warning("link %s: connection lost (%s); resuming within %ss", self.peer, why, self.cfg.resume_window)
