@@ -66,7 +66,7 @@ import queue
 import threading
 import time
 
-from ..errors import WsyncError
+from ..errors import WsyncError, peer_text
 from ..transports import Message, listen
 from ..transports.base import with_token
 from .decisions import DecisionLog
@@ -334,7 +334,7 @@ class Coordinator:
         if v != rnd.version:
             return  # an answer to a round already settled
         if kind == "failed":
-            return self._abort(f"engine rank {rank}: {str(meta.get('reason'))[:300]}", {})
+            return self._abort(f"engine rank {rank}: {peer_text(meta.get('reason'))}", {})
         partials = check_digests(meta, "partials", self.M)
         if rnd.phase == "prepare":
             rnd.ready[rank] = partials

@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 
-from ..errors import WsyncError
+from ..errors import WsyncError, peer_text
 from ..subscriber import WAIT_LOG_S
 from .member import Member, check_digests, check_int, digests_doc
 from .rounds import partial_digest
@@ -215,7 +215,7 @@ class ShardSubscriber:
         self._keyframe(meta)
         with self._cv:
             if not any(e[0] == "aborted" and e[1] == v for e in self.events[-10:]):
-                self._event("aborted", v, str(meta.get("reason"))[:500])
+                self._event("aborted", v, peer_text(meta.get("reason")))
 
     def _rejoined(self) -> None:
         """The link came up: say again what this rank serves, and ask about a version it holds pending."""

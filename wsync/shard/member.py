@@ -30,7 +30,7 @@ import queue
 import secrets
 import threading
 
-from ..errors import TransportError, WsyncError
+from ..errors import TransportError, WsyncError, peer_text
 from ..transports import Message, TransportTimeout, connect
 from ..transports.base import with_device, with_token
 
@@ -155,7 +155,7 @@ class Member:
                 if msg.kind in ("refused", "busy"):
                     said = "refused" if msg.kind == "refused" else "turned away"
                     self.error = CoordinatorError(f"the coordinator {said} {self._who()}: "
-                                                  f"{str(msg.meta.get('reason'))[:300]}")
+                                                  f"{peer_text(msg.meta.get('reason'))}")
                     log.error("%s%s", self.error, "; trying again" if msg.kind == "busy" else "")
                     # busy: the slot is held by a live link, not this one's to take now; maybe once that dies
                     self.refused, self._busy = msg.kind == "refused", msg.kind == "busy"
