@@ -65,7 +65,9 @@ def test_publish_and_commit_are_counted(rng):
     assert value(s, "wsync_lag_versions") == 0
     assert value(s, "wsync_apply_seconds_count") == 4
     assert value(s, "wsync_publish_to_live_seconds_count") == 4
-    assert value(s, "wsync_publish_to_live_seconds_sum") >= 0
+    # every committed version was observed, in a bucket, with a real duration (value() is 0.0 for a missing sample)
+    assert value(s, "wsync_publish_to_live_seconds_bucket", le="+Inf") == 4
+    assert value(s, "wsync_publish_to_live_seconds_sum") > 0
     assert value(s, "wsync_received_bytes_total", codec="raw") > 0
     assert value(s, "wsync_received_bytes_total", codec="delta") > 0
     assert value(s, "wsync_reconnects_total") == 0
