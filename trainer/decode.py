@@ -19,6 +19,8 @@ padding never shifts its rotary phases.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 
 from .policy import sampling_logprobs
@@ -63,6 +65,17 @@ class Sequence:
 
     def last(self) -> int:
         return (self.prompt + self.response)[-1]
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_name(model_type) -> str:
+    """The keyword the model's forward takes its KV cache under, and the output field it comes back in.
+
+    Newer transformers 5 releases call it `cache` and only warn on `past_key_values` until they drop it;
+    earlier ones know only `past_key_values`. Read from the signature rather than a version number: a
+    forward that lacks `cache` would swallow it into **kwargs and decode without any cache at all.
+    """
+    return "cache" if "cache" in inspect.signature(model_type.forward).parameters else "past_key_values"
 
 
 class Decoder:
@@ -149,10 +162,11 @@ class Decoder:
             fed = self.rows[i].fed()
             ids[j, width - len(fed):] = torch.tensor(fed, dtype=torch.long)
             mask[j, width - len(fed):] = True
+        name = _cache_name(type(self.model))
         out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask),
-                         past_key_values=DynamicCache(), use_cache=True)
+                         use_cache=True, **{name: DynamicCache()})
         idx = torch.tensor(rows)
-        new = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        new = [(layer.keys, layer.values) for layer in getattr(out, name).layers]
         if self.kv is None:
             self.kv = [(k.new_zeros((self.cfg.slots, *k.shape[1:])), v.new_zeros((self.cfg.slots, *v.shape[1:])))
                        for k, v in new]
@@ -174,9 +188,10 @@ class Decoder:
         # an idle row feeds PAD as a real token so that no query row is fully masked; its output is ignored
         valid = torch.cat([self.valid, torch.ones((self.cfg.slots, 1), dtype=torch.bool)], dim=1)
         pos = self.valid.sum(dim=1, keepdim=True)
+        name = _cache_name(type(self.model))
         out = self.model(input_ids=last[:, None], attention_mask=valid.long(), position_ids=pos,
-                         past_key_values=DynamicCache(ddp_cache_data=self.kv), use_cache=True)
-        self.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+                         use_cache=True, **{name: DynamicCache(ddp_cache_data=self.kv)})
+        self.kv = [(layer.keys, layer.values) for layer in getattr(out, name).layers]
         self.valid = valid
         return out.logits[:, -1, :]
 
