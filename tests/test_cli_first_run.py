@@ -5,6 +5,7 @@ module set to None, or a shim on PYTHONPATH that raises ImportError): nothing is
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import warnings
@@ -58,3 +59,81 @@ def test_decoder_passes_the_cache_under_the_name_the_forward_takes():
 
     assert _cache_name(Renamed) == "cache"
     assert _cache_name(Older) == "past_key_values"  # `cache` would vanish into **kwargs there
+
+
+# -- wsync --version -----------------------------------------------------------------------------------
+
+
+def test_version_prints_the_installed_version():
+    from importlib.metadata import version
+
+    r = wsync_cli("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"wsync {version('wsync')}"
+
+
+def test_version_falls_back_to_the_package_where_wsync_is_not_installed(monkeypatch):
+    import importlib.metadata
+
+    import wsync
+    from wsync import cli
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert cli.version() == wsync.__version__
+
+
+def test_package_version_matches_pyproject():
+    import tomllib
+    from pathlib import Path
+
+    import wsync
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert wsync.__version__ == project["version"]
+
+
+# -- plan loop / plan sweep options --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cmd", ["loop", "sweep"])
+def test_plan_loop_and_sweep_options_say_what_they_are(cmd):
+    import argparse
+
+    from wsync.cli import parser
+
+    plan = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["plan"]
+    p = next(a for a in plan._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+    bare = [a.option_strings[0] for a in p._actions
+            if a.option_strings and (not a.help or a.help.startswith("(default"))]
+    assert not bare, bare
+    steps = 8 if cmd == "sweep" else 12  # the sweep simulates fewer steps per point: its help says its own
+    assert re.search(rf"--steps STEPS\s+trainer steps to simulate \(default {steps}\)", p.format_help())
+
+
+@pytest.mark.parametrize("args, said", [
+    (["plan", "loop", "--mode", "asynch"], "invalid choice: 'asynch'"),
+    (["plan", "loop", "--gpu", "v100"], "invalid choice: 'v100'"),
+    (["plan", "loop", "--codec", "zip"], "invalid choice: 'zip'"),
+    (["plan", "loop", "--link", "fast"], "unknown link 'fast'"),
+    (["plan", "sweep", "--mode", "async"], "argument --mode: plan sweep sets it at every point, from --caps"),
+    (["plan", "sweep", "--max-batch", "32"], "argument --max-batch: plan sweep sets it at every point, from --batches"),
+    (["plan", "sweep", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_a_wrong_plan_value_is_one_line_and_exit_2(args, said):
+    r = wsync_cli(*args)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0] and lines[0].startswith(f"wsync plan {args[1]}: error:"), r.stderr
+
+
+def test_plan_loop_takes_a_gpu_in_capitals_and_a_link_rate(capsys):
+    import json
+
+    from wsync.cli import main
+
+    assert main(["plan", "loop", "--gpu", "H200", "--link", "25g", "--mode", "sync", "--json"]) == 0
+    cfg = json.loads(capsys.readouterr().out)["config"]
+    assert (cfg["gpu"], cfg["link"], cfg["mode"]) == ("h200", "25g", "sync")

@@ -5,6 +5,7 @@
     wsync inspect FILE [--json]
     wsync bench codec [--base B --new N] [--json OUT]
     wsync backend
+    wsync --version
     wsync serve SRC --listen HOST:PORT / wsync pull ADDRESS -o OUT   (serve.py)
 
 BASE, NEW and OUT are .safetensors files or Hugging Face checkpoint folders.
@@ -85,9 +86,31 @@ def _backend(a) -> None:
     print(backend())
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line like every other error (the usage block of a command with many options
+    buries the line that says what was wrong); subcommand parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} -h` lists the options)\n")
+
+
+def version() -> str:
+    """The installed distribution's version; the package's own where wsync runs from a checkout not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("wsync")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="wsync", description="Move trainer weights into rollout engines, bit-exact.",
-                                epilog="wsync COMMAND -h describes each command and its options.")
+    p = _Parser(prog="wsync", description="Move trainer weights into rollout engines, bit-exact.",
+                epilog="wsync COMMAND -h describes each command and its options.")
+    p.add_argument("--version", action="version", version=f"wsync {version()}", help="print wsync's version and exit")
     sub = p.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
 
     delta = sub.add_parser("delta", help="encode or apply a delta between checkpoints").add_subparsers(
@@ -150,6 +173,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _help_when_incomplete(p: argparse.ArgumentParser) -> None:
     """`wsync`, `wsync bench`, ... alone print their help (the commands they take), not a usage error."""
+    p.set_defaults(parser_of=p)  # the chosen command's own wins: what an unrecognized argument is reported by
     for action in p._actions:
         if isinstance(action, argparse._SubParsersAction):
             action.required = False
@@ -173,7 +197,9 @@ EXTENSIONS = [
 
 
 def main(argv=None) -> int:
-    a = parser().parse_args(argv)
+    a, extra = parser().parse_known_args(argv)
+    if extra:
+        a.parser_of.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.fn is None:
         a.help_of.print_help()
         return 0

@@ -16,17 +16,92 @@ import dataclasses
 from .report import cmd_loop, cmd_lora, cmd_models, cmd_sandboxes, cmd_sweep, cmd_transfer, cmd_validate
 
 
-def _loop_flags(p) -> None:
-    from .loop import LoopConfig
+# What each LoopConfig field means on the command line (a field left out here shows up in the help tests).
+LOOP_HELP = {
+    "model": "a catalog name (`wsync plan models`) or a Hugging Face config.json (default %(default)s)",
+    "gpu": "GPU model of every rank (default %(default)s)",
+    "train_gpus": "GPUs in the trainer pool (default %(default)s)",
+    "infer_gpus": "GPUs in the sampler pool (default %(default)s)",
+    "tp": "GPUs per inference engine, tensor parallel (default %(default)s)",
+    "max_batch": "sequences each engine decodes at once (default %(default)s)",
+    "prompt_tokens": "prompt length of every sample, tokens (default %(default)s)",
+    "response_mean": "mean response length, tokens (default %(default)s)",
+    "response_sigma": "lognormal sigma of response lengths, the long tail; 0: all equal (default %(default)s)",
+    "response_max": "generation cap, tokens (default %(default)s)",
+    "samples_per_step": "samples per trainer step (default %(default)s)",
+    "mode": "sync: generate, train and sync in turn; async: overlapped. plan loop simulates both side by side; "
+            "this one is recorded in --json's config (default %(default)s)",
+    "max_staleness": "async: versions a sample may lag when trained on (default %(default)s)",
+    "steps": "trainer steps to simulate (default %(default)s)",
+    "warmup_steps": "first steps left out of the steady-state figures (default %(default)s)",
+    "sync_s": "seconds per weight sync (default: the wire time of --codec over --link)",
+    "engine_pause_s": "seconds engines stop decoding per weight update (default: --sync-s)",
+    "link": "trainer-to-engine link: tcp-50g, rdma-3.2t, wan-10g, ... or a rate like 25g, 3.2t, 800m "
+            "(default %(default)s)",
+    "codec": "what each sync sends: full weights, a delta, or a LoRA adapter (default %(default)s)",
+    "infer_mfu": "share of peak FLOP/s a decode step reaches when compute bound (default %(default)s)",
+    "mem_efficiency": "share of HBM bandwidth a decode step reaches when memory bound (default %(default)s)",
+    "step_overhead_s": "launch and scheduling seconds of each decode step (default %(default)s)",
+    "train_mfu": "share of peak FLOP/s the trainer reaches (default %(default)s)",
+    "train_flops_per_param": "trainer FLOPs per active weight per token: 6 forward and backward, 2 logprob "
+                             "recompute (default %(default)s)",
+    "train_step_s": "measured trainer compute seconds per step (default: the FLOP model)",
+    "group_size": "samples per prompt, a GRPO group, started and trained together (default %(default)s)",
+    "early_stop": "chance per token that a sample ends before its cap; used with a length table "
+                  "(default %(default)s)",
+    "seed": "random seed of response lengths (default %(default)s)",
+}
 
+# The sweep sets these itself at every point of its grid, from the flags named: given, they would be overridden.
+SWEEP_SETS = {"train_gpus": "--train-splits", "infer_gpus": "--total-gpus minus --train-splits",
+              "max_batch": "--batches", "max_staleness": "--caps", "mode": "--caps (0: sync)"}
+
+
+def _refuse_for_sweep(p) -> None:
+    """The flags of SWEEP_SETS refused in one line, rather than left out: argparse would read `--mode` as
+    an abbreviation of `--model`."""
+    import argparse
+
+    class SetBySweep(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"argument {option_string}: plan sweep sets it at every point, from {SWEEP_SETS[self.dest]}")
+
+    for name in SWEEP_SETS:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, action=SetBySweep, default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
+
+
+def _link(spec: str) -> str:
+    """--link checked while parsing, so a wrong one is a usage error (exit 2) before any work."""
+    import argparse
+
+    from .models import PlanError
+    from .transfer import parse_link
+
+    try:
+        parse_link(spec)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
+def _loop_flags(p, skip: tuple = ()) -> None:
+    from .loop import GPUS, LoopConfig
+
+    choices = {"mode": ["sync", "async"], "gpu": list(GPUS), "codec": ["full", "delta", "lora"]}
     for f in dataclasses.fields(LoopConfig):
         default = f.default
-        if isinstance(default, (tuple, bool)) or f.name == "decode_curve":  # set from code, or via --decode-curve
-            continue
+        if isinstance(default, (tuple, bool)) or f.name == "decode_curve" or f.name in skip:
+            continue  # set from code, or via --decode-curve
         kind = float if default is None else type(default)
+        if f.name == "gpu":
+            kind = str.lower  # get_gpu takes H100 as well as h100
+        elif f.name == "link":
+            kind = _link
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=default,
-                       help=f"(default {default})")
-    p.add_argument("--decode-curve", default="", help="measured decode curve 'batch:seconds,...' (replaces the roofline)")
+                       choices=choices.get(f.name), help=LOOP_HELP.get(f.name))
+    p.add_argument("--decode-curve", default="",
+                   help="measured decode curve 'batch:seconds,...', e.g. 1:0.01,64:0.02 (replaces the roofline)")
 
 
 def _cmd_route(a) -> None:
@@ -104,12 +179,14 @@ def add_parsers(sub) -> None:
     lp.set_defaults(fn=cmd_loop)
 
     sw = ps.add_parser("sweep", help="GPU split x batch x staleness cap: throughput-staleness Pareto table")
-    _loop_flags(sw)
+    _loop_flags(sw, skip=tuple(SWEEP_SETS))
+    _refuse_for_sweep(sw)
     sw.add_argument("--total-gpus", type=int, default=16, help="GPUs to split between trainer and samplers (default: 16)")
-    sw.add_argument("--train-splits", type=int, nargs="+", default=[2, 4, 8], help="trainer GPUs to try")
+    sw.add_argument("--train-splits", type=int, nargs="+", default=[2, 4, 8],
+                    help="trainer GPUs to try; the rest of --total-gpus sample (default: 2 4 8)")
     sw.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128], help="rollout batch sizes to try (default: 32 64 128)")
-    sw.add_argument("--caps", type=int, nargs="+", default=[0, 1, 2, 4], help="staleness caps (0 = sync)")
-    sw.add_argument("--png", help="write a plot here (needs matplotlib)")
+    sw.add_argument("--caps", type=int, nargs="+", default=[0, 1, 2, 4], help="staleness caps to try; 0: the sync loop (default: 0 1 2 4)")
+    sw.add_argument("--png", help="write a plot of tokens/s against staleness here (needs matplotlib)")
     sw.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sw.set_defaults(fn=cmd_sweep, steps=8)
 
