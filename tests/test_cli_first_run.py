@@ -137,3 +137,69 @@ def test_plan_loop_takes_a_gpu_in_capitals_and_a_link_rate(capsys):
     assert main(["plan", "loop", "--gpu", "H200", "--link", "25g", "--mode", "sync", "--json"]) == 0
     cfg = json.loads(capsys.readouterr().out)["config"]
     assert (cfg["gpu"], cfg["link"], cfg["mode"]) == ("h200", "25g", "sync")
+
+
+# -- an optional package missing: one line, exit 3, the extra to install ----------------------------------
+
+
+@pytest.mark.parametrize("args, extra, instead", [
+    (["bench", "codec", "--size", "tiny", "--gaps", "1", "--lr", "1e-6"], ".[bench]", "--base and --new"),
+    (["bench", "sync", "--size", "tiny", "--versions", "1"], ".[bench]", "--src"),
+])
+def test_bench_without_transformers_says_which_extra_in_one_line(tmp_path, args, extra, instead):
+    r = _wsync_without(["transformers"], *args, env={"WSYNC_BENCH_DATA": str(tmp_path)})
+    line = one_line_error(r, code=3)
+    assert "needs transformers" in line and f'pip install -e "{extra}"' in line and instead in line, line
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr  # nothing announced or begun
+    assert not list(tmp_path.iterdir())  # and nothing written
+
+
+def test_loop_without_transformers_says_which_extra_in_one_line():
+    line = one_line_error(_wsync_without(["transformers"], "loop", "--steps", "1"), code=3)
+    assert "wsync loop needs transformers" in line and 'pip install -e ".[hf]"' in line, line
+
+
+def test_a_missing_module_that_is_not_an_optional_package_still_shows_its_traceback(monkeypatch):
+    from wsync import cli
+
+    def broken(a):
+        import wsync_no_such_module  # noqa: F401
+
+    monkeypatch.setattr(cli, "_backend", broken)
+    with pytest.raises(ModuleNotFoundError):
+        cli.main(["backend"])
+
+
+def test_bench_transport_ucx_without_ucxx_is_one_line_and_exit_3():
+    r = _wsync_without(["ucxx"], "bench", "transport", "--transport", "ucx", "--size", "1M", "--repeats", "1")
+    line = one_line_error(r, code=3)
+    assert "ucxx does not import" in line and 'pip install -e ".[ucx]"' in line, line
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no worker was started to fail on its own
+
+
+def test_bench_all_skips_ucx_with_the_same_line(monkeypatch):
+    from wsync.bench import all as bench_all
+    from wsync.bench import transport
+
+    monkeypatch.setitem(sys.modules, "ucxx", None)
+    why = transport.ucx_unavailable()
+    assert why and "ucxx does not import" in why
+    monkeypatch.setattr(transport, "run", lambda *a, **k: {})  # the other rows are not what this checks
+    assert bench_all.transport_suite(bench_all.Sizes.quick())["ucx"] == {"skipped": why}
+
+
+# -- the GPU backend's install hint: only where it was asked for -------------------------------------------
+
+
+def test_bench_output_names_no_gpu_backend_nobody_asked_for():
+    r = _wsync_without(["cupy"], "bench", "transport", "--transport", "local", "--size", "1M", "--repeats", "1",
+                       env={"WSYNC_BACKEND": ""})
+    assert r.returncode == 0, r.stderr
+    assert "cupy" not in r.stdout + r.stderr and "wsync[cuda]" not in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_the_gpu_backend_asked_for_and_missing_says_what_to_install_once(tmp_path):
+    r = _wsync_without(["cupy"], "bench", "codec", "--base", tmp_path / "a", "--new", tmp_path / "b",
+                       env={"WSYNC_BACKEND": "cuda"})
+    line = one_line_error(r, code=3)
+    assert "cupy" in line and "wsync[cuda]" in line and r.stdout == "", (line, r.stdout)

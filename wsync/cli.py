@@ -196,6 +196,22 @@ EXTENSIONS = [
 ]
 
 
+# Optional packages and the extra of pyproject.toml that brings each: a command that needs one that does not
+# import here says what to install (exit 3) rather than ending in a traceback.
+EXTRAS = {"torch": "torch", "transformers": "hf", "safetensors": "hf", "ucxx": "ucx", "cupy": "cuda",
+          "prometheus_client": "metrics", "matplotlib": "bench", "zipnn": "bench"}
+
+
+def _missing_extra(e: ModuleNotFoundError, a) -> str | None:
+    """`wsync loop needs transformers ...: pip install ...` for a missing optional package; None for any
+    other missing module (a broken install or a bug: its traceback is worth seeing)."""
+    name = (e.name or "").split(".")[0]
+    if name not in EXTRAS:
+        return None
+    extra = "bench" if a.cmd == "bench" and EXTRAS[name] in ("torch", "hf") else EXTRAS[name]
+    return f"{a.parser_of.prog} needs {name}, which does not import here ({e}): pip install -e \".[{extra}]\""
+
+
 def main(argv=None) -> int:
     a, extra = parser().parse_known_args(argv)
     if extra:
@@ -211,6 +227,12 @@ def main(argv=None) -> int:
         a.fn(a)
     except BackendUnavailable as e:
         print(f"wsync: unavailable here: {e}", file=sys.stderr)
+        return 3
+    except ModuleNotFoundError as e:
+        why = _missing_extra(e, a)
+        if why is None:
+            raise
+        print(f"wsync: unavailable here: {why}", file=sys.stderr)
         return 3
     except (WsyncError, OSError, TypeError, ValueError) as e:
         print(f"wsync: error: {e}", file=sys.stderr)

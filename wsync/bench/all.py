@@ -113,11 +113,9 @@ def _codec_series(s: Sizes) -> list:
 
 
 def ucx_unavailable() -> str | None:
-    try:
-        import ucxx  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means no ucx here
-        return f"ucxx does not import ({type(e).__name__}: {e}); pip install ucxx-cu12"
-    return None
+    from .transport import ucx_unavailable
+
+    return ucx_unavailable()
 
 
 def transport_suite(s: Sizes, ucx: bool = True) -> dict:
@@ -125,8 +123,8 @@ def transport_suite(s: Sizes, ucx: bool = True) -> dict:
 
     out = {}
     for name in ("tcp", "gloo", "local", "ucx", "nccl"):
-        # nccl: the same line `bench transport --transport nccl` exits with
-        why = ucx_unavailable() if name == "ucx" else transport.nccl_unavailable() if name == "nccl" else None
+        # ucx, nccl: the same line `bench transport --transport ucx|nccl` exits with
+        why = transport.ucx_unavailable() if name == "ucx" else transport.nccl_unavailable() if name == "nccl" else None
         if name == "ucx" and not ucx:
             why = "left out (--no-ucx)"
         if why:

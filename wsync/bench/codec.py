@@ -105,9 +105,11 @@ def _pairs(a) -> list[tuple[str, Path, Path]]:
         if not (a.base and a.new):
             raise ValueError("give both --base and --new, or neither")
         return [("given pair", a.base, a.new)]
-    from .snapshots import SnapshotConfig, announce, default_cache_dir, ensure_snapshots, snapshot_pairs
+    from .snapshots import (SnapshotConfig, announce, default_cache_dir, ensure_snapshots, require_generator,
+                            snapshot_pairs)
 
     cfgs = [SnapshotConfig(size=a.size, lr=lr, steps=max(a.gaps)) for lr in a.lr]
+    require_generator(cfgs, instead="compare two checkpoints of yours with --base and --new")
     announce(cfgs)  # the disk all of them take, said once before the first is generated
     out = []
     for cfg in cfgs:
@@ -118,9 +120,9 @@ def _pairs(a) -> list[tuple[str, Path, Path]]:
 
 def main(a) -> None:
     hw = hardware.describe()
+    pairs = _pairs(a)  # before the heading: a machine that cannot make the snapshots prints only why
     print(f"# wsync bench codec on {hardware.one_line(hw)}\n")
     runs = []
-    pairs = _pairs(a)
     with progress.bar(len(pairs) * len(schemes({})), "bench codec", unit="scheme") as bar:
         for label, b, n in pairs:
             run = compare(b, n, repeats=a.repeats, label=label, bar=bar)

@@ -29,6 +29,7 @@ import torch
 
 from .. import progress
 from ..codecs import delta_ref
+from ..errors import BackendUnavailable
 
 # Bump when the generated data would differ for the same config (model shapes,
 # data stream, training loop), so stale caches are regenerated, not reused.
@@ -154,10 +155,29 @@ def _log(msg: str) -> None:
 
 # --- model and data ---------------------------------------------------------
 
+GENERATE_HINT = 'pip install -e ".[bench]"'  # the extra that brings transformers (and every peer of bench codec)
+
+
+def require_generator(cfgs: list[SnapshotConfig], instead: str) -> None:
+    """Raise BackendUnavailable, in one line, where a series of `cfgs` is not cached and transformers does
+    not import: said before anything is announced or written. `instead`: how to run without generating."""
+    if all(_cache_valid(default_cache_dir(c), c) for c in cfgs):
+        return
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailable(f"generating benchmark snapshots needs transformers ({e}): {GENERATE_HINT}, "
+                                 f"or {instead}") from None
+
+
 def build_model(cfg: SnapshotConfig) -> torch.nn.Module:
     """Random-init Qwen3 in fp32: the trainer's master weights."""
     # transformers is heavy; only snapshot generation needs it.
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    try:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+    except ImportError as e:
+        raise BackendUnavailable(f"generating benchmark snapshots needs transformers >= 4.51 ({e}): "
+                                 f"{GENERATE_HINT}") from None
 
     config = Qwen3Config(**SIZES[cfg.size], max_position_embeddings=max(256, cfg.seq_len),
                          tie_word_embeddings=False, use_cache=False)

@@ -130,9 +130,11 @@ def load_paths(a) -> tuple[list, str]:
         from ..serve import find_versions
 
         return [p for _, p in find_versions(a.src)][: a.versions + 1], str(a.src)
-    from .snapshots import SnapshotConfig, ensure_snapshots
+    from .snapshots import SnapshotConfig, ensure_snapshots, require_generator
 
-    paths = ensure_snapshots(None, SnapshotConfig(size=a.size, lr=a.lr))[: a.versions + 1]
+    cfg = SnapshotConfig(size=a.size, lr=a.lr)
+    require_generator([cfg], instead="publish a folder of checkpoints of yours with --src")
+    paths = ensure_snapshots(None, cfg)[: a.versions + 1]
     return paths, f"generated {a.size} snapshots, lr {a.lr:g}"
 
 

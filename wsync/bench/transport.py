@@ -54,10 +54,11 @@ def run(transport: str, size: int, *, streams: int = 1, repeats: int = 5, chunk:
 
     if transport not in TRANSPORTS or size < 1 or repeats < 1 or streams < 1:
         raise ValueError(f"need --transport in {TRANSPORTS}, --size >= 1, --repeats >= 1 and --streams >= 1")
-    if transport == "nccl" and (why := nccl_unavailable()):
+    why = nccl_unavailable() if transport == "nccl" else ucx_unavailable() if transport == "ucx" else None
+    if why:
         from ..errors import BackendUnavailable
 
-        raise BackendUnavailable(f"bench transport nccl skipped, {why}")
+        raise BackendUnavailable(f"bench transport {transport} skipped, {why}")
     with tempfile.TemporaryDirectory(prefix="wsync-bench-") as tmp:
         spec = {"transport": transport, "size": size, "streams": streams, "repeats": repeats, "chunk": chunk,
                 "side_port": _free_port(), "port": _free_port(), "raw_port": _free_port(), "seed": 7,
@@ -79,6 +80,16 @@ def run(transport: str, size: int, *, streams: int = 1, repeats: int = 5, chunk:
     rows = [json.loads(line) for line in outs["recv"][0].splitlines() if line.startswith("{")]
     _check_rows(rows)
     return _summarise(spec, rows, hardware.describe())
+
+
+def ucx_unavailable() -> str | None:
+    """Why the ucx bench cannot run here, in one line (None: it can). Checked before the workers start:
+    without ucxx each of them would end in a traceback of its own."""
+    try:
+        import ucxx  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means no ucx here
+        return f"ucxx does not import ({type(e).__name__}: {e}); pip install -e \".[ucx]\" (ucxx-cu12)"
+    return None
 
 
 def nccl_unavailable() -> str | None:
