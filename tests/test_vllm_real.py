@@ -17,7 +17,7 @@ every version changes some of those paths, so a version that did not land fails.
 One engine per mode (in place, layerwise, worker extension, the async engine
 with its pause modes), each shared by its class. Skipped where vLLM does not
 import; with WSYNC_REQUIRE_VLLM=1 (the CI stage) that is a failure instead.
-Run with the vLLM venv's python (README, "vLLM on a CPU machine").
+Run with the vLLM venv's python (docs/engines.md, "vLLM on a CPU machine").
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ previous one in between. At version 3 trainer rank 1 corrupts its piece for work
 coordinator aborts the version on both workers, both go on serving version 2 (digests, and vLLM's tokens are
 version 2's), and version 4 commits on both (the bad source sends a keyframe).
 
-Run with the vLLM venv's python (README, "vLLM on a CPU machine"); WSYNC_REQUIRE_VLLM=1 makes a missing vLLM
+Run with the vLLM venv's python (docs/engines.md, "vLLM on a CPU machine"); WSYNC_REQUIRE_VLLM=1 makes a missing vLLM
 a failure.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ adapter-only sync of a peft run). A suite that cannot run says why in the
 report instead of failing the rest. Writes `<out>/<date>-<host>.{json,md}` and
 PNG plots when matplotlib is installed (out: --out, default
 ~/.cache/wsync/results; `--out benchmarks/results` for a run to commit);
-`python -m wsync.bench.report` turns the JSON into the README table.
+`python -m wsync.bench.report` turns the JSON into the tables of docs/results.md.
 """
 from __future__ import annotations
 

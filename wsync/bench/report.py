@@ -1,11 +1,11 @@
-"""Turn saved benchmark results into the README's results tables (and the run's own .md).
+"""Turn saved benchmark results into the results page's tables (and the run's own .md).
 
-    python -m wsync.bench.report benchmarks/results/RUN.json --readme README.md
+    python -m wsync.bench.report benchmarks/results/RUN.json --readme docs/results.md
 
 RUN.json is a `wsync bench all` run (every suite: codec, transport, sync with
 the whole-checkpoint peers beside it, LoRA, and the hardware line) or a single
 `wsync bench codec --json` run (the codec table only). The tables sit between
-two markers in the README, so regenerating them never touches the prose
+two markers in docs/results.md, so regenerating them never touches the prose
 around them.
 """
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _reshard_table(res: dict) -> str:
 
 
 def all_tables(doc: dict) -> str:
-    """The README block for a `wsync bench all` run: one table per suite, the hardware named once."""
+    """The results page's block for a `wsync bench all` run: one table per suite, the hardware named once."""
     su = doc["suites"]
     hw = doc["hardware"]
     parts = [f"Measured {doc['date']} with `{doc['command']}` on {hw['cpu']}, {hw['cores']} cores, "

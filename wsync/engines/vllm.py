@@ -57,7 +57,7 @@ CALLS = [
     ("vllm.v1.worker.gpu_worker", "Worker.get_model", 0, ()),
     ("vllm.lora.request", "LoRARequest", 0, ("lora_name", "lora_int_id", "lora_path", "load_inplace")),
     ("vllm.entrypoints.llm", "LLM.collective_rpc", 1, ("args",)),
-    # the driver's side of the weight-transfer round, as the README shows it
+    # the driver's side of the weight-transfer round, as docs/engines.md shows it
     ("vllm.entrypoints.rl.offline", "RLOfflineMixin.init_weight_transfer_engine", 1, ()),
     ("vllm.entrypoints.rl.offline", "RLOfflineMixin.start_weight_update", 0, ()),
     ("vllm.entrypoints.rl.offline", "RLOfflineMixin.update_weights", 1, ()),
