@@ -36,6 +36,7 @@ def small_cpu_run(tmp_path_factory):
     return r, out
 
 
+@pytest.mark.slow  # the whole bench script at small size (~15 s)
 def test_small_size_on_cpu_runs_every_stage_bit_exact(small_cpu_run):
     r, out = small_cpu_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -112,6 +113,7 @@ def test_full_size_has_the_real_shapes():
     assert moe[-1][0].startswith("model.layers.52.")  # 128 experts x 3 per layer
 
 
+@pytest.mark.slow  # digests of 12M bf16 values, five times over (~7 s)
 def test_the_digest_sees_one_byte():
     import torch
 

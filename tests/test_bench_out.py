@@ -20,6 +20,7 @@ def _results_now() -> set[str]:
     return {p.name for p in RESULTS.iterdir()}
 
 
+@pytest.mark.slow  # a `bench all --quick` run
 def test_bench_all_quick_writes_to_the_cache_by_default_and_says_quick_is_a_smoke_test(tmp_path):
     before = _results_now()
     home, cwd = tmp_path / "home", tmp_path / "cwd"

@@ -28,6 +28,7 @@ def test_cli_reports_baseline_and_ours(transport, tmp_path, capsys):
     assert res["hardware"]["cpu"] and res["checked"].startswith("xxh3")
 
 
+@pytest.mark.slow
 def test_ucx_bench_runs_where_ucxx_is_installed():
     pytest.importorskip("ucxx")
     res = bench.run("ucx", 1 << 20, repeats=1)

@@ -17,7 +17,7 @@ import pytest
 
 from test_cpu_asan import asan_build, run_driver
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.build  # ASan/UBSan builds: the `build` tier, not the default run
 CASES = 120  # about 25 s with the build, on 2 cores
 ROOT = Path(__file__).resolve().parent.parent
 FUZZ = ROOT / "tests" / "fuzz"

@@ -107,12 +107,14 @@ def _disagreements(cases, answers: dict, key: str) -> list:
     return bad
 
 
+@pytest.mark.slow  # replays the whole corpus through every decoder, one process each (~15 s)
 def test_every_decoder_gives_every_input_the_same_answer(corpus, replays):
     _, _, cases = corpus
     bad = _disagreements(cases, replays, "outcomes")
     assert not bad, f"{len(bad)} disagreements, the first: " + "\n".join(map(repr, bad[:10]))
 
 
+@pytest.mark.slow
 def test_the_corpus_reaches_decodes_refusals_and_both_paths(corpus, replays):
     _, _, cases = corpus
     ref = replays["reference"]["outcomes"]
@@ -128,6 +130,7 @@ def test_the_corpus_reaches_decodes_refusals_and_both_paths(corpus, replays):
         assert planes[0] > 0, "a CPU with popcnt ran no chunk on the planes"
 
 
+@pytest.mark.slow
 def test_payloads_with_recomputed_checksums_reach_the_decoder(corpus, replays):
     """Whole payloads through wsync.apply_state: the decoder's refusal comes through as it is, and what it
     decodes is applied, the same tensor on every decoder."""

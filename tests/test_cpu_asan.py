@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.build  # ASan/UBSan builds: the `build` tier, not the default run
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = 1500  # ~20 s under ASan on 2 cores, with the build

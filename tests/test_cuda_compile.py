@@ -54,6 +54,7 @@ def test_there_are_sources():
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
+@pytest.mark.build
 def test_nvcc_builds_without_warnings_or_spills(nvcc_results, src, arch):
     r = nvcc_results[(src, arch)]
     assert r.returncode == 0, f"nvcc -arch={arch} {src.name} failed:\n{r.stderr[-6000:]}"
@@ -98,6 +99,7 @@ def _nvrtc_compile(lib, src: str, arch: str) -> tuple[int, str, bytes]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.build
 def test_nvrtc_builds_the_runtime_source(arch):
     """The exact string wsync.backends.cuda hands cupy's RawModule, through NVRTC, for each target:
     it compiles without a warning, to a cubin that holds every kernel the engine launches."""

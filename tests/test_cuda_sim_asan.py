@@ -23,7 +23,7 @@ from test_cuda_sim_mutants import run_driver
 cudasim = pytest.importorskip("cudasim")
 from cudasim.mutants import ASAN_ONLY, apply  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.build  # ASan/UBSan builds: the `build` tier, not the default run
 
 
 def _asan_env() -> dict:

@@ -189,6 +189,7 @@ def test_partial_warps(st):
     assert out.tolist() == list(range(48))
 
 
+@pytest.mark.build
 def test_builds_are_cached_by_content(tmp_path):
     src = tmp_path / "k.cu"
     src.write_text('extern "C" __global__ void k1(unsigned* o) { o[threadIdx.x] = threadIdx.x; }\n')

@@ -40,6 +40,7 @@ def builds():
     return dict(zip((m.name for m in MUTANTS), sos))
 
 
+@pytest.mark.build
 def test_the_unmutated_kernels_pass_the_same_run():
     """The control: without a planted bug the quick run is clean, so a failure below is the mutant's."""
     if cudasim.compiler() is None:
@@ -49,6 +50,7 @@ def test_the_unmutated_kernels_pass_the_same_run():
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+@pytest.mark.build
 def test_mutant_is_caught(builds, mutant):
     r = run_driver(builds[mutant.name], "--mode", "quick")
     assert r.returncode != 0, f"{mutant.name} ({mutant.why}) passed the harness:\n{r.stdout[-2000:]}"

@@ -132,6 +132,7 @@ def _busy_cpus(n: int):
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
+@pytest.mark.soak
 def test_sync_loop_completes_under_cpu_load():
     """Issue 16 #10: the loop read Publisher.stats while the encoder thread wrote it; under load it crashed."""
     busy = _busy_cpus(2)

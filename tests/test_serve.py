@@ -109,6 +109,7 @@ def test_pull_with_wrong_token_gets_nothing(tmp_path, rng):
         t.join(10)
 
 
+@pytest.mark.slow
 def test_killed_pull_leaves_last_good_version(tmp_path, rng):
     """Kill `wsync pull` mid-transfer: OUT still holds the previous version, intact, and a new pull finishes."""
     src, out = tmp_path / "src", tmp_path / "out"

@@ -103,7 +103,7 @@ def _commit(g: Group, v: int) -> None:
     assert all(served == v and ok for served, ok in got.values()), got
 
 
-@pytest.mark.parametrize("m,n,engine", [(2, 2, "vllm"), (4, 3, "hf")])
+@pytest.mark.parametrize("m,n,engine", [(2, 2, "vllm"), pytest.param(4, 3, "hf", marks=pytest.mark.slow)])
 def test_versions_commit_bit_exact_on_every_engine_rank(groups, m, n, engine):
     g = groups(m, n, engine=engine)
     for v in range(6):  # a keyframe, then deltas moving ~1% of the values
@@ -139,6 +139,7 @@ def test_corrupt_piece_on_one_rank_aborts_every_rank(groups):
     _commit(g, 3)  # the bad source took a keyframe; the group commits the next version together
 
 
+@pytest.mark.slow  # tests/test_shard_transports.py kills and rejoins a rank in the fast tier
 def test_killed_engine_rank_commits_nothing_and_catches_up(groups):
     g = groups(2, 3, hooks={1: {"die_at": (2, 0)}}, engine="hf")
     _commit(g, 0)
@@ -156,6 +157,7 @@ def test_killed_engine_rank_commits_nothing_and_catches_up(groups):
     _commit(g, 3)
 
 
+@pytest.mark.slow  # a 5 s stall
 def test_rank_that_never_gets_ready_aborts_at_the_timeout(groups):
     stall = 5.0
     g = groups(2, 2, hooks={1: {"stall_at": (2, 1), "stall_s": stall}}, timeout=2.0)
@@ -242,6 +244,7 @@ def test_fsdp2_trainer_into_torch_tp_engine(tmp_path, m, n):
     _headline(tmp_path, m, n, fsdp_trainer, tp_engine)
 
 
+@pytest.mark.slow
 def test_fsdp2_qwen3_moe_into_expert_parallel_engine(tmp_path):
     """The issue's MoE case: FSDP2 (fully_shard, gloo) on 2 processes training a transformers 5 Qwen3-MoE (experts
     fused as 3-D gate_up_proj / down_proj, 5 of them: Shard(0) puts experts 0-2 on trainer rank 0, 3-4 on 1) ->

@@ -125,6 +125,7 @@ def test_two_engines_follow_over_each_transport(scheme, gen):
         assert s.stats["versions"] in (6, 3), s.stats
 
 
+@pytest.mark.soak
 def test_gloo_groups_opened_and_closed_in_a_loop():
     """A gloo publisher and two subscribers, built, fed and closed over and over in one process: closes land
     wherever the links' threads happen to be. A group dropped with an operation in flight blocked its last
