@@ -75,6 +75,7 @@ def test_small_size_on_cpu_runs_every_stage_bit_exact(small_cpu_run):
     assert "cpu (" in md and "bit-exact: **True**" in md and "dense.delta_tcp" in md and "moe.raw_local" in md
 
 
+@pytest.mark.slow  # needs the bench script's run (~10 s); tests/test_plan_gpu_sync.py reads results in the fast tier
 def test_the_planner_reads_what_the_bench_writes(small_cpu_run, tmp_path, monkeypatch):
     from wsync.plan import codec_speeds as cs
     from wsync.plan.gpu_sync import e2e_speed, e2e_tensor_cost, newest_gpu_sync
