@@ -49,7 +49,7 @@ def _same(engine: Shadow, state) -> bool:
 # -- finding 10: stats are a snapshot, safe to read while the encoder writes ------------------------
 
 def test_stats_reads_while_publishing_never_race(rng):
-    """trainer/loop.py::_sent iterated Publisher.stats while the encoder thread added to it."""
+    """trainer/driver.py::_sent iterated Publisher.stats while the encoder thread added to it."""
     errors, stop = [], threading.Event()
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # switch threads often: the race shows up within a few hundred versions

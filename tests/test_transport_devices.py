@@ -659,9 +659,9 @@ def test_nccl_moves_cuda_tensors_between_the_captured_devices():
 def test_a_link_dialled_later_by_our_thread_takes_the_device_current_when_it_was_asked_for(monkeypatch):
     """Subscriber and shard members dial on threads of their own, which start on device 0: the device is read
     where they are made, on the caller's thread."""
-    from wsync.transports import base, groupframe
+    from wsync.transports import base
 
-    monkeypatch.setattr(groupframe, "current_device", lambda init=True: 3)
+    monkeypatch.setattr(base, "current_device", lambda init=True: 3)
     assert base.with_device("nccl://127.0.0.1:1?world_size=2", None) == {"device": 3}
     assert base.with_device("ucx://127.0.0.1:1", {"device": 1}) == {"device": 1}  # asked for: kept
     assert base.with_device("tcp://127.0.0.1:1", {"token": "t"}) == {"token": "t"}  # host links: untouched

@@ -39,7 +39,7 @@ def main(a, argv) -> int:
 
     from wsync.bench.hardware import default_results_dir, describe, one_line, stem
 
-    from .bench import brief, configs
+    from .bench_configs import brief, configs
     from .loop import run
     from .ray_loop import RayConfig, local_cluster
 

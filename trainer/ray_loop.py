@@ -11,7 +11,7 @@
     tickets  -- give() ---------------------------------------------------------------->  decode steps
     groups   <- take() ----------------------------------------------------------------   (trainer.sampler.Worker)
 
-The driver is the one-process loop's (``trainer.loop.Driver``: the same
+The driver is the one-process loop's (``trainer.driver.Driver``: the same
 admission control, staleness bound and records); what changes is where the
 parts run. Samples and tickets travel as Ray calls; weights only through wsync.
 
@@ -32,7 +32,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from .loop import Driver, LoopConfig, Result, SamplerFailed, _sync_summary
+from .driver import Driver, LoopConfig, Result, SamplerFailed, sync_summary
 from .ray_place import local_cluster
 from .task import sample_digits
 
@@ -139,7 +139,7 @@ class RayDriver(Driver):
         except ImportError as e:
             from wsync.errors import BackendUnavailable
 
-            raise BackendUnavailable("the loop on Ray (--ray, ray=True) needs ray: pip install -e ".[ray]"") from e
+            raise BackendUnavailable("the loop on Ray (--ray, ray=True) needs ray: pip install -e '.[ray]'") from e
 
         if self.rcfg.address is None and not ray.is_initialized():
             self.cluster = local_cluster(self.cfg.samplers, self.rcfg.trainer_ranks)
@@ -425,7 +425,7 @@ class RayDriver(Driver):
             except RayError:
                 pass
         s = self.rec.summary()
-        s["sync"] = _sync_summary(pub, self.rec.samplers)
+        s["sync"] = sync_summary(pub, self.rec.samplers)
         s["metrics"] = self.metrics
         s["config"] = asdict(self.cfg)
         s["hardware"] = describe()

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict
 
 from .grpo import Learner, surrogate
-from .loop import LoopConfig, _last_sync
+from .driver import LoopConfig, last_sync
 from .policy import PolicyConfig
 
 
@@ -199,7 +199,7 @@ class TrainerRank:
             t = time.perf_counter()
             self.pub.publish(state, version=version)
             out["publish_s"] = time.perf_counter() - t
-            out["sync"] = _last_sync(self.pub.stats)
+            out["sync"] = last_sync(self.pub.stats)
             if self.cfg.report_digests:
                 out["digest"] = digest(state)
         return out

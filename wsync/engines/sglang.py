@@ -30,8 +30,7 @@ from __future__ import annotations
 import threading
 
 from ..errors import BackendUnavailable, MismatchError
-from .staged import Staged
-from .vllm import current_tensors
+from .staged import Staged, current_tensors
 
 MODES = ("tensor", "distributed", "lora")
 

@@ -68,3 +68,8 @@ def _read_only(bits):
     v = bits.view()
     v.flags.writeable = False
     return v
+
+
+def current_tensors(engine: Staged, named: dict, whole: bool) -> dict:
+    """The whole adapter after this push (load() has already put the changed tensors in the host copy)."""
+    return named if whole else {n: to_torch(tb) for n, tb in engine.shadow.state.items()}

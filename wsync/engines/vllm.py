@@ -45,7 +45,7 @@ import json
 import os
 
 from ..errors import BackendUnavailable, WsyncError
-from .staged import Staged
+from .staged import Staged, current_tensors
 
 BACKEND = "wsync"  # the name registered with vLLM's WeightTransferEngineFactory
 
@@ -302,13 +302,6 @@ def __getattr__(name: str):
 
         return getattr(vllm_lora, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def current_tensors(engine: Staged, named: dict, whole: bool) -> dict:
-    """The whole adapter after this push (load() has already put the changed tensors in the host copy)."""
-    from ..snapshot import to_torch
-
-    return named if whole else {n: to_torch(tb) for n, tb in engine.shadow.state.items()}
 
 
 def write_adapter(directory: str, tensors: dict, config: dict) -> None:

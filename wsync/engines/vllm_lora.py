@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import base64
 
-from .staged import Staged
+from .staged import Staged, current_tensors
 
 SCHEME = "wsync://"  # the lora_path of an adapter served from memory
 
@@ -73,8 +73,6 @@ class VLLMLoRA(Staged):
         manager._wsync_adapters[lora_int_id] = self
 
     def push(self, named: dict, *, whole: bool) -> None:
-        from .vllm import current_tensors
-
         self._pending = current_tensors(self, named, whole)  # the whole adapter, as _load_adapter will build it
         try:
             self.manager.add_adapter(self.request(load_inplace=True))  # vLLM's own replace: load, remove, add, activate

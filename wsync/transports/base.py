@@ -160,13 +160,28 @@ def with_token(opts: dict | None, token) -> dict:
 DEVICE_SCHEMES = ("nccl", "ucx")  # transports that put their buffers on a CUDA device
 
 
+def current_device(init: bool = True) -> int | None:
+    """The calling thread's current CUDA device index; None where torch or a CUDA device is missing.
+
+    With init=False a process that has not initialized CUDA is left so (a link that may only ever move host
+    memory must not start CUDA, nor spoil a later fork): no torch call can have picked a device yet, since picking
+    one initializes CUDA, so every thread's current device is the default, 0."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    if not init and not torch.cuda.is_initialized():
+        return 0
+    return torch.cuda.current_device()
+
+
 def with_device(address: str, opts: dict | None) -> dict:
     """opts plus device=, for a link that a thread of ours will dial later: the device current on the
     calling thread now (a new thread starts on device 0, whatever the caller works on)."""
     opts = dict(opts or {})
     if parse_address(address).scheme in DEVICE_SCHEMES and opts.get("device") is None:
-        from .groupframe import current_device
-
         d = current_device(init=False)
         if d is not None:
             opts["device"] = d

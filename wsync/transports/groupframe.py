@@ -37,7 +37,7 @@ import xxhash
 
 from .. import safejson
 from ..errors import ChecksumError, TransportError
-from .base import ENVELOPE, MAGIC, MAX_BLOB, MAX_HEADER, Message
+from .base import ENVELOPE, MAGIC, MAX_BLOB, MAX_HEADER, Message, current_device  # noqa: F401 (ucx and torchdist call gf.current_device)
 
 WINDOW = 2  # pieces in flight: one on the wire while the CPU hashes or copies the other
 
@@ -198,23 +198,6 @@ def _tensor_device(t):
         return d if d.type == "cuda" else None
     ordinal = getattr(d, "id", None)  # cupy and numba arrays name theirs by ordinal
     return torch.device("cuda", ordinal) if type(ordinal) is int else None
-
-
-def current_device(init: bool = True) -> int | None:
-    """The calling thread's current CUDA device index; None where torch or a CUDA device is missing.
-
-    With init=False a process that has not initialized CUDA is left so (a link that may only ever move host
-    memory must not start CUDA, nor spoil a later fork): no torch call can have picked a device yet, since picking
-    one initializes CUDA, so every thread's current device is the default, 0."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    if not init and not torch.cuda.is_initialized():
-        return 0
-    return torch.cuda.current_device()
 
 
 # -- moving pieces ------------------------------------------------------------------------

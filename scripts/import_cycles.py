@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Fail when our own modules (wsync/, trainer/) import each other in a circle.
+
+Every import counts, at module level or inside a function: a deferred import still means the two modules
+depend on each other, it only hides the circle from the interpreter. The graph is at module granularity;
+`from pkg import name` is an edge to pkg.name when that is a module of ours, else to pkg.
+
+Edges from a package's __init__.py to modules under it are left out: a package importing its children to
+re-export them is how a package is built, and counting those edges would make every child that imports
+anything from its package look circular. The cost: a child that imports names from its own package's
+__init__ (which imports that child) is not reported; Python resolves those only when the __init__ binds
+the names first.
+
+Exit 1 and print each strongly connected component (size > 1) with its import lines as file:line; exit 0
+when there are none. An argument: the root to check instead of this checkout.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOTS = ("wsync", "trainer")
+
+
+def module_name(path: Path, repo: Path) -> str:
+    parts = list(path.relative_to(repo).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def collect(repo: Path) -> tuple[dict[str, Path], dict[str, dict[str, list[tuple[Path, int]]]]]:
+    files: dict[str, Path] = {}
+    for root in ROOTS:
+        if not (repo / root).is_dir():
+            continue
+        for p in sorted((repo / root).rglob("*.py")):
+            files[module_name(p, repo)] = p
+    edges: dict[str, dict[str, list[tuple[Path, int]]]] = defaultdict(lambda: defaultdict(list))
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        package = mod if is_pkg else mod.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    targets.append(own(a.name, files))
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    src = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    src = node.module or ""
+                for a in node.names:
+                    sub = f"{src}.{a.name}"
+                    targets.append(sub if sub in files else own(src, files))
+            for t in targets:
+                if not t or t == mod:
+                    continue
+                if is_pkg and t.startswith(mod + "."):
+                    continue  # a package importing its own children (see the module docstring)
+                if (path, node.lineno) not in edges[mod][t]:  # one line may name several things of one module
+                    edges[mod][t].append((path, node.lineno))
+    return files, edges
+
+
+def own(name: str, files: dict[str, Path]) -> str:
+    """The longest prefix of a dotted name that is one of our modules ('' if none)."""
+    parts = name.split(".")
+    while parts:
+        if ".".join(parts) in files:
+            return ".".join(parts)
+        parts.pop()
+    return ""
+
+
+def sccs(nodes: list[str], edges) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for start in nodes:
+        if start in index:
+            continue
+        # iterative Tarjan: the graph is small, but recursion limits are not worth the risk
+        work = [(start, iter(sorted(edges.get(start, {}))))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges.get(w, {})))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # a root to check other than this checkout: how the tests give it a tree with a known circle
+    repo = Path(argv[0]).resolve() if argv else Path(__file__).resolve().parent.parent
+    files, edges = collect(repo)
+    found = sccs(sorted(files), edges)
+    for comp in found:
+        members = set(comp)
+        print(f"import cycle among {len(comp)} modules: {', '.join(comp)}")
+        for a in comp:
+            for b, sites in sorted(edges.get(a, {}).items()):
+                if b in members:
+                    for path, line in sites:
+                        print(f"  {a} -> {b}  {path.relative_to(repo)}:{line}")
+    if found:
+        print(f"{len(found)} import cycle(s)")
+        return 1
+    print(f"no import cycles among {len(files)} modules")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
