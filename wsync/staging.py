@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from . import dtypes
 from .errors import TransportError
 from .payload import Payload
 
@@ -90,8 +91,6 @@ class Limits:
 
 
 def _itemsize(dtype_name: str) -> int:
-    from . import dtypes
-
     return dtypes.by_name(dtype_name).itemsize
 
 

@@ -58,7 +58,7 @@ from .tokens import check as check_token
 from .transports.base import with_device, with_token
 from .transports.tcp.auth import Refused
 from .transports.tcp.frames import MessageTooLarge
-from .staging import NO_LAYOUT_BYTES, Limits, Oversized, Staged, Staging, table_bytes  # noqa: F401 - Staged: re-exported
+from .staging import NO_LAYOUT_BYTES, Limits, Oversized, Staged, Staging, table_bytes
 
 log = logging.getLogger("wsync.sync")
 GIVE_UP = 3  # wait_for raises the apply error (or refusal) after this many in a row (the subscriber keeps trying)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 
 from .errors import WsyncError
 
@@ -115,8 +116,6 @@ def add_cli_options(parser, what: str) -> None:
 def from_cli(args) -> bytes | None:
     """The token a command was given (add_cli_options): --token, else --token-file, else the environment."""
     if args.token:
-        import sys
-
         print(f"wsync: --token is visible to other users of this machine (ps, shell history); "
               f"prefer --token-file or {TOKEN_ENV}", file=sys.stderr)
     return load(args.token, token_file=args.token_file)
