@@ -40,7 +40,7 @@ from .engines.spool import Spool
 from . import safejson, tokens
 from .errors import FormatError, WsyncError
 from .layout import Members, plan
-from .subscriber import version_digest
+from .subscriber import WaitTimeout, version_digest
 
 VERSION_FILE = "wsync-version.json"
 _NUMBER = re.compile(r"(\d+)(?:\.safetensors)?$")
@@ -133,7 +133,7 @@ def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1
                 log(f"nothing to serve in {src} yet: it takes .safetensors files or checkpoint folders "
                     "whose names end in their step number (step_0004), or SRC itself as one checkpoint")
             for version, path in found:
-                if version in done or (pub._last is not None and version <= pub._last):
+                if version in done or (pub.newest is not None and version <= pub.newest):
                     continue
                 if not _settled(path, settle_s):
                     skipped[path.name] = f"still changing (taken once unchanged for {settle_s:g}s)"
@@ -161,7 +161,7 @@ def serve(src, listen: str, *, token=None, watch: bool = True, poll_s: float = 1
 
 def _serve_once(pub, src: Path, skipped: dict[str, str], timeout: float, log) -> None:
     """serve --no-watch's end: something was published and somebody took it, or NothingServed says why not."""
-    if pub._last is None:
+    if pub.newest is None:
         reasons = [f"{n}: {why}" for n, why in skipped.items()] + unservable(src)  # unservable: what was never tried
         raise NothingServed(f"nothing to serve in {src}: " + "; ".join(reasons) + ". serve takes .safetensors files "
                             "or checkpoint folders whose names end in their step number (step_0004), or SRC itself "
@@ -169,9 +169,9 @@ def _serve_once(pub, src: Path, skipped: dict[str, str], timeout: float, log) ->
     deadline = time.monotonic() + timeout
     pub.flush(timeout)  # every subscriber connected now holds it, or FlushTimeout names who does not
     if not pub.wait_taken(0):
-        log(f"waiting up to {timeout:g}s (--flush-timeout) for a subscriber to take version {pub._last}")
+        log(f"waiting up to {timeout:g}s (--flush-timeout) for a subscriber to take version {pub.newest}")
         if not pub.wait_taken(max(0.0, deadline - time.monotonic())):
-            raise NothingServed(f"served nobody: no subscriber took version {pub._last} of {src} within {timeout:g}s "
+            raise NothingServed(f"served nobody: no subscriber took version {pub.newest} of {src} within {timeout:g}s "
                                 f"(--flush-timeout); serve without --no-watch to keep serving")
     pub.flush(max(0.0, deadline - time.monotonic()))
 
@@ -270,8 +270,6 @@ def pull(address: str, out, *, token=None, timeout: float | None = None, version
 def _waiting(wait, limit: float, every: float, tell, timed_out):
     """wait(seconds) in slices of every seconds until it returns, telling how long so far after each slice;
     WaitTimeout(timed_out()) once limit seconds (inf: none) have passed."""
-    from .subscriber import WaitTimeout
-
     t0 = time.monotonic()
     while True:
         left = limit - (time.monotonic() - t0)

@@ -306,6 +306,11 @@ class Publisher:
         return self.stats_snapshot()
 
     @property
+    def newest(self) -> int | None:
+        """The newest version published (None before the first)."""
+        return self._last
+
+    @property
     def subscribers(self) -> int:
         """Subscribers connected and greeted (a broadcast group counts each member)."""
         with self._cv:
