@@ -87,9 +87,9 @@ def full_state(model) -> dict:
 
 def gather(model, keep: bool = True) -> dict:
     """The whole state through FSDP's own gather: ``unshard()`` all-gathers each FSDP unit's parameters in one
-    collective (``full_state`` takes a collective per tensor, and their count is what costs). Every rank must call it; a rank that
-    keeps the state gets copies (the gathered buffers are FSDP's, freed again by ``reshard()``, and must not be
-    handed to numpy), tied parameters as one tensor."""
+    collective (``full_state`` takes a collective per tensor, and their count is what costs). Every rank must
+    call it; a rank that keeps the state gets copies (the gathered buffers are FSDP's, freed again by
+    ``reshard()``, and must not be handed to numpy), tied parameters as one tensor."""
     import torch
     from torch.distributed.fsdp import FSDPModule
 
