@@ -132,7 +132,7 @@ def test_a_device_engine_refuses_bad_versions_and_keeps_every_byte(device_rt):
     def bf16(d):
         return {n: torch.from_numpy(a).view(torch.bfloat16) for n, a in d.items()}
 
-    members = wsync.layout.plan(wsync.snapshot.as_state(bf16(base)))
+    members = wsync.layout.layout_of(wsync.snapshot.as_state(bf16(base)))
     p = wsync.encode(bf16(base), bf16(new), tier="packed", members=members)
     engine_state = {n: FakeTensor(a.copy(), 1, logical="BF16") for n, a in base.items()}
     dev = DeviceEngine(engine_state, backends.device_kernels(), backends.transfers())

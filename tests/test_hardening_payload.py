@@ -25,8 +25,8 @@ import zstandard
 import wsync
 from wsync import api
 from wsync.checksum import checksum
-from wsync.errors import FormatError, WsyncError
-from wsync.layout import Members
+from wsync.errors import FormatError
+from wsync.layout import Layout
 from wsync.manifest import Manifest, TensorSpec
 from wsync.payload import HEADER, MAGIC, Payload
 
@@ -53,7 +53,7 @@ def _forge(segments: list[dict], *, codec: str = "delta", tier: str | None = "pa
     """A sealed payload from hand-made segments: {name, dtype, numel, kind, parts: {section: bytes}}.
 
     Every checksum a receiver verifies before decoding is right, so only the declared sizes lie."""
-    members = Members(tuple(s["name"] for s in segments), tuple((s["numel"],) for s in segments),
+    members = Layout(tuple(s["name"] for s in segments), tuple((s["numel"],) for s in segments),
                       (1,) * len(segments), tuple(s["dtype"] for s in segments))
     specs, body, offset = [], b"", 0
     for key, s in zip(members.keys(), segments):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from wsync.history import Encoded, History, catchup, keyframe_due
+from wsync.history import EncodedVersion, History, catch_up_versions, keyframe_due
 from wsync.snapshot import as_state, plan_buckets
 
 
@@ -16,7 +16,7 @@ from wsync.snapshot import as_state, plan_buckets
     (3, 3, 3, set(), (None, [])),
 ])
 def test_catchup(have, newest, kf, deltas, expect):
-    assert catchup(have, newest, kf, deltas) == expect
+    assert catch_up_versions(have, newest, kf, deltas) == expect
 
 
 @pytest.mark.parametrize("index,since,every,due", [
@@ -42,7 +42,7 @@ def test_plan_buckets_rejects_zero():
 
 
 def _enc(v, base):
-    return Encoded(v, base, f"c{v}", 1)
+    return EncodedVersion(v, base, f"c{v}", 1)
 
 
 def test_history_stays_bounded_and_checks_what_a_subscriber_holds():
@@ -55,11 +55,11 @@ def test_history_stays_bounded_and_checks_what_a_subscriber_holds():
         else:
             h.add_delta(_enc(v, v - 1))
         assert len(h.deltas) <= 20 and len(h.checksums) <= 21
-    kf, deltas = h.plan(115, "c115")
+    kf, deltas = h.catch_up(115, "c115")
     assert kf is None and [d.version for d in deltas] == [116, 117, 118, 119]
-    kf, deltas = h.plan(115, "not-what-we-sent")  # same number, other contents: start over
+    kf, deltas = h.catch_up(115, "not-what-we-sent")  # same number, other contents: start over
     assert kf.version == 110 and [d.version for d in deltas] == list(range(111, 120))
-    kf, deltas = h.plan(103, "c103")  # behind the keyframe: the deltas since the one before are kept
+    kf, deltas = h.catch_up(103, "c103")  # behind the keyframe: the deltas since the one before are kept
     assert kf is None and [d.version for d in deltas] == list(range(104, 120))
-    kf, _ = h.plan(99, "c99")  # older than that: keyframe
+    kf, _ = h.catch_up(99, "c99")  # older than that: keyframe
     assert kf.version == 110

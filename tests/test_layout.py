@@ -10,7 +10,7 @@ import torch
 import wsync
 from wsync import api
 from wsync.errors import ChecksumError, FormatError, MismatchError, VersionError
-from wsync.layout import Members, bind, per_tensor, plan
+from wsync.layout import Layout, bind, per_tensor, layout_of
 from wsync.payload import Payload
 
 from conftest import rewrite_manifest, states_equal
@@ -58,7 +58,7 @@ def test_many_tensors_round_trip_exact(tier):
 
 def test_delta_by_hash_needs_the_layout():
     base, new = _many(500)
-    members = plan(api.as_state(new))
+    members = layout_of(api.as_state(new))
     p = wsync.encode(base, new, members=members, inline=False)
     assert p.manifest.members is None and p.manifest.layout_hash == members.hash
     target = _clone(base)
@@ -74,9 +74,9 @@ def test_delta_by_hash_needs_the_layout():
 
 def test_a_layout_that_does_not_fit_the_segments_is_refused():
     base, new = _many(200)
-    members = plan(api.as_state(new))
+    members = layout_of(api.as_state(new))
     p = wsync.encode(base, new, members=members, inline=False)
-    swapped = Members(members.names, members.shapes, members.counts[::-1], members.dtypes[::-1])
+    swapped = Layout(members.names, members.shapes, members.counts[::-1], members.dtypes[::-1])
     p.manifest.layout_hash = swapped.hash  # as if a sender named another table whose segments differ
     for s, key in zip(p.manifest.tensors, swapped.keys()):
         s.name = key
@@ -157,7 +157,7 @@ def test_torch_moe_state_bound_once_and_published_many_versions():
     bound = bind(live)
     engine = {k: v.clone() for k, v in live.items()}
     prev = {k: v.clone() for k, v in live.items()}
-    members = plan(bound)  # once: the Bound keeps its segment tables for this layout
+    members = layout_of(bound)  # once: the Bound keeps its segment tables for this layout
     for _ in range(3):
         with torch.no_grad():
             for t in list(live.values())[::7]:
@@ -175,7 +175,7 @@ def test_a_consistent_lie_about_member_shapes_is_refused():
 
     def lie(d):
         d["members"]["shapes"][0] = [1 << 20, 1 << 10]
-        h = Members.from_doc(d["members"]).hash
+        h = Layout.from_doc(d["members"]).hash
         d["layout_hash"] = h
         for j, s in enumerate(d["segments"]):
             s["name"] = f"{h}:{j}"

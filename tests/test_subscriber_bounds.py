@@ -18,10 +18,10 @@ import pytest
 from wsync import api
 from wsync.engines.shadow import Shadow
 from wsync.errors import TransportError
-from wsync.layout import Members
+from wsync.layout import Layout
 from wsync.snapshot import as_state
 from wsync import subscriber as subscriber_mod
-from wsync.staging import Limits, Oversized, Staged, Staging, version_bound
+from wsync.staging import Limits, Oversized, Received, Staging, version_bound
 from wsync.subscriber import Subscriber
 from wsync.sync import Publisher
 from wsync.transports import Message, listen
@@ -192,7 +192,7 @@ def test_member_tables_are_held_to_a_byte_budget(monkeypatch):
 
     def table(k):
         names = tuple(f"t{k}.{i}." + "x" * 1000 for i in range(64))  # ~64 KiB of JSON each
-        return Members(names, ((1,),) * 64, (64,), ("U8",))
+        return Layout(names, ((1,),) * 64, (64,), ("U8",))
 
     with Subscriber(f"tcp://127.0.0.1:{port}", engine=Shadow(), token=TOKEN, retry_s=5.0) as sub:
         first = table(0)
@@ -288,7 +288,7 @@ def test_staging_keeps_a_keyframe_and_its_deltas():
     lim = Limits.stated(1 << 30, "a test allows")
 
     def st(v, kf, n=100):
-        s = Staged({"version": v, "base_version": None if kf else v - 1, "count": 1, "checksum": None}, lim)
+        s = Received({"version": v, "base_version": None if kf else v - 1, "count": 1, "checksum": None}, lim)
         s.payloads = [type("P", (), {"manifest": type("M", (), {"codec": "raw" if kf else "delta"})()})()]
         s.add(n)
         return s

@@ -15,7 +15,7 @@ from .errors import (
     VersionError,
     WsyncError,
 )
-from .layout import Bound, Members, bind
+from .layout import Bound, Layout, bind
 from .manifest import Manifest, TensorSpec
 from .payload import Payload
 from . import engines
@@ -26,7 +26,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "Publisher", "Subscriber", "engines", "encode", "apply", "apply_state", "apply_to_checkpoint", "inspect", "backend", "Payload", "Manifest", "TensorSpec",
-    "bind", "Bound", "Members",
+    "bind", "Bound", "Layout",
     "WsyncError", "FormatError", "ChecksumError", "EngineError", "VersionError", "MismatchError", "TransportError",
     "BackendUnavailable", "__version__",
 ]

@@ -20,7 +20,7 @@ from . import backends, dtypes
 from .codecs import CODECS
 from .codecs.base import Applied, Decoded, Encoded, Overwritten
 from .errors import ChecksumError, FormatError, MismatchError, VersionError
-from .layout import Bound, Members, check_covers, plan, segment_digest, segments, split
+from .layout import Bound, Layout, check_covers, layout_of, segment_digest, segments, split
 from .manifest import Manifest, TensorSpec, check_members
 from .payload import Payload, as_payload
 from .snapshot import State, TensorBits, aliases, as_state, to_torch
@@ -36,24 +36,24 @@ def _load(obj) -> tuple[State, dict | None, dict]:
     return as_state(obj), None, {}
 
 
-def _covers(state: State, members: Members, what: str) -> None:
+def _covers(state: State, members: Layout, what: str) -> None:
     """state holds exactly the members. segments() has found every member in it, so equal counts
     settle it without a look at each name (this runs every version)."""
     if len(state) != len(members.names):
         check_covers(state, members.names, what, theirs=what)
 
 
-def _members_of(state: State, members: Members | None) -> Members:
+def _members_of(state: State, members: Layout | None) -> Layout:
     if members is not None:
         return members
     if isinstance(state, Bound):
-        return state.plan("all", lambda: plan(state))
-    return plan(state)
+        return state.cached("all", lambda: layout_of(state))
+    return layout_of(state)
 
 
 def encode(base, new, *, codec: str = "delta", tier: str | None = "packed", version: int | None = None,
            base_version: int | None = None, level: int = 1, backend: str | None = None,
-           members: Members | None = None, inline: bool = True) -> Payload:
+           members: Layout | None = None, inline: bool = True) -> Payload:
     """Encode `new` (against `base` for delta) into a Payload.
 
     base/new: dicts of torch tensors or numpy arrays, safetensors files,
@@ -87,7 +87,7 @@ def encode(base, new, *, codec: str = "delta", tier: str | None = "packed", vers
                     layout=files, metadata=metadata)
 
 
-def encode_measured(measured: list[tuple[TensorBits, Encoded]], members: Members, *, tier: str,
+def encode_measured(measured: list[tuple[TensorBits, Encoded]], members: Layout, *, tier: str,
                     version: int | None = None, base_version: int | None = None, level: int = 1,
                     backend: str | None = None, inline: bool = False) -> Payload:
     """A delta payload from segments delta.measure()d ahead, in members' order.
@@ -101,7 +101,7 @@ def encode_measured(measured: list[tuple[TensorBits, Encoded]], members: Members
                     base_version=base_version, layout=None, metadata={})
 
 
-def _payload(encoded: list, k, members: Members, inline: bool, **fields) -> Payload:
+def _payload(encoded: list, k, members: Layout, inline: bool, **fields) -> Payload:
     body, specs = _assemble_on_device(encoded, k, members) if getattr(k, "keep", False) \
         else _assemble(encoded, k, members)
     delta = fields["codec"] == "delta"
@@ -113,7 +113,7 @@ def _payload(encoded: list, k, members: Members, inline: bool, **fields) -> Payl
     return Payload(manifest, body if getattr(k, "keep", False) else memoryview(body))
 
 
-def _assemble_on_device(encoded: list, k, members: Members) -> tuple[object, list[TensorSpec]]:
+def _assemble_on_device(encoded: list, k, members: Layout) -> tuple[object, list[TensorSpec]]:
     """_assemble's frames in a device body (backends.device.DeviceKernels.assemble), with the same specs."""
     body, frames = k.assemble(encoded, members.keys())
     return body, [_spec(key, seg, k, offset, ls, frame_sum) for seg, (key, offset, ls, frame_sum) in zip(encoded, frames)]
@@ -128,7 +128,7 @@ def _spec(key: str, seg: tuple, k, offset: int, lengths: dict, frame_sum: str) -
                       checksum=new_sum, payload_checksum=frame_sum, base_checksum=base_sum)
 
 
-def _assemble(encoded: list, k, members: Members) -> tuple[np.ndarray, list[TensorSpec]]:
+def _assemble(encoded: list, k, members: Layout) -> tuple[np.ndarray, list[TensorSpec]]:
     """Lay every segment's frame into one body, checksumming each frame as it is copied in."""
     lengths = [{p: byte_size(v) for p, v in enc.parts.items()} for *_, enc in encoded]
     body = np.empty(sum(sum(ls.values()) for ls in lengths), np.uint8)
@@ -149,7 +149,7 @@ def _assemble(encoded: list, k, members: Members) -> tuple[np.ndarray, list[Tens
     return body, specs
 
 
-def resolve(man: Manifest, layouts: dict | None = None) -> Members:
+def resolve(man: Manifest, layouts: dict | None = None) -> Layout:
     """The payload's member table: inline, or one the receiver already has under its hash."""
     if man.members is not None:
         return man.members
@@ -200,7 +200,7 @@ def _named(what: str):
         raise FormatError(f"{what}: {e}") from None
 
 
-def _base_segments(base: State | None, man: Manifest, members: Members, whole: bool) -> list[TensorBits] | None:
+def _base_segments(base: State | None, man: Manifest, members: Layout, whole: bool) -> list[TensorBits] | None:
     """The base as the payload's segments, present when needed and shaped like the payload."""
     if base is None:
         if man.codec == "delta":
@@ -224,7 +224,7 @@ def _check_base_sum(spec: TensorSpec, man: Manifest, what: str, got: str) -> Non
 
 
 @contextmanager
-def _base_errors_first(base_segs, man: Manifest, members: Members, i: int, k, known: dict | None = None):
+def _base_errors_first(base_segs, man: Manifest, members: Layout, i: int, k, known: dict | None = None):
     """A payload error at segment i yields to a wrong base at segment i or later (earlier ones passed)."""
     try:
         yield
@@ -280,7 +280,7 @@ def apply_state(base: State | None, payload, *, backend: str | None = None, layo
 
 
 def _apply(base: State | None, payload: Payload, k, *, inplace: bool, whole: bool, log: list | None = None,
-           layouts: dict | None = None) -> tuple[Members, list]:
+           layouts: dict | None = None) -> tuple[Layout, list]:
     """Verify and apply every segment, each in as few passes as the backend fuses.
 
     Errors rank as in decode, and a result that misses its checksum only
@@ -296,7 +296,7 @@ def _apply(base: State | None, payload: Payload, k, *, inplace: bool, whole: boo
     shared, known = ({}, {})
     if inplace and base_segs:
         # which segments share memory is a property of where the tensors are: a Bound works it out once per layout
-        tied = base.plan(("overlapping", members.hash), lambda: _overlapping(base_segs)) \
+        tied = base.cached(("overlapping", members.hash), lambda: _overlapping(base_segs)) \
             if isinstance(base, Bound) else _overlapping(base_segs)
         shared, known = _decode_shared(tied, base_segs, payload, members, k)
     done: list[Applied] = []
@@ -331,7 +331,7 @@ def _apply(base: State | None, payload: Payload, k, *, inplace: bool, whole: boo
     return members, [a.bits for a in done]
 
 
-def _decode_shared(tied: set[int], base_segs: list[TensorBits], payload: Payload, members: Members,
+def _decode_shared(tied: set[int], base_segs: list[TensorBits], payload: Payload, members: Layout,
                    k) -> tuple[dict, dict]:
     """Segments whose memory overlaps (tied weights), decoded before anything is written.
 
@@ -395,7 +395,7 @@ def apply(base, payload, *, inplace: bool = False, backend: str | None = None, l
     flavour), a state bound with wsync.bind, a safetensors file or checkpoint
     folder (torch result), or None for a raw payload. inplace=True writes
     into base's own memory (CPU, contiguous) and returns base; on any error
-    base is left exactly as it was. layouts: {hash: Members} for payloads
+    base is left exactly as it was. layouts: {hash: Layout} for payloads
     encoded with inline=False (they name their member table by hash).
     """
     payload = as_payload(payload)

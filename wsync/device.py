@@ -34,7 +34,7 @@ from .codecs import CODECS
 from .codecs.delta import xor_data
 from .codecs.delta_ref import DeltaSections
 from .errors import BackendUnavailable, ChecksumError, FormatError, MismatchError, VersionError
-from .layout import Bound, Members, check_covers, plan, segment_digest
+from .layout import Bound, Layout, check_covers, layout_of, segment_digest
 from .snapshot import TensorBits, plan_buckets
 
 
@@ -68,14 +68,14 @@ class DeviceState(Bound):
     segments() for the bucket layouts the buffers were made for.
     """
 
-    def __init__(self, meta: dict, buckets: list[Members], buffers: list[list], ready=None):
+    def __init__(self, meta: dict, buckets: list[Layout], buffers: list[list], ready=None):
         super().__init__(meta, writes_through=False)
         self.buckets, self.buffers, self.ready = buckets, buffers, ready
         self.key = tuple(m.hash for m in buckets)
         self._by_hash = {m.hash: [TensorBits(dtypes.by_name(dt), (n,), buf) for dt, n, buf
                                   in zip(m.dtypes, m.seg_numels, bufs)] for m, bufs in zip(buckets, buffers)}
 
-    def segments(self, members: Members) -> list[TensorBits]:
+    def segments(self, members: Layout) -> list[TensorBits]:
         segs = self._by_hash.get(members.hash)
         if segs is None:
             raise MismatchError(f"layout {members.hash} is not one this device state was cut into")
@@ -98,7 +98,7 @@ class DeviceSource:
         meta = {n: TensorBits(rt.dtype_of(t), tuple(t.shape), None) for n, t in named.items()}
         self.meta = meta
         self.device = rt.device_of(next(iter(named.values())))
-        self.buckets = [plan(meta, names) for names in plan_buckets([(n, tb.nbytes) for n, tb in meta.items()],
+        self.buckets = [layout_of(meta, names) for names in plan_buckets([(n, tb.nbytes) for n, tb in meta.items()],
                                                                       bucket_bytes)]
         self.key = tuple(m.hash for m in self.buckets)
 
@@ -131,7 +131,7 @@ class DeviceEngine:
         self.host = backends.kernels()
         self._checked: set[str] = set()  # layouts already checked against the engine's tensors
 
-    def apply(self, payloads: list, checksum: str, members: list[Members]) -> None:
+    def apply(self, payloads: list, checksum: str, members: list[Layout]) -> None:
         """Every segment verified, applied and verified again on the GPU; all put back on any failure."""
         self._check_covers(members)
         for m in members:
@@ -165,7 +165,7 @@ class DeviceEngine:
         with self.rt.stream_of(t):
             self.rt.record_event().synchronize()
 
-    def _check_covers(self, members: list[Members]) -> None:
+    def _check_covers(self, members: list[Layout]) -> None:
         """The version names exactly the engine's tensors (checked once per set of layouts)."""
         key = tuple(m.hash for m in members)
         if key in self._checked:
@@ -174,7 +174,7 @@ class DeviceEngine:
                      "tensors", mine="engine")
         self._checked.add(key)
 
-    def _check_layout(self, m: Members) -> None:
+    def _check_layout(self, m: Layout) -> None:
         if m.hash in self._checked:
             return
         for i, n in enumerate(m.names):
@@ -187,7 +187,7 @@ class DeviceEngine:
                                     f"{tb.dtype.name}{list(tb.shape)}")
         self._checked.add(m.hash)
 
-    def _check_raw_version(self, payloads: list, members: list[Members], checksum: str) -> None:
+    def _check_raw_version(self, payloads: list, members: list[Layout], checksum: str) -> None:
         specs = [spec for p in payloads for spec in p.manifest.tensors]
         if segment_digest((s.name, s.dtype, s.numel, s.checksum) for s in specs) != checksum:
             raise ChecksumError(f"the version's segments digest to other than its digest {checksum}")
@@ -201,7 +201,7 @@ class DeviceEngine:
             return self.k.digest_device(p.frame(spec)) == spec.payload_checksum
         return spec.name in p.unpacked or self.host.checksum(p.frame(spec)) == spec.payload_checksum
 
-    def _apply_segment(self, p, m: Members, j: int, spec, undo: list, checked: bool) -> tuple:
+    def _apply_segment(self, p, m: Layout, j: int, spec, undo: list, checked: bool) -> tuple:
         k = self.k
         dt = dtypes.by_name(spec.dtype)
         tensors = [self.named[n] for n in m.segment_names(j)]

@@ -24,7 +24,7 @@ from .snapshot import State
 
 
 @dataclass
-class Encoded:
+class EncodedVersion:
     """One version as a list of bucket messages, filled in by the encoder as each bucket is ready."""
 
     version: int
@@ -48,11 +48,11 @@ class Keyframe:
     version: int
     state: State  # never mutated once stored
     checksum: str | None  # None until an encoding of this version has produced it
-    encoded: Encoded | None = None  # raw buckets, made the first time a subscriber needs them
+    encoded: EncodedVersion | None = None  # raw buckets, made the first time a subscriber needs them
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def catchup(have: int | None, newest: int, keyframe: int, deltas) -> tuple[int | None, list[int]]:
+def catch_up_versions(have: int | None, newest: int, keyframe: int, deltas) -> tuple[int | None, list[int]]:
     """What to send a subscriber holding `have` so it reaches `newest`.
 
     Returns (keyframe version to send first, or None; delta versions after it).
@@ -75,11 +75,11 @@ class History:
 
     def __init__(self):
         self.keyframe: Keyframe | None = None
-        self.deltas: dict[int, Encoded] = {}
+        self.deltas: dict[int, EncodedVersion] = {}
         self.newest: int | None = None
         self.checksums: dict[int, str] = {}  # version -> state digest, for versions still reachable
 
-    def add_keyframe(self, version: int, state: State, checksum: str | None, delta: Encoded | None) -> None:
+    def add_keyframe(self, version: int, state: State, checksum: str | None, delta: EncodedVersion | None) -> None:
         """A new keyframe at `version`.
 
         The deltas since the previous keyframe stay (with `delta`, from version - 1),
@@ -94,7 +94,7 @@ class History:
         self.checksums = {v: c for v, c in self.checksums.items() if v >= prev}
         self._set_newest(version, checksum)
 
-    def add_delta(self, enc: Encoded) -> None:
+    def add_delta(self, enc: EncodedVersion) -> None:
         self.deltas[enc.version] = enc
         self._set_newest(enc.version, enc.checksum)
 
@@ -148,7 +148,7 @@ class History:
             v = d.base_version
         return True
 
-    def plan(self, have: int | None, have_checksum: str | None) -> tuple[Keyframe | None, list[Encoded]]:
+    def catch_up(self, have: int | None, have_checksum: str | None) -> tuple[Keyframe | None, list[EncodedVersion]]:
         """The keyframe (or None) and deltas that bring a subscriber at `have` to the newest version."""
         if self.newest is None or self.keyframe is None:
             return None, []
@@ -156,6 +156,6 @@ class History:
             have = None  # it holds something else under that number: start over from the keyframe
         if have is not None and have not in self.checksums:
             have = None
-        kf, chain = catchup(have, self.newest, self.keyframe.version, self.deltas)
+        kf, chain = catch_up_versions(have, self.newest, self.keyframe.version, self.deltas)
         deltas = [self.deltas[v] for v in chain if v in self.deltas and self.deltas[v].error is None]
         return (self.keyframe if kf is not None else None), deltas

@@ -53,7 +53,7 @@ def shape_numel(shape, where: str) -> int:
 
 
 @dataclass(frozen=True, eq=False)
-class Members:
+class Layout:
     """A payload's tensors, in body order, grouped into segments of one dtype each."""
 
     names: tuple[str, ...]
@@ -101,7 +101,7 @@ class Members:
                 "counts": list(self.counts), "dtypes": list(self.dtypes)}
 
     @classmethod
-    def from_doc(cls, doc) -> "Members":
+    def from_doc(cls, doc) -> "Layout":
         """Parse and check a member table from a manifest (untrusted)."""
         if not isinstance(doc, dict):
             raise FormatError("manifest: members must be an object")
@@ -123,26 +123,26 @@ class Members:
                    tuple(dtypes.by_name(d).name for d in dts))
 
 
-def plan(state: State, names=None) -> Members:
+def layout_of(state: State, names=None) -> Layout:
     """The layout of `names` of state (all of it by default): one segment per dtype, in order of first use."""
     names = list(state) if names is None else list(names)
     by_dtype: dict[str, list[str]] = {}
     for n in names:
         by_dtype.setdefault(state[n].dtype.name, []).append(n)
     ordered = [n for group in by_dtype.values() for n in group]
-    return Members(tuple(ordered), tuple(state[n].shape for n in ordered),
+    return Layout(tuple(ordered), tuple(state[n].shape for n in ordered),
                    tuple(len(g) for g in by_dtype.values()), tuple(by_dtype))
 
 
-def per_tensor(state: State, names=None) -> Members:
+def per_tensor(state: State, names=None) -> Layout:
     """A layout with one segment per tensor: format 1's granularity (a payload entry per tensor), for
     callers that want errors and checksums per tensor and few tensors."""
     names = list(state) if names is None else list(names)
-    return Members(tuple(names), tuple(state[n].shape for n in names), (1,) * len(names),
+    return Layout(tuple(names), tuple(state[n].shape for n in names), (1,) * len(names),
                    tuple(state[n].dtype.name for n in names))
 
 
-def check_against(state: State, members: Members, what: str = "payload") -> None:
+def check_against(state: State, members: Layout, what: str = "payload") -> None:
     """state holds every member with its dtype and shape (it may hold more). MismatchError otherwise."""
     missing = [n for n in members.names if n not in state]
     if missing:
@@ -167,7 +167,7 @@ def check_covers(state: State, names, what: str, mine: str = "base", theirs: str
                         f"({len(missing)} and {len(extra)})")
 
 
-def segments(state: State, members: Members) -> list[TensorBits]:
+def segments(state: State, members: Layout) -> list[TensorBits]:
     """Each segment of `members` as one virtual tensor over state's memory (cached when state is Bound)."""
     if isinstance(state, Bound):
         return state.segments(members)
@@ -175,7 +175,7 @@ def segments(state: State, members: Members) -> list[TensorBits]:
     return _segments(state, members)
 
 
-def _segments(state: State, members: Members) -> list[TensorBits]:
+def _segments(state: State, members: Layout) -> list[TensorBits]:
     out = []
     for j, dt_name in enumerate(members.dtypes):
         dt = dtypes.by_name(dt_name)
@@ -189,7 +189,7 @@ def _segments(state: State, members: Members) -> list[TensorBits]:
     return out
 
 
-def split(members: Members, seg_bits: list[np.ndarray]) -> State:
+def split(members: Layout, seg_bits: list[np.ndarray]) -> State:
     """Per-tensor views of contiguous segment arrays (an out-of-place result)."""
     out = {}
     for j, bits in enumerate(seg_bits):
@@ -226,8 +226,8 @@ class Bound(dict):
         # name -> the caller's tensor, for each TensorBits that holds a copy of it (a device tensor, a strided
         # view): refresh() reads them again
         self.sources: dict = sources or {}
-        self._segs: dict[int, tuple[Members, list[TensorBits]]] = {}
-        self._plans: dict = {}
+        self._segs: dict[int, tuple[Layout, list[TensorBits]]] = {}
+        self._cached: dict = {}
         self._copier = None
 
     def refresh(self) -> None:
@@ -242,7 +242,7 @@ class Bound(dict):
                 self._copier = _Copier({n: self[n] for n in self.sources}, self.sources)
             self._copier.pull()
 
-    def segments(self, members: Members) -> list[TensorBits]:
+    def segments(self, members: Layout) -> list[TensorBits]:
         hit = self._segs.get(id(members))
         if hit is not None and hit[0] is members:
             return hit[1]
@@ -253,11 +253,11 @@ class Bound(dict):
         self._segs[id(members)] = (members, segs)
         return segs
 
-    def plan(self, key, make):
+    def cached(self, key, make):
         """A value computed once per key (e.g. the bucket plan for a bucket size)."""
-        if key not in self._plans:
-            self._plans[key] = make()
-        return self._plans[key]
+        if key not in self._cached:
+            self._cached[key] = make()
+        return self._cached[key]
 
 
 def bind(obj) -> Bound:

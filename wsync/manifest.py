@@ -21,7 +21,7 @@ from functools import cached_property
 from . import dtypes, safejson
 from .checksum import ALGO
 from .errors import FormatError
-from .layout import MAX_ELEMENTS, Members, shape_numel
+from .layout import MAX_ELEMENTS, Layout, shape_numel
 
 FORMAT_VERSION = 2
 READERS = {1: "wsync 0.1.x (pip install 'wsync<0.2')"}  # older formats, and which wsync reads them
@@ -80,8 +80,8 @@ class Manifest:
     checksum: str  # digest of the whole resulting state
     base_checksum: str | None = None  # digest of the whole base state (delta)
     tensors: list[TensorSpec]
-    layout_hash: str  # the member table's hash (layout.Members.hash)
-    members: Members | None = None  # the member table itself, when it travels inline
+    layout_hash: str  # the member table's hash (layout.Layout.hash)
+    members: Layout | None = None  # the member table itself, when it travels inline
     layout: dict[str, str] | None = None  # tensor -> shard file name of the source checkpoint ("files" in JSON)
     metadata: dict[str, str] = field(default_factory=dict)  # free-form strings, e.g. safetensors __metadata__
 
@@ -181,7 +181,7 @@ def _parse(doc) -> Manifest:
     _check_tiling(tensors)
     layout_hash = _hex16(_get(doc, "layout_hash", str, "manifest"), "manifest: layout_hash")
     members_doc = _get(doc, "members", dict, "manifest", optional=True)
-    members = None if members_doc is None else Members.from_doc(members_doc)
+    members = None if members_doc is None else Layout.from_doc(members_doc)
     _check_segments(tensors, layout_hash, members)
     return Manifest(
         layout_hash=layout_hash,
@@ -253,7 +253,7 @@ def unsupported(fv) -> str:
     return f"unsupported format version {fv}; this wsync reads version {FORMAT_VERSION}"
 
 
-def check_members(tensors: list[TensorSpec], members: Members) -> None:
+def check_members(tensors: list[TensorSpec], members: Layout) -> None:
     """The segments are exactly those of the member table: keys, dtypes and element counts."""
     if [t.name for t in tensors] != members.keys():
         raise FormatError(f"payload segments {[t.name for t in tensors][:3]} do not match its layout {members.hash} "
@@ -264,7 +264,7 @@ def check_members(tensors: list[TensorSpec], members: Members) -> None:
                               f"{dt}[{n}]")
 
 
-def _check_segments(tensors: list[TensorSpec], layout_hash: str, members: Members | None) -> None:
+def _check_segments(tensors: list[TensorSpec], layout_hash: str, members: Layout | None) -> None:
     for t in tensors:
         if len(t.shape) != 1 or not t.name.startswith(layout_hash + ":"):
             raise FormatError(f"segment {t.name!r}: expected a 1-D segment named '{layout_hash}:<index>'")

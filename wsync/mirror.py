@@ -21,7 +21,7 @@ import threading
 from .codecs import delta
 from .codecs.base import Encoded
 from .errors import SnapshotError
-from .layout import Bound, Members, segments
+from .layout import Bound, Layout, segments
 from .snapshot import State, TensorBits, destination, owned_copy
 
 
@@ -80,7 +80,7 @@ class LiveDelta:
     written, and the caller invalidates it.
     """
 
-    def __init__(self, mirror: Mirror, live: State, groups: list[Members], *, tier: str, kernels):
+    def __init__(self, mirror: Mirror, live: State, groups: list[Layout], *, tier: str, kernels):
         self.base_version = mirror.version
         self._mirror, self._sums, self._live, self.groups = mirror.state, mirror.sums, live, groups
         self._tier, self._kernels = tier, kernels

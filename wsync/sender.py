@@ -12,7 +12,7 @@ import logging
 import threading
 
 from .errors import TransportError, WsyncError
-from .history import Encoded, Keyframe
+from .history import EncodedVersion, Keyframe
 from .transports import Message
 
 log = logging.getLogger("wsync.sync")
@@ -92,7 +92,7 @@ class Sender:
                 newest = self.pub._history.newest
             self.link.send(Message("welcome", {"newest": newest}))
 
-    def _send_plan(self, kf: Keyframe | None, deltas: list[Encoded]) -> None:
+    def _send_plan(self, kf: Keyframe | None, deltas: list[EncodedVersion]) -> None:
         versions = ([self.pub._keyframe_buckets(kf)] if kf is not None else []) + deltas
         for enc in versions:
             if not self._send_version(enc):
@@ -103,7 +103,7 @@ class Sender:
             if self.lockstep:
                 self._gather_acks(enc.version)
 
-    def _send_version(self, enc: Encoded) -> bool:
+    def _send_version(self, enc: EncodedVersion) -> bool:
         for i in range(enc.count):
             msg = self.pub._wait_bucket(enc, i)
             if msg is None:

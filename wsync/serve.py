@@ -39,7 +39,7 @@ from .checkpoint import Checkpoint, prepare_output, read_checkpoint, write_check
 from .engines.spool import Spool
 from . import safejson, tokens
 from .errors import FormatError, WsyncError
-from .layout import Members, plan
+from .layout import Layout, layout_of
 from .subscriber import WaitTimeout, version_digest
 
 VERSION_FILE = "wsync-version.json"
@@ -189,7 +189,7 @@ def read_replica(out: Path) -> tuple[Spool, list | None]:
         return Spool(out), None
     try:
         ck = read_checkpoint(out, private=True)
-        served = [Members.from_doc(d) for d in safejson.loads(ck.metadata["wsync_layouts"], what="replica layouts")]
+        served = [Layout.from_doc(d) for d in safejson.loads(ck.metadata["wsync_layouts"], what="replica layouts")]
         engine = Spool(out, ck.state)
         if version_digest(engine.state, served) != ck.metadata["wsync_digest"]:
             raise FormatError(f"{out}: weights do not match the digest stored with them")
@@ -205,7 +205,7 @@ def replica_metadata(state, version: int, served: list | None = None) -> dict[st
 
     served: the layouts of that version as it was sent (default: the whole state as one bucket, which is
     what a Publisher's default bucket size makes of any state under 64 MB)."""
-    served = served if served is not None else [plan(state)]
+    served = served if served is not None else [layout_of(state)]
     return {"wsync_version": str(version), "wsync_digest": version_digest(state, served),
             "wsync_layouts": json.dumps([m.to_doc() for m in served], separators=(",", ":"))}
 

@@ -139,13 +139,13 @@ class Copying(dict):
         self._cv = threading.Condition()
         self._pending = set(self._jobs)
         self._error: BaseException | None = None
-        self._plans: dict = {}
+        self._cached: dict = {}
 
-    def plan(self, key, make):
+    def cached(self, key, make):
         """A value computed once per key for this snapshot (its bucket layouts)."""
-        if key not in self._plans:
-            self._plans[key] = make()
-        return self._plans[key]
+        if key not in self._cached:
+            self._cached[key] = make()
+        return self._cached[key]
 
     def run(self, groups: list[list[str]]) -> None:
         """Copy each group's tensors, in order, waking readers after each group."""

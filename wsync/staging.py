@@ -94,7 +94,7 @@ def _itemsize(dtype_name: str) -> int:
     return dtypes.by_name(dtype_name).itemsize
 
 
-class Staged:
+class Received:
     """One version, received whole and parsed (payload checksums are checked when it is applied)."""
 
     def __init__(self, meta: dict, limits: Limits):
@@ -138,14 +138,14 @@ class Staging:
     no more than `cap` bytes of them (callers hold the subscriber's lock)."""
 
     def __init__(self):
-        self.items: list[Staged] = []
+        self.items: list[Received] = []
         self.gap = False  # deltas were dropped: take none until a keyframe comes
 
     @property
     def held(self) -> int:
         return sum(st.held for st in self.items)
 
-    def add(self, st: Staged, cap: int) -> bool:
+    def add(self, st: Received, cap: int) -> bool:
         """Stage st; False when deltas had to be dropped (st among them) and a keyframe is needed."""
         if st.keyframe:
             # applying the versions before it would end where it starts: in the state it carries
@@ -161,7 +161,7 @@ class Staging:
             return False
         return True
 
-    def take(self) -> Staged | None:
+    def take(self) -> Received | None:
         return self.items.pop(0) if self.items else None
 
     def __bool__(self) -> bool:

@@ -49,7 +49,7 @@ import numpy as np
 from . import api, backends
 from .errors import ChecksumError, TransportError, WsyncError
 from .device import DeviceEngine, host_payload, on_one_device
-from .layout import Bound, Members, bind_copying, check_covers, segment_digest, segments
+from .layout import Bound, Layout, bind_copying, check_covers, segment_digest, segments
 from .payload import Payload
 from .sender import PROTOCOL
 from .snapshot import as_state, to_torch
@@ -58,7 +58,7 @@ from .tokens import check as check_token
 from .transports.base import with_device, with_token
 from .transports.tcp.auth import Refused
 from .transports.tcp.frames import MessageTooLarge
-from .staging import NO_LAYOUT_BYTES, Limits, Oversized, Staged, Staging, table_bytes
+from .staging import NO_LAYOUT_BYTES, Limits, Oversized, Received, Staging, table_bytes
 
 log = logging.getLogger("wsync.sync")
 GIVE_UP = 3  # wait_for raises the apply error (or refusal) after this many in a row (the subscriber keeps trying)
@@ -101,9 +101,9 @@ class Subscriber:
         self._link = None
         self._send_lock = threading.Lock()
         self.version: int | None = engine.version
-        self._layouts: dict[str, Members] = {}  # member tables by hash, learned from keyframes (deltas name them)
+        self._layouts: dict[str, Layout] = {}  # member tables by hash, learned from keyframes (deltas name them)
         # the layouts of the version the engine serves (given: a replica's, saved with it by `wsync pull`)
-        self._served: list[Members] | None = served if engine.version is not None else None
+        self._served: list[Layout] | None = served if engine.version is not None else None
         self._layout_cost: dict[str, int] = {}  # bytes of each table's JSON, held to a budget (_learn)
         self._layout_bytes = 0
         for m in self._served or []:
@@ -226,7 +226,7 @@ class Subscriber:
         return self.stats_snapshot()
 
     @property
-    def served(self) -> list[Members] | None:
+    def served(self) -> list[Layout] | None:
         """The bucket layouts of the version the engine serves (None before the first)."""
         return self._served
 
@@ -364,7 +364,7 @@ class Subscriber:
                                   self.backend)
 
     def _receive(self, link) -> None:
-        cur: Staged | None = None
+        cur: Received | None = None
         while not self._closed:
             try:
                 msg = link.recv(timeout=1.0)
@@ -386,11 +386,11 @@ class Subscriber:
                 self._stage(cur)
                 cur = None
 
-    def _add_bucket(self, cur: Staged | None, msg: Message) -> Staged | None:
+    def _add_bucket(self, cur: Received | None, msg: Message) -> Received | None:
         m = msg.meta
         try:
             if m["index"] == 0:
-                cur = Staged(m, self._version_limits())  # Oversized for more buckets than the layout can have
+                cur = Received(m, self._version_limits())  # Oversized for more buckets than the layout can have
             elif cur is None or m["version"] != cur.version or m["index"] != len(cur.payloads):
                 raise TransportError(f"bucket {m['index']} of version {m['version']} arrived out of order")
             cur.add(msg.nbytes)  # Oversized once the version's buckets add up to more than it can take
@@ -409,7 +409,7 @@ class Subscriber:
             raise TransportError(f"malformed bucket message: {e}") from None
         return cur
 
-    def _stage(self, st: Staged) -> None:
+    def _stage(self, st: Received) -> None:
         with self._cv:
             kept = self._staged.add(st, 2 * st.limits.version_bytes)
             self._cv.notify_all()
@@ -424,7 +424,7 @@ class Subscriber:
             # point-to-point background subscribers ack after applying (in _apply); the others ack on receipt
             self._ack(st.version)
 
-    def _learn(self, members: Members | None) -> None:
+    def _learn(self, members: Layout | None) -> None:
         """Keep an inline member table, so later deltas can name it by hash.
 
         Held to MAX_LAYOUTS tables and, in bytes of their JSON, to LAYOUT_BYTES or three times those of
@@ -459,7 +459,7 @@ class Subscriber:
         with self._cv:
             self._stats[key] += 1
 
-    def _take(self) -> Staged | None:
+    def _take(self) -> Received | None:
         with self._cv:
             return self._staged.take()
 
@@ -496,7 +496,7 @@ class Subscriber:
 
     # -- applying ----------------------------------------------------------------------------
 
-    def _apply(self, st: Staged) -> bool:
+    def _apply(self, st: Received) -> bool:
         if self.version is not None and st.version <= self.version:
             return False  # already have it (a catch-up chain may overlap what we hold)
         if not st.keyframe and self._need_keyframe:
@@ -557,7 +557,7 @@ class Subscriber:
 
 
 def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: str | None = None,
-                  layouts: dict | None = None, bound: Bound | None = None) -> list[Members]:
+                  layouts: dict | None = None, bound: Bound | None = None) -> list[Layout]:
     """Apply one version's payloads to an engine as a transaction (all or nothing).
 
     Every payload checksum and base checksum is verified before anything is
@@ -606,7 +606,7 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
     return members
 
 
-def changed_tensors(payloads: list[Payload], members: list[Members], applied: list) -> list[str]:
+def changed_tensors(payloads: list[Payload], members: list[Layout], applied: list) -> list[str]:
     """The tensors a version wrote at least one element of, from each segment's Applied (in order).
 
     A segment spans many tensors; handing an engine only those that changed
@@ -641,16 +641,16 @@ def bind_engine(engine) -> Bound:
     return bind_copying(live)
 
 
-def _check_covers(state: Bound, members: list[Members]) -> None:
+def _check_covers(state: Bound, members: list[Layout]) -> None:
     """The version's layouts name exactly the engine's tensors (checked once per layout and state)."""
     def check():
         check_covers(state, [n for m in members for n in m.names], "version does not cover the engine's tensors",
                      mine="engine")
         return True
-    state.plan(("covers",) + tuple(m.hash for m in members), check)
+    state.cached(("covers",) + tuple(m.hash for m in members), check)
 
 
-def version_digest(tensors, members: list[Members], backend: str | None = None) -> str:
+def version_digest(tensors, members: list[Layout], backend: str | None = None) -> str:
     """The digest a version's payloads promise, computed from a state: its segments' checksums."""
     k = backends.kernels(backend)
     state = tensors if isinstance(tensors, Bound) else as_state(tensors)

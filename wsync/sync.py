@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 from . import api, backends
 from .errors import SnapshotError, VersionError, WsyncError
-from .history import Encoded, History, Keyframe, keyframe_due
+from .history import EncodedVersion, History, Keyframe, keyframe_due
 from .sender import Sender
-from .layout import Bound, Members, bind, plan, segment_digest
+from .layout import Bound, Layout, bind, layout_of, segment_digest
 from .mirror import LiveDelta, Mirror
 from .device import DeviceSource, DeviceState, on_one_device
 from .snapshot import Copying, State, as_state, blank_like, off_host, plan_buckets, unique_tensors, wait_copied
@@ -417,7 +417,7 @@ class Publisher:
             wait_copied(state, state)  # a keyframe stays in the history: never register one half copied
         delta = None
         if same_layout:
-            delta = Encoded(version, self._history.newest, checksum, len(self._buckets(state)))
+            delta = EncodedVersion(version, self._history.newest, checksum, len(self._buckets(state)))
         with self._cv:
             if make_kf:
                 self._history.add_keyframe(version, state, checksum, delta)
@@ -477,7 +477,7 @@ class Publisher:
         """A version publish() is measuring against the mirror: pack each group as it comes."""
         cfg, prev = self.config, self._state
         t0 = time.perf_counter()
-        enc = Encoded(version, job.base_version, None, job.count)
+        enc = EncodedVersion(version, job.base_version, None, job.count)
         with self._cv:
             self._history.add_delta(enc)
             self._state = self._mirror.state
@@ -497,7 +497,7 @@ class Publisher:
             self._recycle(prev)
         self._record(version, t0, enc)
 
-    def _record(self, version: int, t0: float, enc: Encoded | None) -> None:
+    def _record(self, version: int, t0: float, enc: EncodedVersion | None) -> None:
         seconds = time.perf_counter() - t0
         with self._stats_lock:
             self._stats["versions"] += 1
@@ -532,22 +532,22 @@ class Publisher:
             return self.config.history_bytes
         return max(2 * self._model_bytes, MIN_HISTORY_BYTES)
 
-    def _buckets(self, state: State) -> list[Members]:
+    def _buckets(self, state: State) -> list[Layout]:
         """The layout of each bucket of state (computed once per Bound, and for a plain state each time)."""
         if isinstance(state, DeviceState):
             return state.buckets
 
         def make():
-            return [plan(state, names) for names in
+            return [layout_of(state, names) for names in
                     plan_buckets([(n, tb.nbytes) for n, tb in state.items()], self.config.bucket_bytes)]
         if isinstance(state, (Bound, Copying, _Frozen)):
-            return state.plan(("buckets", self.config.bucket_bytes), make)
+            return state.cached(("buckets", self.config.bucket_bytes), make)
         return make()
 
     def _layout(self, state: State) -> tuple:
         return tuple(m.hash for m in self._buckets(state))
 
-    def _fill(self, enc: Encoded, payload) -> dict[str, str]:
+    def _fill(self, enc: EncodedVersion, payload) -> dict[str, str]:
         """Encode a version bucket by bucket (payload(i) makes bucket i of enc.count), waking senders after each.
 
         Returns each segment's checksum (as its manifest gives it)."""
@@ -576,7 +576,7 @@ class Publisher:
                 self._cv.notify_all()
             raise
 
-    def _message(self, enc: Encoded, i: int, p, sums: list) -> Message:
+    def _message(self, enc: EncodedVersion, i: int, p, sums: list) -> Message:
         """Bucket i of enc as a message; sums collects each segment's checksum record, in order."""
         with self._cv:
             at = self._published_at.get(enc.version)  # publish()'s wall clock: subscribers measure latency from it
@@ -587,7 +587,7 @@ class Publisher:
                 "checksum": segment_digest(sums) if last else None, "published_at": at}
         return Message("bucket", meta, [p.header(), p.body])
 
-    def _encoder(self, enc: Encoded, base: State | None, state: State, host: bool = False):
+    def _encoder(self, enc: EncodedVersion, base: State | None, state: State, host: bool = False):
         """payload(i) for _fill: bucket i of state, as a delta against base (raw if base is None).
 
         A device state's payloads keep their bodies on the device where the link carries device memory
@@ -607,7 +607,7 @@ class Publisher:
                               backend=backend, members=groups[i], inline=codec == "raw")
         return payload
 
-    def _keyframe_buckets(self, kf: Keyframe, host: bool = False) -> Encoded:
+    def _keyframe_buckets(self, kf: Keyframe, host: bool = False) -> EncodedVersion:
         """The raw encoding of a keyframe, made once on first use (by whichever sender needs it).
 
         The history's keyframe is encoded to host bytes (host): it stays for many versions, and a device
@@ -618,15 +618,15 @@ class Publisher:
             host = host or kf is self._history.keyframe
         with kf.lock:
             if kf.encoded is None:
-                enc = Encoded(kf.version, None, kf.checksum, len(self._buckets(kf.state)))
+                enc = EncodedVersion(kf.version, None, kf.checksum, len(self._buckets(kf.state)))
                 self._fill(enc, self._encoder(enc, None, kf.state, host=host))
                 kf.checksum, kf.encoded = enc.checksum, enc
             return kf.encoded
 
-    def _streamed_keyframe(self, kf: Keyframe) -> Encoded:
+    def _streamed_keyframe(self, kf: Keyframe) -> EncodedVersion:
         """A keyframe of a frozen state for one sender: each bucket encoded as it asks for it, and let go
         once sent, so serving any number of subscribers holds one bucket per sender, never the model."""
-        enc = Encoded(kf.version, None, kf.checksum, len(self._buckets(kf.state)))
+        enc = EncodedVersion(kf.version, None, kf.checksum, len(self._buckets(kf.state)))
         payload, sums = self._encoder(enc, None, kf.state), []
 
         def make(i: int) -> Message:
@@ -684,7 +684,7 @@ class Publisher:
                 self._peers = [p for p in self._peers if not p.dead] + [peer]
             peer.start()
 
-    def _next_for(self, peer: "Sender") -> tuple[Keyframe | None, list[Encoded]] | None:
+    def _next_for(self, peer: "Sender") -> tuple[Keyframe | None, list[EncodedVersion]] | None:
         """Block until the peer is behind the newest version (or closing); return what to send."""
         with self._cv:
             while True:
@@ -695,7 +695,7 @@ class Publisher:
                     if peer.need_keyframe:
                         kf, deltas = self._fresh_keyframe(), []
                     else:
-                        kf, deltas = self._history.plan(peer.sent, peer.sent_checksum)
+                        kf, deltas = self._history.catch_up(peer.sent, peer.sent_checksum)
                         if kf is not None and (peer.sent is not None and kf.version <= peer.sent
                                                or not self._history.keyframe_chain_kept()):
                             # it holds something numbered at or past the stored keyframe that we cannot vouch
@@ -728,7 +728,7 @@ class Publisher:
             self._keyframe_states.append(id(state))
         return self._on_demand
 
-    def _wait_bucket(self, enc: Encoded, i: int):
+    def _wait_bucket(self, enc: EncodedVersion, i: int):
         if enc.make is not None:  # encoded now, for this sender alone
             try:
                 return enc.make(i)
@@ -748,13 +748,13 @@ class _Frozen(dict):
 
     def __init__(self, state: State):
         super().__init__(state)
-        self._plans: dict = {}
+        self._cached: dict = {}
 
-    def plan(self, key, make):
+    def cached(self, key, make):
         """A value computed once per key for this state (its bucket layouts)."""
-        if key not in self._plans:
-            self._plans[key] = make()
-        return self._plans[key]
+        if key not in self._cached:
+            self._cached[key] = make()
+        return self._cached[key]
 
 
 class _Binder:
@@ -777,7 +777,7 @@ class _Binder:
         if isinstance(state, Bound):
             bound = state
             if state.sources and len(state.sources) == len(state):  # it had to copy every tensor: a device state?
-                bound = state.plan(("device", bucket_bytes), lambda: _device_source(state.sources, bucket_bytes)) \
+                bound = state.cached(("device", bucket_bytes), lambda: _device_source(state.sources, bucket_bytes)) \
                     or state
         elif isinstance(state, dict):
             key = _identity(state)
