@@ -1,7 +1,7 @@
 """`wsync loop` (and `python -m trainer`): run the reference RL loop from the command line.
 
-    wsync loop --mode async --max-staleness 2 --seconds 60 --json run.json
-    wsync loop --mode sync --steps 200 --long-tail 0.25 --max-digits 16
+    wsync loop --steps 100 --json async.json      # async, long-tailed response lengths
+    wsync loop --mode sync --steps 100            # the synchronous baseline on the same task
 
 Imports nothing heavy at module level: the wsync parser is built on every call.
 """
@@ -28,22 +28,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["sync", "async"], default="async",
                    help="sync: samplers wait for every step, every sample on-policy; async: sampling overlaps "
                         "training, samples up to --max-staleness versions old (default async)")
-    p.add_argument("--max-staleness", type=int, default=2,
-                   help="eta: versions a sample may lag before it is dropped (async; default 2)")
+    # AReaL's default bound; at 2 most of the long tail is dropped as stale and the sampler limits async
+    p.add_argument("--max-staleness", type=int, default=4,
+                   help="eta: versions a sample may lag before it is dropped (async; default 4)")
     p.add_argument("--seconds", type=float, default=0.0,
                    help="wall-time budget in seconds, sampler start-up excluded (default: 60 if --steps is not "
                         "given, else no time limit)")
     p.add_argument("--steps", type=int, default=0, help="trainer steps to run (default 0: no step limit)")
     p.add_argument("--samplers", type=int, default=1, help="sampler processes (default 1)")
-    p.add_argument("--slots", type=int, default=64, help="sequences each sampler decodes together (default 64)")
+    p.add_argument("--slots", type=int, default=128,
+                   help="sequences each sampler decodes together, as max_num_seqs in vLLM (default 128)")
     p.add_argument("--refill-at", type=float, default=0.25,
                    help="refill freed slots once this fraction of them is free: fewer, larger prefills (default 0.25)")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt, the GRPO group (default 8)")
     p.add_argument("--batch-groups", type=int, default=16, help="groups per trainer step (default 16)")
     p.add_argument("--digits", type=int, default=3, help="digits of an ordinary prompt (default 3)")
-    p.add_argument("--max-digits", type=int, default=0, help="longest prompt of the long tail (default: --digits)")
-    p.add_argument("--long-tail", type=float, default=0.0,
-                   help="probability a prompt comes from the long tail (default 0: none)")
+    # RL responses are long-tailed: a few long ones hold a synchronous step back, which is what async removes
+    p.add_argument("--max-digits", type=int, default=24, help="longest prompt of the long tail (default 24)")
+    p.add_argument("--long-tail", type=float, default=0.25,
+                   help="probability a prompt comes from the long tail (default 0.25; 0: every prompt --digits long)")
     p.add_argument("--tail-alpha", type=float, default=1.2, help="Pareto shape of the tail (default 1.2)")
     p.add_argument("--lr", type=float, default=1e-3, help="trainer learning rate (default 1e-3)")
     p.add_argument("--is-cap", type=float, default=4.0, help="C: truncation of importance weights (default 4.0)")
