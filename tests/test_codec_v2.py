@@ -1,4 +1,4 @@
-"""Delta tier v2 (issue 22): bit-exact for every dtype, pinned by a golden vector, and hostile input refused.
+"""Delta tier v2: bit-exact for every dtype, pinned by a golden vector, and hostile input refused.
 
 The reference (wsync/codecs/v2_ref.py) is the spec; the C++ twin, when built, must give the same bytes
 (test_v2_cpu_twin_is_byte_identical) and decode what the reference wrote.
@@ -389,8 +389,8 @@ def decodes_as_the_reference(k, old, parts, dt, what="") -> str:
 
 @pytest.mark.parametrize("tail", [1, 2, 3, 5, 6, 9, 4099])
 def test_cpu_twin_decodes_a_short_last_chunk(tail):
-    """A last chunk of 1, 2 or 5 elements left a quarter of it empty while an earlier one was short: the
-    walkers read past the chunk into stale scratch (regression: valid payloads were refused)."""
+    """A last chunk of 1, 2 or 5 elements leaves a quarter of it empty while an earlier one is short: the
+    walkers must not read past the chunk into stale scratch, which refuses valid payloads."""
     from wsync import backends
     from wsync.errors import BackendUnavailable
 

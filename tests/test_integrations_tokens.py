@@ -1,5 +1,5 @@
 """Integrations listen on loopback by default, refuse to listen further without a token, and never put the
-token where frameworks log it (issue 16 #7): HTTP bodies, RPC arguments, group names, reprs, log lines.
+token where frameworks log it: HTTP bodies, RPC arguments, group names, reprs, log lines.
 
 OpenRLHF's trainer and worker functions run here without OpenRLHF: its Ray handles are stand-ins that call
 our worker functions in-process and record what crossed the "RPC".

@@ -77,7 +77,7 @@ def test_enabled(monkeypatch, env, quiet, tty, on):
 
 
 def test_snapshot_generation_shows_a_bar_when_forced(monkeypatch, capsys, tmp_path):
-    from wsync.bench.snapshots import SnapshotConfig, ensure_snapshots
+    from wsync_bench.snapshots import SnapshotConfig, ensure_snapshots
 
     monkeypatch.setenv("WSYNC_PROGRESS", "1")
     ensure_snapshots(tmp_path / "s", SnapshotConfig(size="tiny", steps=1, warmup_steps=1))
@@ -87,10 +87,10 @@ def test_snapshot_generation_shows_a_bar_when_forced(monkeypatch, capsys, tmp_pa
 
 
 def test_snapshot_size_is_estimated_before_the_model_is_built():
-    from wsync.bench.snapshots import SIZES, SnapshotConfig, build_model, estimate_bytes, estimate_params, param_count
+    from wsync_bench.snapshots import SIZES, SnapshotConfig, build_model, estimate_bytes, estimate_params, param_count
 
     assert estimate_params("tiny") == param_count(build_model(SnapshotConfig(size="tiny")))
-    # the bench model's two series are what the issue measured: ~4.2 GB (GiB) on disk
+    # the bench model is sized so its two series take about 4.2 GiB on disk
     assert 4.3e9 < 2 * estimate_bytes(SnapshotConfig(size="bench")) < 4.5e9
     assert set(SIZES) == {"tiny", "small", "bench"}
 

@@ -1,4 +1,4 @@
-"""Sharded sync (issue 19): trainer ranks publish only their pieces, engine ranks commit a version all or none.
+"""Sharded sync: trainer ranks publish only their pieces, engine ranks commit a version all or none.
 
 Engine ranks run as spawned processes (their own sockets, killable); trainer ranks are ShardPublishers in
 this process, each with its own Publishers and coordinator link, as a rank process would have (they share
@@ -208,7 +208,7 @@ def test_a_restarted_coordinator_resumes_the_rounds(groups):
 
 def _headline(tmp_path, m: int, n: int, trainer, engine, *targs) -> None:
     """m trainer processes and n engine processes for 5 versions; each posts (side, rank, version, ok)."""
-    from wsync.bench.reshard import _free_port
+    from wsync_bench.reshard import _free_port
 
     ctx, versions = mp.get_context("spawn"), 5
     ports, out = (_free_port(), _free_port(), _free_port()), ctx.Queue()
@@ -235,7 +235,7 @@ def _headline(tmp_path, m: int, n: int, trainer, engine, *targs) -> None:
 @pytest.mark.slow  # 4 to 7 processes import transformers and form gloo groups (~1 min on 2 shared cores)
 @pytest.mark.parametrize("m,n", [(2, 2), (4, 3)])
 def test_fsdp2_trainer_into_torch_tp_engine(tmp_path, m, n):
-    """The issue's headline: FSDP2 (fully_shard, gloo) training a transformers Qwen3 on m processes -> the same
+    """The main case: FSDP2 (fully_shard, gloo) training a transformers Qwen3 on m processes -> the same
     model under torch tensor parallelism on n processes, 5 versions, each engine rank's DTensor shards equal
     to slicing the unsharded reference, and the engine's digest equal to the trainers'."""
     pytest.importorskip("transformers")
@@ -246,7 +246,7 @@ def test_fsdp2_trainer_into_torch_tp_engine(tmp_path, m, n):
 
 @pytest.mark.slow
 def test_fsdp2_qwen3_moe_into_expert_parallel_engine(tmp_path):
-    """The issue's MoE case: FSDP2 (fully_shard, gloo) on 2 processes training a transformers 5 Qwen3-MoE (experts
+    """The MoE case: FSDP2 (fully_shard, gloo) on 2 processes training a transformers 5 Qwen3-MoE (experts
     fused as 3-D gate_up_proj / down_proj, 5 of them: Shard(0) puts experts 0-2 on trainer rank 0, 3-4 on 1) ->
     2 engine ranks in vLLM's expert-parallel layout (w13 / w2 by expert index, fused qkv, padded vocabulary),
     5 AdamW versions: every engine tensor equal to slicing the unsharded reference, each rank's experts the

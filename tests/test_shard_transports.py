@@ -1,4 +1,4 @@
-"""Sharded sync (issue 19) over the other transports: a pair's Publisher on ucx://, local:// or gloo://, not tcp.
+"""Sharded sync over the other transports: a pair's Publisher on ucx://, local:// or gloo://, not tcp.
 
 The same group as test_shard_sync.py (2 trainer ranks in this process, 2 engine-rank processes, the coordinator
 on trainer rank 0 over tcp with the token); only the (trainer, engine) pairs' Publishers listen on the transport

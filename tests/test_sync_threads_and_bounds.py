@@ -1,5 +1,6 @@
-"""Hardening of the sync (issue 16): stats read across threads, raw history bounded by bytes,
-`serve --no-watch` bounded on a frozen subscriber, no import circle between sync.py and subscriber.py.
+"""The sync under threads and bounds: stats read across threads, raw history bounded by bytes,
+`serve --no-watch` bounded on a frozen subscriber, no import circle between sync.py and subscriber.py,
+and a subscriber that survives a manifest nested too deep.
 
 Everything runs on 127.0.0.1 with numpy states and Shadow engines (no torch needed).
 """
@@ -26,7 +27,7 @@ from wsync.transports import Message, connect
 from wsync.sender import PROTOCOL
 
 ADDR = "tcp://127.0.0.1:0"
-TOKEN = b"hardening-token-16"
+TOKEN = b"sync-bounds-token-16"
 
 
 def _state(rng, n=64 << 10):
@@ -46,10 +47,10 @@ def _same(engine: Shadow, state) -> bool:
         engine.state[k].bits.tobytes() == want[k].bits.tobytes() for k in want)
 
 
-# -- finding 10: stats are a snapshot, safe to read while the encoder writes ------------------------
+# -- stats are a snapshot, safe to read while the encoder writes ------------------------
 
 def test_stats_reads_while_publishing_never_race(rng):
-    """trainer/driver.py::_sent iterated Publisher.stats while the encoder thread added to it."""
+    """Reading Publisher.stats while the encoder thread adds to it never raises (the trainer's driver does so)."""
     errors, stop = [], threading.Event()
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # switch threads often: the race shows up within a few hundred versions
@@ -79,7 +80,7 @@ def test_stats_reads_while_publishing_never_race(rng):
             for t in threads:
                 t.join(timeout=30)
             assert not errors, errors[0]
-            snap = pub.stats_snapshot()
+            snap = pub.stats
     finally:
         sys.setswitchinterval(old)
         stop.set()
@@ -96,11 +97,11 @@ def test_stats_is_a_copy_not_the_live_dict(rng):
         s = pub.stats
         s["bytes"].clear()
         s["versions"] = -1
-        assert pub.stats["versions"] == 1 and 0 in pub.stats["bytes"]
+        assert pub.stats.versions == 1 and 0 in pub.stats.bytes
         t = sub.stats
         t["versions"] = -1
         t["last"]["version"] = 99
-        assert sub.stats["versions"] == 1 and sub.stats["last"]["version"] == 0
+        assert sub.stats.versions == 1 and sub.stats.last.version == 0
 
 
 def test_concurrent_polls_apply_each_version_once(rng):
@@ -122,11 +123,11 @@ def test_concurrent_polls_apply_each_version_once(rng):
         stop.set()
         for t in polls:
             t.join(timeout=30)
-        assert sub.stats["failures"] == 0
+        assert sub.stats.failures == 0
         assert _same(engine, states[-1])
 
 
-# -- finding 8: raw history is bounded by bytes ----------------------------------------------------
+# -- raw history is bounded by bytes -------------------------------------------------------------
 
 def test_raw_history_bounded_by_bytes_and_late_subscribers_converge(rng):
     states = [_state(rng)]  # ~130 KB a version
@@ -145,7 +146,7 @@ def test_raw_history_bounded_by_bytes_and_late_subscribers_converge(rng):
         for v, st in enumerate(states[1:], start=1):
             pub.publish(st, version=v)
             pub.flush(timeout=60)
-            held.append(pub.stats["history_bytes"])
+            held.append(pub.stats.history_bytes)
         assert max(held) <= cap, held
         assert held[-1] > 0
         newest = len(states) - 1
@@ -154,7 +155,7 @@ def test_raw_history_bounded_by_bytes_and_late_subscribers_converge(rng):
                 Subscriber(pub.address, engine=early, token=TOKEN, served=served) as back:
             assert fresh.wait_for(newest, timeout=60) == newest
             assert back.wait_for(newest, timeout=60) == newest
-            assert back.stats["failures"] == 0 and back.stats["last"]["keyframe"]
+            assert back.stats.failures == 0 and back.stats.last.keyframe
         assert _same(late, states[-1]) and _same(early, states[-1])
 
 
@@ -163,7 +164,7 @@ def test_history_bytes_must_be_positive():
         Publisher(ADDR, token=TOKEN, history_bytes=0)
 
 
-# -- finding 11: serve --no-watch does not wait forever on a frozen subscriber -------------------------
+# -- serve --no-watch does not wait forever on a frozen subscriber -------------------------
 
 def test_serve_no_watch_names_the_frozen_subscriber(tmp_path, rng):
     import os
@@ -210,7 +211,7 @@ def test_serve_cli_has_flush_timeout():
     assert parser().parse_args(["serve", "x", "--listen", "127.0.0.1:0"]).flush_timeout > 0
 
 
-# -- house: no import circle between sync.py and subscriber.py -------------------------------------
+# -- no import circle between sync.py and subscriber.py -------------------------------------
 
 def _imports(path: Path) -> set[str]:
     names = set()
@@ -245,19 +246,18 @@ def test_default_history_cap_follows_the_model(rng, monkeypatch):
         for v, st in enumerate(states):
             pub.publish(st, version=v)
             pub.flush(timeout=60)
-            assert pub.stats["history_bytes"] <= 2 * one + 4096  # payload headers ride on top of the tensors
+            assert pub.stats.history_bytes <= 2 * one + 4096  # payload headers ride on top of the tensors
         late = Shadow()
         with Subscriber(pub.address, engine=late, token=TOKEN) as sub:
             sub.wait_for(len(states) - 1, timeout=60)
         assert _same(late, states[-1])
 
 
-# -- finding 9, end to end: a deep-JSON manifest from upstream costs a reconnect, not the receive thread -----
+# -- a deep-JSON manifest from upstream costs a reconnect, not the receive thread -----
 
 def test_deep_json_manifest_from_upstream_is_survived_and_the_engine_converges(rng, monkeypatch):
-    """What a compromised relay (or publisher) can send: a bucket whose manifest nests 5,000 deep, its xxh3
-    valid. Python's json raised RecursionError there, which is not a WsyncError, so it killed the subscriber's
-    receive thread for good. Now it is a FormatError: the subscriber drops the link, redials, and converges."""
+    """A bucket whose manifest nests too deep (its xxh3 valid), as a compromised relay or publisher could send,
+    is a FormatError: the subscriber drops the link, redials, and converges, its receive thread alive."""
     import xxhash
 
     from wsync import payload as wp
@@ -287,5 +287,5 @@ def test_deep_json_manifest_from_upstream_is_survived_and_the_engine_converges(r
             sub.wait_for(0, timeout=60)
             pub.publish(s1, version=1)
             sub.wait_for(1, timeout=60)
-            assert poisoned == [1] and sub.stats["reconnects"] >= 1 and sub._thread.is_alive()
+            assert poisoned == [1] and sub.stats.reconnects >= 1 and sub._thread.is_alive()
             assert _same(engine, s1)

@@ -1,4 +1,4 @@
-"""Issue 16, files: names from a payload never become paths outside -o, wsync never deletes what it
+"""Files: names from a payload never become paths outside -o, wsync never deletes what it
 did not write, a killed write leaves nothing behind for long, reserved tensor names are refused, and
 serve does not follow symlinks out of its folder unless told to.
 
@@ -58,7 +58,7 @@ def _tree(root: Path) -> dict:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-# -- 1. names from a payload never become paths outside -o ------------------------------------------
+# -- names from a payload never become paths outside -o ------------------------------------------
 
 BAD_NAMES = ["../../victim.safetensors", "../victim.safetensors", "/ABS/victim.safetensors",
              "sub/model.safetensors", "..\\victim.safetensors", "model\x00.safetensors", "",
@@ -117,7 +117,7 @@ def test_delta_apply_writes_only_below_output(pair):
     assert {n: got[n].bits.tobytes() for n in got} == {n: v.tobytes() for n, v in new.items()}
 
 
-# -- 4. never delete what wsync did not write ------------------------------------------------------
+# -- never delete what wsync did not write ------------------------------------------------------
 
 def test_delta_apply_refuses_a_folder_it_did_not_write(pair, capsys):
     root, _ = pair
@@ -192,7 +192,7 @@ def test_an_empty_folder_or_a_file_in_the_way(pair, capsys):
     assert (root / "afile").read_text() == "not a folder"
 
 
-# -- 12. a killed write is cleaned up on the next run; files and folders are fsynced ---------------
+# -- a killed write is cleaned up on the next run; files and folders are fsynced ---------------
 
 def _orphan(out: Path) -> Path:
     """A temp folder exactly as a wsync writing `out` leaves it when SIGKILLed: made in a child that dies."""
@@ -254,7 +254,7 @@ def test_every_file_and_the_folders_are_fsynced_before_the_rename(pair):
     assert any(p == str(root) for i, p in synced if i > moved)  # and its parent, after the rename
 
 
-# -- 13. reserved tensor names ---------------------------------------------------------------------
+# -- reserved tensor names ---------------------------------------------------------------------
 
 def test_publish_refuses_a_tensor_named_metadata():
     from wsync.sync import Publisher
@@ -273,7 +273,7 @@ def test_writing_safetensors_refuses_reserved_names(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-# -- 14. serve does not follow symlinks out of its folder ------------------------------------------
+# -- serve does not follow symlinks out of its folder ------------------------------------------
 
 def _aged(root: Path) -> None:
     old = time.time() - 60  # settled: serve only takes checkpoints that stopped changing

@@ -1,4 +1,4 @@
-"""Crafted payloads (issue 16, findings 3 and 9): declared sizes and nesting that lie.
+"""Crafted payloads: declared sizes and nesting that lie.
 
 A bomb here is a small, well-sealed payload whose manifest or zstd headers
 declare far more than it holds. Each is opened in a child process, which
@@ -87,7 +87,7 @@ def _table(counts: np.ndarray, escapes: np.ndarray) -> bytes:
 
 
 def _bombs() -> dict[str, bytes]:
-    """Each declares about a gigabyte (small enough that old code, which allocated it, could finish)."""
+    """Each declares about a gigabyte: allocating it shows in peak RSS, yet a run that allocates it still ends."""
     nc = 1 << 12  # a 2^28-element tensor's chunks
     full = np.full(nc, 1 << 16, np.uint32)
     return {
@@ -214,7 +214,7 @@ def test_prepare_leaves_a_lying_segment_to_apply_and_honest_ones_unpacked():
 
 
 def test_a_shape_of_many_huge_dims_is_refused_before_its_product_is_taken():
-    """200,000 dimensions of 2^62: old code multiplied them all (minutes of bigint work) before any check."""
+    """200,000 dimensions of 2^62: the rank limit must come before the product, whose bigint work would take minutes."""
     blob = wsync.encode(None, _dense_pair(1024)[1], codec="raw").to_bytes()
     for where in ("members", "segments"):
         def lie(doc):
@@ -255,7 +255,7 @@ def test_an_int_too_long_for_python_is_a_format_error():
         Payload.from_bytes(lie)
 
 
-# ---- finding 9: deep JSON ------------------------------------------------------------------------------------
+# ---- deep JSON ------------------------------------------------------------------------------------------------
 
 def _deep_manifest_payload(depth: int = 100_000) -> bytes:
     blob = wsync.encode(None, _dense_pair(1024)[1], codec="raw").to_bytes()
@@ -301,8 +301,8 @@ def test_safejson_limits_depth_outside_strings_only():
 DEEP = b'{"kind":"bucket","meta":' + b"[" * 5000 + b"]" * 5000 + b',"sizes":[],"frame":65536}'
 
 
-def test_deep_json_from_a_peer_is_the_transport_error_it_always_was():
-    """Where a bad header was a TransportError (the subscriber reconnects), a deep one is too."""
+def test_deep_json_from_a_peer_is_a_transport_error():
+    """A bad header is a TransportError (the subscriber reconnects), and so is a deep one."""
     from wsync.errors import TransportError
     from wsync.transports import base
     from wsync.transports.tcp import frames

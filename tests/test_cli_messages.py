@@ -1,4 +1,4 @@
-"""What a new user meets first: the real `wsync` command in a subprocess, exit codes,
+"""What the command line says: help on every option, the real `wsync` command in a subprocess, exit codes,
 one-line errors without tracebacks, the cause of a failed pull, quiet normal shutdowns. Sockets on 127.0.0.1 only."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# -- 12: `wsync` alone, help texts ---------------------------------------------------------------
+# -- `wsync` alone, help texts ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("args", [[], ["bench"], ["delta"]])
@@ -48,10 +48,6 @@ def test_a_command_alone_prints_its_commands(args):
     expected = {(): ["serve", "pull", "bench", "delta", "inspect"], ("bench",): ["codec", "transport", "all"],
                 ("delta",): ["encode", "apply"]}[tuple(args)]
     assert all(f"    {name}" in r.stdout for name in expected), r.stdout
-
-
-# owned by other parts of issue 18; remove from here once their options have help
-HELP_PENDING = ()
 
 
 def _options(p: argparse.ArgumentParser, path: str):
@@ -65,7 +61,7 @@ def _options(p: argparse.ArgumentParser, path: str):
 
 def test_every_option_has_help():
     missing = [f"{cmd} {'/'.join(a.option_strings) or a.dest}" for cmd, a in _options(parser(), "wsync")
-               if not a.help and not cmd.startswith(HELP_PENDING)]
+               if not a.help]
     assert not missing, missing
 
 
@@ -93,7 +89,7 @@ def test_open_publisher_without_token_warns(caplog):
     assert not caplog.records
 
 
-# -- 4: serve a single file ----------------------------------------------------------------------
+# -- serve a single file ----------------------------------------------------------------------
 
 
 def test_serve_a_single_file_and_pull_it(tmp_path):
@@ -112,7 +108,7 @@ def test_serve_a_file_that_is_not_safetensors_says_so(tmp_path):
                                                                  "127.0.0.1:0", "--no-watch"))
 
 
-# -- 5: nccl on a machine without two GPUs -------------------------------------------------------
+# -- nccl on a machine without two GPUs -------------------------------------------------------
 
 
 def test_nccl_bench_says_why_in_one_line_and_bench_all_says_the_same(monkeypatch):
@@ -128,7 +124,7 @@ def test_nccl_bench_says_why_in_one_line_and_bench_all_says_the_same(monkeypatch
     assert bench_all.transport_suite(bench_all.Sizes.quick(), ucx=False)["nccl"] == {"skipped": why}
 
 
-# -- 6: why a pull fails -------------------------------------------------------------------------
+# -- why a pull fails -------------------------------------------------------------------------
 
 
 RIGHT, WRONG = "a1" * 16, "b2" * 16  # hex, as the command line takes tokens
@@ -206,7 +202,7 @@ def test_a_listener_of_another_protocol_version_is_named():
         srv.close()
 
 
-# -- 7: a normal shutdown is not a failure -------------------------------------------------------
+# -- a normal shutdown is not a failure -------------------------------------------------------
 
 
 def test_publisher_closing_is_not_logged_as_a_failure(caplog):
