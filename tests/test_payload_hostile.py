@@ -304,15 +304,15 @@ DEEP = b'{"kind":"bucket","meta":' + b"[" * 5000 + b"]" * 5000 + b',"sizes":[],"
 def test_deep_json_from_a_peer_is_a_transport_error():
     """A bad header is a TransportError (the subscriber reconnects), and so is a deep one."""
     from wsync.errors import TransportError
-    from wsync.transports import base
+    from wsync.transports import envelope
     from wsync.transports.tcp import frames
 
     with pytest.raises(TransportError, match="nests deeper"):
-        frames.decode_head(DEEP, 1 << 30)
+        frames.decode_head(envelope.seal(DEEP), 1 << 30)
     with pytest.raises(TransportError, match="nests deeper"):
         frames.decode_state(b'{"next":0,"partial":' + b"[" * 5000 + b"]" * 5000 + b"}", 10)
     with pytest.raises(TransportError, match="nests deeper"):
-        base.open_head(DEEP, xxhash.xxh3_64_intdigest(DEEP), ("kind",))
+        envelope.parse(envelope.seal(DEEP), may=("frame",))
 
 
 def test_deep_json_in_a_safetensors_header_is_a_format_error(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 from tcp_helpers import Proxy, self_signed
 from wsync.errors import ChecksumError, TransportError
 from wsync.transports import Message, TransportTimeout, connect, listen
+from wsync.transports import envelope
 from wsync.transports.tcp import auth as tcp_auth, frames as tf
 from wsync.transports.tcp.link import HASH_PIECE, ConnectionLost, recv_hashed
 from wsync.transports.tcp.outbox import LANE_STREAMS, LANE_WARMUP, Outbox, as_views, frame_size
@@ -102,7 +103,7 @@ def test_large_message_over_several_streams_is_exact(pair):
 ])
 def test_frame_size_per_message(nbytes, streams, frame_bytes, want):
     f = frame_size(nbytes, streams, frame_bytes)
-    assert f == want and tf.MIN_FRAME <= f <= tf.MAX_FRAME
+    assert f == want and envelope.MIN_FRAME <= f <= envelope.MAX_FRAME
 
 
 @pytest.mark.parametrize("streams", [2, 4])
@@ -315,7 +316,7 @@ def _fake_peer(address: str, records: list[bytes]) -> None:
 
 
 def _head(seq, sizes, frame=1 << 20, max_lie=None):
-    body = tf.encode_head("x", {}, sizes, frame)
+    body = envelope.pack("x", {}, sizes, frame=frame)
     import xxhash
 
     return tf.pack(tf.Record(tf.HEAD, seq, length=len(body), body_sum=xxhash.xxh3_64_intdigest(body))) + body

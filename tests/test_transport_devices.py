@@ -31,8 +31,10 @@ import torch.distributed as dist  # noqa: E402
 
 from wsync.errors import BackendUnavailable, ChecksumError, TransportError  # noqa: E402
 from wsync.transports import Message, connect, listen  # noqa: E402
+from wsync.transports import envelope  # noqa: E402
 from wsync.transports import groupframe as gf  # noqa: E402
 from wsync.transports import ucx  # noqa: E402
+from wsync.transports.base import current_device  # noqa: E402
 
 CUDA = torch.device("cuda", 0).type  # "cuda"
 
@@ -172,9 +174,9 @@ def test_choose_device_refuses(option, current, tensors, match):
 
 def test_current_device_leaves_cuda_uninitialized_when_asked(cuda):
     cuda.set_device(2)
-    assert gf.current_device() == 2 and gf.current_device(init=False) == 2
+    assert current_device() == 2 and current_device(init=False) == 2
     cuda.initialized = False  # nothing has picked a device yet: the default, without starting CUDA
-    assert gf.current_device(init=False) == 0
+    assert current_device(init=False) == 0
 
 
 # -- nccl: the device is captured on the caller's thread and made current on every thread -----
@@ -333,22 +335,19 @@ def test_plan_pieces_with_device_blobs(sizes, device, chunk, expected):
 
 def test_head_lists_device_blobs_and_host_headers_are_unchanged():
     host, _ = gf.pack_head(Message("k", {"a": 1}, [b"xy"]), 16)
-    assert b'"device"' not in host and gf.parse_head(host) == ("k", {"a": 1}, [2], 16, [])
+    h = gf.parse_head(host)
+    assert b'"device"' not in host and (h.kind, h.meta, h.sizes, h.chunk, h.device) == ("k", {"a": 1}, [2], 16, [])
     t = labelled(torch.arange(6, dtype=torch.float32))
     head, sizes = gf.pack_head(Message("k", {}, [b"xy", t]), 16)
-    assert sizes == [2, 24] and gf.parse_head(head)[4] == [1]
+    assert sizes == [2, 24] and gf.parse_head(head).device == [1]
 
 
 @pytest.mark.parametrize("device", [[2], [-1], [1, 0], [0, 0], ["0"], "0", [True]])
 def test_parse_head_refuses_bad_device_lists(device):
     import json
 
-    import xxhash
-
-    from wsync.transports.base import ENVELOPE, MAGIC
-
     doc = json.dumps({"kind": "k", "meta": {}, "sizes": [1, 2], "chunk": 16, "device": device}).encode()
-    raw = ENVELOPE.pack(MAGIC, len(doc), xxhash.xxh3_64_intdigest(doc)) + doc
+    raw = envelope.seal(doc)
     with pytest.raises(TransportError, match="device blobs"):
         gf.parse_head(raw)
 

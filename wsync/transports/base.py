@@ -18,35 +18,17 @@ subscriber; or, for broadcast transports (nccl/gloo), to a whole group at once:
 then ``link.fanout`` > 1, ``send`` reaches every member, and ``recv`` returns
 one message per member in turn (each carries ``meta["rank"]``).
 
-On a byte stream a message travels as an envelope (all integers little-endian)::
-
-    0  4  magic b"WSM1"
-    4  4  u32 header length H
-    8  8  u64 xxh3-64 of the header bytes
-    16 H  header: UTF-8 JSON {"kind", "meta", "sizes": [...], "sums": [...]}
-    then each blob's bytes, sizes[i] of them, whose xxh3-64 is sums[i] (hex)
-
-Every length is bounded and every blob checked before the receiver sees it.
+Every transport sends a message as envelope.py's header, then its blobs;
+every length is bounded and every host blob checked before the receiver sees it.
 """
 from __future__ import annotations
 
-import json
-import socket
-import struct
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import xxhash
-
-from .. import safejson
-from ..errors import ChecksumError, TransportError
+from ..errors import TransportError
 from ..tokens import check as check_token
-
-MAGIC = b"WSM1"
-ENVELOPE = struct.Struct("<4sIQ")
-MAX_HEADER = 16 << 20  # a message header is small JSON; anything bigger is a broken peer
-MAX_BLOB = 1 << 40  # 1 TiB: larger than any single tensor bucket we would send
 
 
 @dataclass
@@ -67,6 +49,9 @@ class TransportTimeout(TransportError, TimeoutError):
 class Link(Protocol):
     peer: str  # printable name of the other side, for logs
     fanout: int  # subscribers reached by one send (1 except broadcast groups)
+    # every member takes part in every message (a group's collectives): the publisher gathers acks as the
+    # reply to each send instead of reading them apart, and a subscriber speaks only when spoken to
+    lockstep: bool
 
     def send(self, msg: Message) -> None:
         """Deliver msg whole or raise TransportError; blocks until the bytes are handed off."""
@@ -186,114 +171,3 @@ def with_device(address: str, opts: dict | None) -> dict:
         if d is not None:
             opts["device"] = d
     return opts
-
-
-# -- the envelope on a byte stream ----------------------------------------------------------
-
-
-def pack_header(msg: Message) -> bytes:
-    """Envelope + JSON header for msg; the blobs follow it as they are."""
-    views = [memoryview(b).cast("B") for b in msg.blobs]
-    head = json.dumps({
-        "kind": msg.kind, "meta": msg.meta,
-        "sizes": [len(v) for v in views], "sums": [xxhash.xxh3_64_hexdigest(v) for v in views],
-    }, separators=(",", ":")).encode()
-    return ENVELOPE.pack(MAGIC, len(head), xxhash.xxh3_64_intdigest(head)) + head
-
-
-def open_head(head: bytes, hsum: int, keys: tuple[str, ...]) -> list:
-    """Check a message header's xxh3 and parse its JSON; returns the values of keys (types unchecked)."""
-    if xxhash.xxh3_64_intdigest(head) != hsum:
-        raise ChecksumError("message header checksum mismatch (corrupt in transit)")
-    try:
-        doc = safejson.loads(head, what="message header")
-        return [doc[k] for k in keys]
-    except (ValueError, KeyError, TypeError) as e:
-        raise TransportError(f"malformed message header: {e}") from None
-
-
-def parse_header(env: bytes, read) -> tuple[str, dict, list[int], list[str]]:
-    """Check an envelope and read its header with read(n) -> bytes; returns kind, meta, sizes, sums."""
-    magic, hlen, hsum = ENVELOPE.unpack(env)
-    if magic != MAGIC:
-        raise TransportError(f"peer sent a frame that is not a wsync message (magic {magic!r})")
-    if hlen > MAX_HEADER:
-        raise TransportError(f"message header of {hlen} bytes exceeds the {MAX_HEADER}-byte limit")
-    kind, meta, sizes, sums = open_head(read(hlen), hsum, ("kind", "meta", "sizes", "sums"))
-    ok = (isinstance(kind, str) and isinstance(meta, dict) and isinstance(sizes, list) and isinstance(sums, list)
-          and len(sizes) == len(sums) and all(type(n) is int and 0 <= n <= MAX_BLOB for n in sizes)
-          and all(isinstance(s, str) for s in sums))
-    if not ok:
-        raise TransportError("malformed message header: bad field types or blob sizes")
-    return kind, meta, sizes, sums
-
-
-def check_blob(blob, expected: str, i: int) -> None:
-    if xxhash.xxh3_64_hexdigest(blob) != expected:
-        raise ChecksumError(f"message blob {i} failed its checksum (corrupt in transit)")
-
-
-class StreamLink:
-    """A Link over one connected stream socket (TCP or Unix). Not thread-safe per direction."""
-
-    fanout = 1
-
-    def __init__(self, sock: socket.socket, peer: str | None = None, stall_timeout: float = 120.0):
-        self.sock = sock
-        self.stall_timeout = stall_timeout  # once a message has started, the longest wait for its next byte
-        self.peer = peer or str(sock.getpeername() if sock.family != socket.AF_UNIX else "unix")
-
-    def send(self, msg: Message) -> None:
-        try:
-            self.sock.sendall(pack_header(msg))
-            for b in msg.blobs:
-                self.sock.sendall(memoryview(b).cast("B"))
-        except OSError as e:
-            raise TransportError(f"send to {self.peer} failed: {e}") from None
-
-    def recv(self, timeout: float | None = None) -> Message:
-        try:
-            self.sock.settimeout(timeout)
-            env = self._read(ENVELOPE.size, first=True)
-            self.sock.settimeout(self.stall_timeout)
-            kind, meta, sizes, sums = parse_header(env, self._read)
-            blobs = []
-            for i, n in enumerate(sizes):
-                buf = bytearray(n)
-                recv_exact(self.sock, memoryview(buf), self.peer)
-                check_blob(buf, sums[i], i)
-                blobs.append(buf)
-        except socket.timeout:
-            raise TransportTimeout(f"no message from {self.peer} within {timeout}s") from None
-        except OSError as e:  # closed under us
-            raise TransportError(f"link to {self.peer} is closed: {e}") from None
-        return Message(kind, meta, blobs)
-
-    def _read(self, n: int, first: bool = False) -> bytes:
-        buf = bytearray(n)
-        recv_exact(self.sock, memoryview(buf), self.peer, allow_timeout=first)
-        return bytes(buf)
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-
-
-def recv_exact(sock: socket.socket, view: memoryview, peer: str, allow_timeout: bool = False) -> None:
-    """Fill view from sock or raise TransportError (socket.timeout passes through only before any byte)."""
-    got = 0
-    while got < len(view):
-        try:
-            n = sock.recv_into(view[got:])
-        except socket.timeout:
-            if allow_timeout and got == 0:
-                raise
-            raise TransportError(f"{peer} stalled mid-message") from None
-        except OSError as e:
-            raise TransportError(f"connection to {peer} lost: {e}") from None
-        if n == 0:
-            raise TransportError(f"{peer} closed the connection" + (" mid-message" if got else ""))
-        got += n

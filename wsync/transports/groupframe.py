@@ -24,20 +24,20 @@ sync layer's digest of the version once applied; under it, the links NCCL runs
 over check their own frames (link-level CRC on NVLink, PCIe and InfiniBand,
 TCP's checksum on sockets).
 
+A message's header is envelope.py's, with the ``chunk`` and ``device`` fields.
 The functions take ``post(tensor) -> Work`` callables so the same code drives a
 broadcast (publisher -> all) and a point-to-point send (subscriber -> publisher).
 """
 from __future__ import annotations
 
-import json
 from collections import deque
 
 import numpy as np
 import xxhash
 
-from .. import safejson
-from ..errors import ChecksumError, TransportError
-from .base import ENVELOPE, MAGIC, MAX_BLOB, MAX_HEADER, Message, current_device  # noqa: F401 (ucx and torchdist call gf.current_device)
+from ..errors import ChecksumError
+from . import envelope
+from .base import Message
 
 WINDOW = 2  # pieces in flight: one on the wire while the CPU hashes or copies the other
 
@@ -68,44 +68,14 @@ def plan_pieces(sizes: list[int], chunk: int, device=()) -> list[list[tuple[int,
 
 
 def pack_head(msg: Message, chunk: int) -> tuple[bytes, list[int]]:
-    """Envelope + JSON header (kind, meta, sizes, chunk, and device when any blob is one) and the blob sizes."""
+    """The message header (kind, meta, sizes, chunk, and device when any blob is one) and the blob sizes."""
     sizes = [nbytes(b) for b in msg.blobs]
-    doc = {"kind": msg.kind, "meta": msg.meta, "sizes": sizes, "chunk": chunk}
-    if dev := device_blobs(msg.blobs):
-        doc["device"] = dev
-    head = json.dumps(doc, separators=(",", ":")).encode()
-    return ENVELOPE.pack(MAGIC, len(head), xxhash.xxh3_64_intdigest(head)) + head, sizes
+    return envelope.pack(msg.kind, msg.meta, sizes, chunk=chunk, device=device_blobs(msg.blobs)), sizes
 
 
-def parse_head(raw: bytes) -> tuple[str, dict, list[int], int, list[int]]:
-    """Check the envelope and header fields; returns kind, meta, sizes, chunk and the device blobs' indices."""
-    if len(raw) < ENVELOPE.size:
-        raise TransportError(f"message header of {len(raw)} bytes is shorter than its envelope")
-    magic, hlen, hsum = ENVELOPE.unpack_from(raw)
-    if magic != MAGIC or hlen != len(raw) - ENVELOPE.size:
-        raise TransportError(f"peer sent a frame that is not a wsync message (magic {magic!r}, length {hlen})")
-    head = raw[ENVELOPE.size:]
-    if xxhash.xxh3_64_intdigest(head) != hsum:
-        raise ChecksumError("message header checksum mismatch (corrupt in transit)")
-    try:
-        doc = safejson.loads(head, what="message header")
-        kind, meta, sizes, chunk = doc["kind"], doc["meta"], doc["sizes"], doc["chunk"]
-        device = doc.get("device", [])  # absent: host blobs only, as every header before device blobs
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise TransportError(f"malformed message header: {e}") from None
-    ok = (isinstance(kind, str) and isinstance(meta, dict) and isinstance(sizes, list)
-          and all(type(n) is int and 0 <= n <= MAX_BLOB for n in sizes) and type(chunk) is int and 0 < chunk < (1 << 40)
-          and isinstance(device, list) and all(type(i) is int for i in device)
-          and device == sorted(set(device)) and all(0 <= i < len(sizes) for i in device))
-    if not ok:
-        raise TransportError("malformed message header: bad field types, blob sizes, chunk size or device blobs")
-    return kind, meta, sizes, chunk, device
-
-
-def check_head_len(n: int) -> int:
-    if not 0 < n <= MAX_HEADER + ENVELOPE.size:
-        raise TransportError(f"peer announced a message header of {n} bytes (limit {MAX_HEADER})")
-    return n
+def parse_head(raw: bytes) -> envelope.Header:
+    """The header of a message on a group: envelope.parse with the fields pack_head sends."""
+    return envelope.parse(raw, need=("chunk",), may=("device",))
 
 
 def as_u8(buf):

@@ -28,6 +28,7 @@ from collections import deque
 import numpy as np
 
 from ..errors import TransportError
+from . import envelope
 from . import groupframe as gf
 from .base import Message, TransportTimeout
 from .pool import BufferPool
@@ -163,9 +164,10 @@ class GroupLink:
         else:
             src, hlen = 0, int(self._step(RECV, 0, timeout)[0, 1])
             ctrl, data = self._bcast(self.ctrl), self._bcast(self.data)
-        raw = bytearray(gf.check_head_len(hlen))
+        raw = bytearray(envelope.check_length(hlen))
         self._wait(ctrl(gf.as_u8(raw)))
-        kind, meta, sizes, chunk, device = gf.parse_head(bytes(raw))
+        h = gf.parse_head(raw)
+        kind, meta, sizes, chunk, device = h.kind, h.meta, h.sizes, h.chunk, h.device
         pieces = gf.plan_pieces(sizes, chunk, device)
         blobs = [self._device_buffer(n) if i in device else self._pool.take(n) for i, n in enumerate(sizes)]
         got = gf.recv_pieces(blobs, pieces, data, self.wire, self._wait, device)

@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 
 from .. import safejson
 from ..errors import ChecksumError, TransportError
-from . import local_cuda, options
+from . import envelope, local_cuda, options
 from .base import Address, Message, TransportTimeout
 from .local_segments import Outbox, copy_in, verify_pieces
 
 FRAME = struct.Struct("<cI")  # frame type, JSON body length
 HELLO = FRAME.pack(b"H", 0)  # a subscriber's first bytes
 REAP_EVERY = 0.02  # seconds between checks for released messages while the socket is idle
-MAX_FRAME = 16 << 20
+MAX_FRAME = envelope.PREFIX.size + envelope.MAX_HEADER  # a message header is the largest frame
 
 
 @dataclass(kw_only=True)
@@ -160,6 +160,7 @@ def _said_hello(conn: socket.socket) -> bool:
 
 class LocalLink:
     fanout = 1
+    lockstep = False  # one peer, which reads and writes on its own
 
     def __init__(self, sock: socket.socket, cfg: LocalConfig, peer: str):
         self.sock, self.cfg, self.peer = sock, cfg, peer
@@ -186,35 +187,37 @@ class LocalLink:
         for b in msg.blobs:
             if local_cuda.is_cuda(b):
                 local_cuda.check(b)
-        host, entries, cuda = [], [], []
-        for b in msg.blobs:
+        sizes, device, ipc, host, cuda = [], [], [], [], []
+        for i, b in enumerate(msg.blobs):
             if local_cuda.is_cuda(b):
-                entries.append({"cuda": local_cuda.share(b)})
+                device.append(i)
+                ipc.append(local_cuda.share(b))
                 cuda.append(b)
+                sizes.append(b.numel() * b.element_size())
             else:
                 v = memoryview(b).cast("B")
                 host.append(v)
-                entries.append({"n": len(v)})
+                sizes.append(len(v))
         total = sum(len(v) for v in host)
         seg = self._out.take(total) if total else None
-        if seg is not None:
-            sums = copy_in(seg.mm, host, self.cfg.piece)
-            off = 0
-            for e in (e for e in entries if "n" in e):
-                e["off"], e["sums"], off = off, sums.pop(0), off + e["n"]
-        head = {"kind": msg.kind, "meta": msg.meta, "blobs": entries, "piece": self.cfg.piece,
-                "seg": seg.id if seg else None, "seg_size": seg.size if seg else 0}
+        host_sums = iter(copy_in(seg.mm, host, self.cfg.piece) if seg is not None else [[] for _ in host])
+        sums = [[] if i in device else next(host_sums) for i in range(len(sizes))]
+        msg_id = None
         if cuda:
             self._next_msg += 1
-            head["msg"] = self._next_msg
+            msg_id = self._next_msg
             with self._lent_cv:  # before the frame goes out, so the reader's F cannot arrive first
-                self._lent[head["msg"]] = cuda
+                self._lent[msg_id] = cuda
         fds = [seg.fd] if seg is not None and not seg.shared else []
         try:
+            head = envelope.pack(msg.kind, msg.meta, sizes, sums=sums, piece=self.cfg.piece, device=device,
+                                 ipc=ipc or None, seg=seg.id if seg is not None else None, msg=msg_id)
             self._frame(b"M", head, fds)
-        except TransportError:
+        except (TransportError, TypeError):
             if cuda:
-                self._give_back(head["msg"])
+                self._give_back(msg_id)
+            if seg is not None:
+                self._out.release(seg.id)
             raise
         if seg is not None:
             seg.shared = True
@@ -248,8 +251,9 @@ class LocalLink:
             self._lent.pop(msg_id, None)
             self._lent_cv.notify_all()
 
-    def _frame(self, kind: bytes, body: dict, fds=()) -> None:
-        data = json.dumps(body, separators=(",", ":")).encode()
+    def _frame(self, kind: bytes, body, fds=()) -> None:
+        """One frame: a message header (bytes, from envelope.pack) or a control frame's JSON (a dict)."""
+        data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
         try:
             with self._wlock:
                 if fds:
@@ -273,22 +277,36 @@ class LocalLink:
             raise item
         return self._open(item)
 
-    def _open(self, head: dict) -> Message:
-        held, blobs, host, view, err = _Held(), [], [], None, None
+    def _open(self, h: envelope.Header) -> Message:
+        """Map a message's segment and open its CUDA descriptions; the host blobs lie back to back in the segment."""
+        held, blobs, host, view, err = _Held(seg=h.seg, msg=h.msg), [], [], None, None
+        device = dict(zip(h.device, h.ipc or ()))
         try:
-            entries, held.seg, held.msg = head["blobs"], head["seg"], head.get("msg")
-            if held.seg is not None:
-                held.mm = mmap.mmap(self._in_fds[held.seg], head["seg_size"], access=mmap.ACCESS_COPY)
+            need = sum(n for i, n in enumerate(h.sizes) if i not in device)
+            if h.seg is None:
+                if need:
+                    raise TransportError(f"{self.peer} sent {need} bytes of host blobs without a segment")
+            else:
+                fd = self._in_fds.get(h.seg)
+                if fd is None:
+                    raise TransportError(f"{self.peer} named segment {h.seg}, which it never shared")
+                size = os.fstat(fd).st_size
+                if size < need:
+                    raise TransportError(f"{self.peer} put {need} bytes of host blobs in a {size}-byte segment")
+                held.mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
                 view = memoryview(held.mm)
-            for e in entries:
-                if "cuda" in e:
-                    t = local_cuda.open_shared(e["cuda"])
+            off = 0
+            for i, n in enumerate(h.sizes):
+                if i in device:
+                    t = local_cuda.open_shared(device[i])
                     held.cuda.append(local_cuda.watch(t))
                     blobs.append(t)
                     t = None
                 else:
-                    blobs.append(view[e["off"]:e["off"] + e["n"]] if e["n"] else bytearray())
-            host = [(b, e["sums"]) for b, e in zip(blobs, entries) if "cuda" not in e and e["n"]]
+                    blobs.append(view[off:off + n] if n else bytearray())
+                    if n:
+                        host.append((blobs[-1], h.sums[i]))
+                    off += n
         except TransportError as e:
             err = e
         except (KeyError, TypeError, ValueError, OSError, AttributeError) as e:
@@ -300,12 +318,12 @@ class LocalLink:
             self._reap()
             raise err from None
         self._hold(held)
-        bad = verify_pieces(host, head["piece"])
+        bad = verify_pieces(host, h.piece)
         if bad is not None:
             del blobs, host, view
             self._reap()
             raise ChecksumError(f"local message piece {bad} failed its checksum (shared memory changed under us)")
-        return Message(head["kind"], head["meta"], blobs)
+        return Message(h.kind, h.meta, blobs)
 
     def _read_loop(self) -> None:
         try:
@@ -315,10 +333,14 @@ class LocalLink:
                     continue
                 kind, body, fds = self._read_frame()
                 if kind == b"M":
-                    if fds:
-                        self._in_fds[body["seg"]] = fds[0]
-                    self._inbox.put(body)
-                elif kind == b"F":
+                    self._inbox.put(self._header(body, fds))
+                    continue
+                for fd in fds:  # descriptors ride on message headers only
+                    os.close(fd)
+                if fds:
+                    raise TransportError(f"{self.peer} sent descriptors with a {kind!r} frame")
+                body = safejson.loads(body, what=f"frame from {self.peer}")
+                if kind == b"F":
                     if body.get("seg") is not None:
                         self._out.release(body["seg"])
                     if body.get("msg") is not None:
@@ -347,9 +369,25 @@ class LocalLink:
         while len(body) < n:
             more = self.sock.recv(n - len(body))
             if not more:
+                for fd in fds:
+                    os.close(fd)
                 raise TransportError(f"{self.peer} closed the connection mid-frame")
             body += more
-        return kind, safejson.loads(body, what=f"frame from {self.peer}"), fds
+        return kind, bytes(body), fds
+
+    def _header(self, body: bytes, fds: list) -> envelope.Header:
+        """A message header, checked; the descriptor it carries (the first time a segment is used) is kept."""
+        try:
+            h = envelope.parse(body, need=("sums", "piece"), may=("seg", "device", "ipc", "msg"))
+            if len(fds) > 1 or (fds and (h.seg is None or h.seg in self._in_fds)):
+                raise TransportError(f"{self.peer} sent {len(fds)} descriptors for segment {h.seg}")
+        except Exception:
+            for fd in fds:
+                os.close(fd)
+            raise
+        if fds:
+            self._in_fds[h.seg] = fds[0]
+        return h
 
     def _hold(self, held: _Held) -> None:
         if held.seg is not None or held.msg is not None:  # otherwise the writer holds nothing for this message

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from ..errors import BackendUnavailable, TransportError
 from . import groupframe as gf
 from . import options
-from .base import Address
+from .base import Address, current_device
 from .grouplink import GroupLink
 
 FOREVER = datetime.timedelta(days=3650)  # gloo's own op timeout: we bound every wait ourselves
@@ -234,7 +234,7 @@ def _link_device(dist, addr: Address, cfg: GroupConfig):
 
     if not hasattr(dist, "ProcessGroupNCCL") or not torch.cuda.is_available():
         raise BackendUnavailable("nccl:// needs a CUDA build of torch and a GPU; use gloo:// on CPU")
-    return gf.choose_device(cfg.device, gf.current_device())
+    return gf.choose_device(cfg.device, current_device())
 
 
 def _nccl_group(dist, store, rank: int, size: int, cfg: GroupConfig, device):

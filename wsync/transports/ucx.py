@@ -6,8 +6,8 @@ UCXX is asyncio-based, so this module runs one private event loop thread per
 process (UCXX keeps one context and worker per process) and offers the usual
 blocking Link on top: every call hands a coroutine to that loop and waits.
 
-On the wire: a u64 header length, the header (base.py's envelope, with a
-``cuda`` flag per blob), then each non-empty blob as one tagged UCX message.
+On the wire: a u64 header length, the header (envelope.py's, with ``sums`` and
+``device`` fields), then each non-empty blob as one tagged UCX message.
 Host blobs carry xxh3-64 sums checked on arrival; CUDA blobs (torch tensors or
 anything with ``__cuda_array_interface__``) go device to device and arrive as
 uint8 CUDA tensors, unchecked here (the sync layer's digest covers them), on the
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import os
 import queue
 import threading
@@ -37,11 +36,11 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from .. import safejson
 from ..errors import BackendUnavailable, ChecksumError, TransportError
+from . import envelope
 from . import groupframe as gf
 from . import options
-from .base import ENVELOPE, MAGIC, MAX_BLOB, MAX_HEADER, Address, Message, TransportTimeout
+from .base import Address, Message, TransportTimeout, current_device
 from .pool import BufferPool
 
 
@@ -80,7 +79,7 @@ def _loop(cfg: UcxConfig, device=None) -> "_Loop":
 
 def _link_device(cfg: UcxConfig):
     """The device CUDA blobs arrive on: the option, else the calling thread's current one (None: no CUDA here)."""
-    return gf.choose_device(cfg.device, gf.current_device(init=False))
+    return gf.choose_device(cfg.device, current_device(init=False))
 
 
 def _use_device(device, only_if_initialized: bool = False) -> None:
@@ -211,42 +210,29 @@ def _cuda_nbytes(b) -> int:
 
 
 def pack_head(msg: Message) -> tuple[bytes, list]:
-    """Envelope + JSON header; returns it and the buffers to send (non-empty blobs, in order)."""
-    sizes, sums, cuda, bufs = [], [], [], []
-    for b in msg.blobs:
+    """The message header; returns it and the buffers to send (non-empty blobs, in order)."""
+    sizes, sums, device, bufs = [], [], [], []
+    for i, b in enumerate(msg.blobs):
         if _is_cuda(b):
-            n, s, c, buf = _cuda_nbytes(b), "", True, b
+            n, s, buf = _cuda_nbytes(b), [], b
+            device.append(i)
         else:
             buf = memoryview(b).cast("B")
-            n, s, c = len(buf), xxhash.xxh3_64_hexdigest(buf), False
-        sizes.append(n), sums.append(s), cuda.append(c)
+            n, s = len(buf), [xxhash.xxh3_64_hexdigest(buf)]
+        sizes.append(n), sums.append(s)
         if n:
             bufs.append(buf)
-    head = json.dumps({"kind": msg.kind, "meta": msg.meta, "sizes": sizes, "sums": sums, "cuda": cuda},
-                      separators=(",", ":")).encode()
-    return ENVELOPE.pack(MAGIC, len(head), xxhash.xxh3_64_intdigest(head)) + head, bufs
+    return envelope.pack(msg.kind, msg.meta, sizes, sums=sums, device=device), bufs
 
 
-def parse_head(raw: bytes) -> tuple[str, dict, list[int], list[str], list[bool]]:
-    magic, hlen, hsum = ENVELOPE.unpack_from(raw)
-    if magic != MAGIC or hlen != len(raw) - ENVELOPE.size:
-        raise TransportError(f"peer sent a frame that is not a wsync message (magic {magic!r})")
-    if xxhash.xxh3_64_intdigest(raw[ENVELOPE.size:]) != hsum:
-        raise ChecksumError("message header checksum mismatch (corrupt in transit)")
-    try:
-        d = safejson.loads(raw[ENVELOPE.size:], what="message header")
-        kind, meta, sizes, sums, cuda = d["kind"], d["meta"], d["sizes"], d["sums"], d["cuda"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise TransportError(f"malformed message header: {e}") from None
-    ok = (isinstance(kind, str) and isinstance(meta, dict) and isinstance(sizes, list) and len(sizes) == len(sums) == len(cuda)
-          and all(type(n) is int and 0 <= n <= MAX_BLOB for n in sizes) and all(isinstance(s, str) for s in sums))
-    if not ok:
-        raise TransportError("malformed message header: bad field types or blob sizes")
-    return kind, meta, sizes, sums, [bool(c) for c in cuda]
+def parse_head(raw: bytes) -> envelope.Header:
+    """The header of a message over UCX: envelope.parse with the fields pack_head sends."""
+    return envelope.parse(raw, need=("sums",), may=("device",))
 
 
 class UcxLink:
     fanout = 1
+    lockstep = False  # one peer, which reads and writes on its own
 
     def __init__(self, lp: _Loop, ep, cfg: UcxConfig, peer: str, device=None):
         self.lp, self.ep, self.cfg, self.peer = lp, ep, cfg, peer
@@ -297,18 +283,17 @@ class UcxLink:
     async def _recv(self) -> Message:
         n = np.zeros(1, dtype=np.uint64)
         await self.ep.recv(n)
-        if not ENVELOPE.size < int(n[0]) <= ENVELOPE.size + MAX_HEADER:
-            raise TransportError(f"{self.peer} announced a message header of {int(n[0])} bytes")
-        raw = np.empty(int(n[0]), dtype=np.uint8)
+        raw = np.empty(envelope.check_length(int(n[0])), dtype=np.uint8)
         await asyncio.wait_for(self.ep.recv(raw), self.cfg.stall_timeout)
-        kind, meta, sizes, sums, cuda = parse_head(raw.tobytes())
-        blobs = []
-        for i, (size, s, c) in enumerate(zip(sizes, sums, cuda)):
-            blobs.append(await self._recv_blob(i, size, s, c))
-        return Message(kind, meta, blobs)
+        h = parse_head(raw.tobytes())
+        blobs, device = [], set(h.device)
+        for i, (size, s) in enumerate(zip(h.sizes, h.sums)):
+            blobs.append(await self._recv_blob(i, size, None if i in device else s[0]))
+        return Message(h.kind, h.meta, blobs)
 
-    async def _recv_blob(self, i: int, size: int, expected: str, cuda: bool):
-        if cuda:
+    async def _recv_blob(self, i: int, size: int, expected: str | None):
+        """expected: the xxh3-64 of a host blob's bytes; None for a device blob."""
+        if expected is None:
             buf = self._device_buffer(size)
             if size:
                 await asyncio.wait_for(_on_device(self.device, lambda: self.ep.recv(buf)), self.cfg.stall_timeout)

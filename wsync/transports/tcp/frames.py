@@ -18,7 +18,7 @@ Record header (little-endian)::
     40 8  body xxh3-64
     48 8  xxh3-64 of bytes 0..48
 
-HEAD carries JSON ``{"kind", "meta", "sizes", "frame"}``; FRAME carries blob bytes;
+HEAD carries the message header (envelope.py, with its ``frame`` field); FRAME carries blob bytes;
 ACK (``seq`` = every message below it is complete) and CLOSE have no body.
 With a token, a tag follows the header and another the body (mac.py).
 Every number read from the wire is bounded here before anything is allocated.
@@ -33,16 +33,14 @@ import xxhash
 
 from ... import safejson
 from ...errors import ChecksumError, TransportError
+from .. import envelope
 
 REC = struct.Struct("<4sB3xQIIQQQ")
 REC_SUM = struct.Struct("<Q")
 REC_SIZE = REC.size + REC_SUM.size  # 56
 MAGIC = b"WSF1"
 HEAD, FRAME, ACK, CLOSE = 1, 2, 3, 4
-MAX_HEAD = 16 << 20  # JSON header of one message
-MIN_HEAD_LIMIT = 64 << 10  # ...which a narrowed max_message (TcpLink.limit) lowers, never below this
-MAX_BLOBS = 1 << 16
-MIN_FRAME, MAX_FRAME = 4 << 10, 256 << 20
+MIN_HEAD_LIMIT = 64 << 10  # a narrowed max_message (TcpLink.limit) lowers the header limit, never below this
 
 
 class CorruptRecord(ChecksumError):
@@ -89,30 +87,18 @@ def unpack(raw: bytes, mac=None, peer: str = "peer") -> Record:
     return Record(typ, seq, blob, off, length, body_sum)
 
 
-def encode_head(kind: str, meta: dict, sizes: list[int], frame: int) -> bytes:
-    return json.dumps({"kind": kind, "meta": meta, "sizes": sizes, "frame": frame}, separators=(",", ":")).encode()
-
-
-def decode_head(body: bytes, max_message: int, why: str | None = None) -> tuple[str, dict, list[int], int]:
-    """Validate a HEAD body: field types, blob count, total size and frame size all bounded.
+def decode_head(body: bytes, max_message: int, why: str | None = None) -> envelope.Header:
+    """A HEAD body: the envelope's checks, then its total size against what this side accepts.
 
     why: what set max_message, when the receiver narrowed it (TcpLink.limit), for the refusal."""
-    try:
-        doc = safejson.loads(body, what="message header")
-        kind, meta, sizes, frame = doc["kind"], doc["meta"], doc["sizes"], doc["frame"]
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise TransportError(f"malformed message header from peer: {e}") from None
-    if not (isinstance(kind, str) and isinstance(meta, dict) and isinstance(sizes, list) and len(sizes) <= MAX_BLOBS
-            and all(type(n) is int and n >= 0 for n in sizes) and type(frame) is int):
-        raise TransportError("malformed message header from peer: bad field types")
-    if not MIN_FRAME <= frame <= MAX_FRAME:
-        raise TransportError(f"peer chose a frame size of {frame} bytes, outside [{MIN_FRAME}, {MAX_FRAME}]")
-    if sum(sizes) > max_message:
+    h = envelope.parse(body, need=("frame",))
+    total = sum(h.sizes)
+    if total > max_message:
         if why is not None:
-            raise MessageTooLarge(f"peer announced a {sum(sizes)}-byte message, above the {max_message} bytes {why}")
-        raise MessageTooLarge(f"peer announced a {sum(sizes)}-byte message, above max_message={max_message}; "
+            raise MessageTooLarge(f"peer announced a {total}-byte message, above the {max_message} bytes {why}")
+        raise MessageTooLarge(f"peer announced a {total}-byte message, above max_message={max_message}; "
                               "raise max_message on this side if that is expected")
-    return kind, meta, sizes, frame
+    return h
 
 
 def frame_count(size: int, frame: int) -> int:

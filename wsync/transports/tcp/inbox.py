@@ -100,7 +100,8 @@ class Inbox:
         """Register a message; waits while the application lags by more than recv_window."""
         if self.known(seq):
             return  # a HEAD sent again after a reconnect
-        kind, meta, sizes, frame = tf.decode_head(body, self.max_message, self.limit_why)
+        h = tf.decode_head(body, self.max_message, self.limit_why)
+        sizes = h.sizes
         size = sum(sizes) + len(body)
         incomplete = [m.size for m in self.msgs.values() if m.missing]
         if len(incomplete) >= MAX_INCOMPLETE or seq >= self.complete_below + (1 << 20):
@@ -117,7 +118,7 @@ class Inbox:
         if not live():
             return
         try:
-            self.msgs[seq] = InMsg(kind, meta, sizes, frame, self.buffers.take, len(body))
+            self.msgs[seq] = InMsg(h.kind, h.meta, sizes, h.frame, self.buffers.take, len(body))
         except MemoryError:
             raise TransportError(f"cannot allocate {sum(sizes)} bytes for message {seq}; "
                                  "lower max_message or free memory") from None

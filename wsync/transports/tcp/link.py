@@ -23,6 +23,7 @@ from collections import Counter
 import xxhash
 
 from ...errors import ChecksumError, TransportError
+from .. import envelope
 from ..base import Message, TransportTimeout
 from . import frames as tf
 from .inbox import Inbox
@@ -123,6 +124,7 @@ class TcpLink:
     """A Link (see base.py). Extra verbs: flush(timeout) waits until the peer holds every sent message."""
 
     fanout = 1
+    lockstep = False  # one peer, which reads and writes on its own
 
     def __init__(self, cfg, *, peer: str, session: str, on_end=None):
         self.cfg, self.peer, self.session = cfg, peer, session
@@ -371,7 +373,7 @@ class TcpLink:
         if rec.type == tf.FRAME:
             return self._read_frame(e, sock, rec, header, mac, live)
         if rec.type == tf.HEAD:
-            most = min(tf.MAX_HEAD, max(self.inbox.max_message, tf.MIN_HEAD_LIMIT))
+            most = envelope.PREFIX.size + min(envelope.MAX_HEADER, max(self.inbox.max_message, tf.MIN_HEAD_LIMIT))
             if rec.length > most:
                 raise TransportError(f"{self.peer} sent a {rec.length}-byte message header (limit {most})")
             body = read(sock, rec.length, self.peer)
@@ -418,8 +420,8 @@ class TcpLink:
             raise tf.CorruptRecord(f"{what} failed its checksum", key)
 
     def _read_frame(self, e: int, sock, rec: tf.Record, header: bytes, mac, live) -> bool:
-        if rec.length > tf.MAX_FRAME:
-            raise TransportError(f"{self.peer} sent a {rec.length}-byte frame (limit {tf.MAX_FRAME})")
+        if rec.length > envelope.MAX_FRAME:
+            raise TransportError(f"{self.peer} sent a {rec.length}-byte frame (limit {envelope.MAX_FRAME})")
         with self.cv:
             target = self.inbox.claim(rec, live, self.cfg.stall_timeout)
             if not live():  # the epoch ended meanwhile: leave the frame to the next one

@@ -16,6 +16,7 @@ from collections import OrderedDict, deque
 
 import xxhash
 
+from .. import envelope
 from . import frames as tf
 
 MISSING = object()  # the peer holds nothing of this message, not even its HEAD
@@ -50,7 +51,7 @@ class OutMsg:
     __slots__ = ("seq", "head", "head_body", "views", "frame", "sums", "pending")
 
     def __init__(self, seq: int, kind: str, meta: dict, views: list[memoryview], frame: int):
-        body = tf.encode_head(kind, meta, [len(v) for v in views], frame)
+        body = envelope.pack(kind, meta, [len(v) for v in views], frame=frame)
         rec = tf.Record(tf.HEAD, seq, length=len(body), body_sum=xxhash.xxh3_64_intdigest(body))
         self.seq, self.views, self.frame = seq, views, frame
         self.head, self.head_body = tf.pack(rec), body
