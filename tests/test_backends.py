@@ -16,14 +16,8 @@ from wsync.codecs import delta_ref
 from wsync.errors import FormatError
 
 from kernel_cases import ORDERS, WIDTHS, assert_same_sections, check_case, make_case, make_pair, specials
-from conftest import backend_params
 
 C = delta_ref.CHUNK_ELEMS
-
-
-@pytest.fixture(params=backend_params(), scope="module")
-def kernels(request):
-    return backends.kernels(request.param)
 
 
 # ---- inputs -------------------------------------------------------------------
@@ -264,3 +258,27 @@ def test_auto_never_sends_host_arrays_to_the_gpu_backend(monkeypatch):
     assert "cuda" not in loaded
     assert backends.device_kernels() == ("kernels", "cuda")
     assert backends.kernels("cuda") == ("kernels", "cuda")  # by name, still honoured
+
+
+def test_an_extension_lacking_an_entry_point_fails_the_backend_check(monkeypatch):
+    """A wsync._cpu built from older sources (a stand-in module without v2_decode) is refused whole, naming what
+    it lacks, and auto passes over it to the reference: select() alone decides which kernels run."""
+    import types
+
+    from wsync.backends import cpu
+    from wsync.errors import BackendUnavailable
+
+    stale = types.ModuleType("wsync._cpu")
+    for name in cpu.SYMBOLS:
+        if name != "v2_decode":
+            setattr(stale, name, object())
+    monkeypatch.setattr(cpu, "_import_extension", lambda: stale)
+    monkeypatch.setattr(backends, "_cache", {})
+    monkeypatch.delenv("WSYNC_BACKEND", raising=False)
+    with pytest.raises(BackendUnavailable, match="lacks v2_decode: it was built from older sources; rebuild"):
+        backends.kernels("cpu")
+    k, info = backends.select("auto")
+    assert k.name == "ref" and "lacks v2_decode" in info.reason
+    stale.v2_decode = object()
+    monkeypatch.setattr(backends, "_cache", {})
+    assert backends.kernels("cpu")._cpu is stale

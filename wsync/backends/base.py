@@ -3,7 +3,8 @@
 Backends differ in speed only. Each one must produce the bytes that
 ``wsync.codecs.delta_ref`` specifies; the test suite runs once per backend.
 
-Three operations are the format (`delta_encode`, `delta_decode`, `checksum`).
+Three operations are the format (`delta_encode`, `delta_decode`, `checksum`), and
+two its v2 tier (`v2_encode`, `v2_decode`, whose spec is ``wsync.codecs.v2_ref``).
 The fused operations do what wsync.api needs per tensor (verify the base,
 decode, write the result, checksum it) in as few passes over the tensor as a
 backend can manage; `Composed` builds each of them from the three, so every
@@ -39,6 +40,12 @@ class Kernels(Protocol):
 
     def checksum(self, buf) -> str:
         """xxh3-64 tree digest of a contiguous buffer."""
+
+    def v2_encode(self, old: np.ndarray, sec: DeltaSections, dtype) -> dict:
+        """codecs/v2_ref.encode's parts for sections of changes to old (the base's bits, an array or a Table)."""
+
+    def v2_decode(self, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
+        """codecs/v2_ref.decode: the v1 sections those parts code; FormatError where the reference refuses."""
 
     # ---- fused (Composed provides each from the three above) ----
 

@@ -16,12 +16,18 @@ import numpy as np
 from ..codecs import v2_ref
 from ..codecs.delta_ref import DeltaSections
 from ..errors import BackendUnavailable, FormatError
-from ..tables import Table, as_array
+from ..tables import Table
 from .base import Composed, Overwritten, check_out
 
 # setup.py leaves the compiler's complaint here when the optional build fails.
 BUILD_NOTE = Path(__file__).resolve().parent.parent / "_cpu.build-error.txt"
 ORDERS = ("float", "int", "uint")
+
+
+# Every entry point CpuKernels calls: an extension built from older sources lacks some, and is refused whole
+# (backends.select then passes over this backend and says why) rather than half used.
+SYMBOLS = ("delta_encode", "delta_decode", "delta_apply", "delta_apply_inplace", "write_changes", "copy_checksum",
+           "checksum", "put", "v2_encode", "v2_decode", "lora_range", "max_threads", "InvalidSections")
 
 
 def _import_extension():
@@ -33,6 +39,16 @@ def _import_extension():
             f"C++ extension wsync._cpu is not built: {reason}; reinstall with a C++ compiler present"
         ) from e
     return _cpu
+
+
+def check_extension(ext):
+    """ext, once it has every entry point this backend calls; BackendUnavailable naming what it lacks."""
+    missing = [name for name in SYMBOLS if not hasattr(ext, name)]
+    if missing:
+        where = getattr(ext, "__file__", None) or getattr(ext, "__name__", "the extension")
+        raise BackendUnavailable(f"C++ extension {where} lacks {', '.join(missing)}: it was built from older "
+                                 "sources; rebuild it (pip install -e . with a C++ compiler present)")
+    return ext
 
 
 def _bits(a, what: str):
@@ -88,7 +104,7 @@ class CpuKernels(Composed):
     name = "cpu"
 
     def __init__(self):
-        self._cpu = _import_extension()
+        self._cpu = check_extension(_import_extension())
         # For wsync.backend() reports and benchmark records ($WSYNC_THREADS, else $OMP_NUM_THREADS, else CPUs).
         self.threads = self._cpu.max_threads
 
@@ -97,8 +113,6 @@ class CpuKernels(Composed):
 
     def v2_encode(self, old: np.ndarray, sec: DeltaSections, dtype) -> dict:
         """codecs/v2_ref.encode in C++ (csrc/ws_v2.h): the same bytes."""
-        if not hasattr(self._cpu, "v2_encode"):  # an extension built before v2
-            return v2_ref.encode(as_array(old), sec, dtype)
         old = _bits(old, "old")
         got = self._cpu.v2_encode(_arg(old), _section(sec.table, "<u4", "table"), _section(sec.gaps, "<u2", "gaps"),
                                   _section(sec.steps, np.int8, "steps"), _section(sec.escapes, old.dtype, "escapes"),
@@ -107,8 +121,6 @@ class CpuKernels(Composed):
 
     def v2_decode(self, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
         """codecs/v2_ref.decode in C++; a payload it refuses raises FormatError."""
-        if not hasattr(self._cpu, "v2_decode"):
-            return v2_ref.decode(as_array(old), parts, dtype)
         old = _bits(old, "old")
         got = self._cpu.v2_decode(_arg(old), *(parts[p] for p in v2_ref.PARTS), old.dtype.itemsize, _order(dtype.order),
                                   *v2_ref.class_spec(dtype))

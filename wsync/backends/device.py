@@ -112,11 +112,7 @@ class DeviceKernels:
 
     def v2_encode(self, old, sec: DeltaSections, dtype) -> dict:
         """v2 models the changes with the base as context, and its encoder runs on the host: the base crosses."""
-        from ..codecs import v2_ref
-
-        base = self._read(old)
-        fn = getattr(self.host, "v2_encode", None)
-        return fn(base, sec, dtype) if fn is not None else v2_ref.encode(base, sec, dtype)
+        return self.host.v2_encode(self._read(old), sec, dtype)
 
     def _read(self, t) -> np.ndarray:
         with self.rt.stream_of(t):

@@ -6,7 +6,7 @@ another, which is what the fused kernels of the other backends must equal.
 from __future__ import annotations
 
 from ..checksum import checksum
-from ..codecs import delta_ref
+from ..codecs import delta_ref, v2_ref
 from ..tables import as_array
 from .base import Composed
 
@@ -27,3 +27,11 @@ class RefKernels(Composed):
     @staticmethod
     def checksum(buf):
         return checksum(as_array(buf))
+
+    @staticmethod
+    def v2_encode(old, sec, dtype):
+        return v2_ref.encode(as_array(old), sec, dtype)
+
+    @staticmethod
+    def v2_decode(old, parts, dtype):
+        return v2_ref.decode(as_array(old), parts, dtype)

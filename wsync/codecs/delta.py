@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import FormatError
 from ..snapshot import TensorBits
 from ..tables import Table, as_array
-from . import delta_ref, v2_ref
+from . import delta_ref
 from .base import Applied, Decoded, Encoded, Overwritten, frombuffer, write_whole, zstd_compress, zstd_decompress
 from .delta_ref import DeltaSections
 
@@ -54,7 +54,7 @@ def measure(base: TensorBits, new: TensorBits, *, tier: str, kernels, own: bool 
             return Encoded("raw", {"data": data}, verbatim=True, **sums)
         return Encoded("xor", {"data": _xor(kernels, base.bits, new.bits)}, **sums)
     if tier == "v2":
-        parts = _v2_encode(kernels, base.bits, sec, new.dtype)
+        parts = kernels.v2_encode(base.bits, sec, new.dtype)
         if sum(len(p) for p in parts.values()) >= new.nbytes:  # tiny or odd: the model costs more than it saves
             return Encoded("xor", {"data": _xor(kernels, base.bits, new.bits)}, **sums)
         return Encoded("delta-v2", parts, sections=sec, **sums)
@@ -91,21 +91,10 @@ def decode_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype) -> Dec
         return Decoded(frombuffer(parts["data"], bits_dt, "data"))
     if spec.kind == "xor":
         return Decoded(as_array(base.bits) ^ xor_data(spec, parts, bits_dt))
-    sec = _v2_decode(kernels, base.bits, parts, dtype) if spec.kind == "delta-v2" \
+    sec = kernels.v2_decode(base.bits, parts, dtype) if spec.kind == "delta-v2" \
         else _sections(spec, parts, bits_dt)
     pos, values, base_sum = kernels.delta_decode_checksummed(base.bits, sec, dtype.order)
     return Decoded(values, pos, base_sum)
-
-
-def _v2_encode(kernels, old, sec: DeltaSections, dtype) -> dict:
-    """old: the base's bits, an array or a Table (the C++ kernels read a Table's pieces where they lie)."""
-    fn = getattr(kernels, "v2_encode", None)
-    return fn(old, sec, dtype) if fn is not None else v2_ref.encode(as_array(old), sec, dtype)
-
-
-def _v2_decode(kernels, old, parts: dict, dtype) -> DeltaSections:
-    fn = getattr(kernels, "v2_decode", None)
-    return fn(old, parts, dtype) if fn is not None else v2_ref.decode(as_array(old), parts, dtype)
 
 
 def unpack(spec, parts: dict, dtype, limit: int | None = None) -> DeltaSections | None:
@@ -142,7 +131,7 @@ def apply_tensor(base: TensorBits, spec, parts: dict, *, kernels, dtype, inplace
     if unpacked is not None:
         sec = unpacked
     elif spec.kind == "delta-v2":
-        sec = _v2_decode(kernels, base.bits, parts, dtype)
+        sec = kernels.v2_decode(base.bits, parts, dtype)
     else:
         sec = _sections(spec, parts, bits_dt)
     if inplace:

@@ -427,7 +427,7 @@ def read_index(index, nc: int, pos_len: int, steps_len: int) -> list[tuple[int, 
         b, at = get_varint(index, at, f"v2 index chunk {ch}", steps_len)
         out.append((a, b))
     if at != len(index) or sum(a for a, _ in out) != pos_len or sum(b for _, b in out) != steps_len:
-        raise FormatError(f"v2 index: chunk lengths do not tile the position and step sections")
+        raise FormatError("v2 index: chunk lengths do not tile the position and step sections")
     return out
 
 
