@@ -7,13 +7,13 @@ Built for long fat pipes and for links that drop:
   stream fewer than 16, see ``outbox.frame_size``) that any stream may
   carry, each with its own header (message, blob, offset, length, xxh3-64),
   and reassembled in place. A stream takes its next frame once its unsent
-  bytes fall below ``notsent_lowat``, so faster streams carry more. A message
+  bytes fall below ``link.NOTSENT_LOWAT``, so faster streams carry more. A message
   of at most 1 MiB (a delta bucket) goes whole to the lowest-numbered free
   stream, so a trickle of small versions keeps one connection's window open;
   with 3 or more streams the frames of large messages skip stream 0 (after
   its first MiB, which opens its window), so a keyframe never cuts the rate
   that connection learned (``outbox.take``);
-* **large socket buffers** (``sndbuf``/``rcvbuf``, 16 MiB) and TCP_NODELAY;
+* **large socket buffers** (``sndbuf``, and ``auth.RCVBUF``: 16 MiB) and TCP_NODELAY;
   where the kernel has them (Linux >= 6.15), a 50 ms minimum retransmission
   timeout (``rto_min``) and ACKs delayed at most 10 ms (``delack_max``);
 * **resume**: if connections drop, the subscriber reconnects within
@@ -76,18 +76,14 @@ class TcpConfig:
     streams: int = 4  # TCP connections per direction; a message's frames spread over them (dialling side decides)
     frame_bytes: int = 4 << 20  # bytes per frame: the unit of striping, checksumming and resending
     sndbuf: int = 16 << 20  # SO_SNDBUF per connection (0: kernel autotuning)
-    rcvbuf: int = 16 << 20  # SO_RCVBUF per connection (0: kernel autotuning)
-    notsent_lowat: int = 256 << 10  # with 2+ streams, TCP_NOTSENT_LOWAT: unsent bytes a stream may hold (0: no limit)
     resume_window: float = 30.0  # seconds a dropped link may take to reconnect before TransportError
     connect_timeout: float = 10.0  # seconds per TCP connect attempt
     handshake_timeout: float = 10.0  # seconds for a connection's whole handshake (TLS + token + join), in total
     max_handshakes: int = 64  # listener: connections in their handshake at once (a newcomer displaces the oldest)
-    user_timeout: float = 20.0  # TCP_USER_TIMEOUT: unacknowledged data this old breaks the connection (0: off)
     stall_timeout: float = 120.0  # longest wait for a frame's message header before giving up
     # largest message accepted from the peer, checked before anything is allocated for it (None: 16 MiB on a
     # listener, which in wsync hears only control messages from subscribers; 64 GiB on a dialler)
     max_message: int | None = None
-    recv_window: int = 512 << 20  # complete messages not yet taken by recv() before reading pauses
     max_resends: int = 3  # times one frame may fail its checksum in a row before ChecksumError
     linger: float = 5.0  # close(): seconds to wait for the peer to acknowledge what was sent
     congestion: str | None = None  # TCP_CONGESTION for every connection, e.g. "bbr" or "cubic" (None: system)
@@ -117,10 +113,9 @@ class TcpConfig:
         return cfg
 
 
-KINDS = {"streams": int, "frame_bytes": "size", "sndbuf": "size", "rcvbuf": "size", "notsent_lowat": "size",
-         "resume_window": float, "connect_timeout": float, "handshake_timeout": float, "user_timeout": float,
-         "stall_timeout": float, "max_message": "size", "recv_window": "size", "max_resends": int, "linger": float,
-         "pool_bytes": "size", "rto_min": float, "delack_max": float, "max_handshakes": int}
+KINDS = {"streams": int, "frame_bytes": "size", "sndbuf": "size", "resume_window": float, "connect_timeout": float,
+         "handshake_timeout": float, "stall_timeout": float, "max_message": "size", "max_resends": int,
+         "linger": float, "pool_bytes": "size", "rto_min": float, "delack_max": float, "max_handshakes": int}
 LISTEN_MAX_MESSAGE, DIAL_MAX_MESSAGE = 16 << 20, 64 << 30
 
 

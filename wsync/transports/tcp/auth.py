@@ -89,10 +89,18 @@ def client_context(tls) -> ssl.SSLContext | None:
     return ctx
 
 
+# A receive buffer that holds a whole window of a long fat pipe (the kernel doubles it): what a connection can
+# take before TCP's flow control pushes back on the sender.
+RCVBUF = 16 << 20
+# TCP_USER_TIMEOUT: data left unacknowledged this long breaks the connection, so a silently dead path resumes
+# (within resume_window) instead of waiting out the kernel's retransmissions for many minutes.
+USER_TIMEOUT = 20.0
+
+
 def tune(sock: socket.socket, cfg) -> None:
     """Socket options for long fat pipes: big buffers, no Nagle, dead-peer detection."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt, force, n in ((socket.SO_SNDBUF, 32, cfg.sndbuf), (socket.SO_RCVBUF, 33, cfg.rcvbuf)):
+    for opt, force, n in ((socket.SO_SNDBUF, 32, cfg.sndbuf), (socket.SO_RCVBUF, 33, RCVBUF)):
         if n:  # 0 leaves the kernel's autotuning alone
             sock.setsockopt(socket.SOL_SOCKET, opt, n)
             if sock.getsockopt(socket.SOL_SOCKET, opt) < n:
@@ -104,9 +112,8 @@ def tune(sock: socket.socket, cfg) -> None:
     for name, val in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), val)
-    if cfg.user_timeout and hasattr(socket, "TCP_USER_TIMEOUT"):
-        # unacknowledged data older than this breaks the connection, so a silently dead path resumes
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(cfg.user_timeout * 1000))
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(USER_TIMEOUT * 1000))
     for opt, seconds in ((TCP_RTO_MIN_US, cfg.rto_min), (TCP_DELACK_MAX_US, cfg.delack_max)):
         if seconds:
             try:

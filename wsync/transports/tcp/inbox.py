@@ -14,7 +14,7 @@ announced but still incomplete against ``max_incomplete``, twice that or what
 the sockets can hold in flight (a sender that keeps announcing without
 finishing is refused, not fed); a reader stops reading (and
 TCP pushes back on the sender) while complete messages the application has
-not taken exceed ``recv_window``.
+not taken exceed ``RECV_WINDOW``.
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ from . import frames as tf
 
 MIN_POOLED = 1 << 20  # receive buffers smaller than this are never kept for reuse
 MAX_INCOMPLETE = 256  # messages announced but not complete; a sane sender has a few
+# complete messages recv() has not taken before the readers stop reading: TCP then pushes back on a sender
+# that outruns its application, and a receiver's memory stays bounded
+RECV_WINDOW = 512 << 20
 
 
 class Buffers:
@@ -80,8 +83,8 @@ class InMsg:
 class Inbox:
     """Reassembly state; every method runs under the session's condition ``cv``."""
 
-    def __init__(self, cv: threading.Condition, max_message: int, recv_window: int, pool_bytes: int):
-        self.cv, self.max_message, self.recv_window = cv, max_message, recv_window
+    def __init__(self, cv: threading.Condition, max_message: int, pool_bytes: int):
+        self.cv, self.max_message = cv, max_message
         self.limit_why: str | None = None  # what narrowed max_message (TcpLink.limit), named when refusing
         self.max_incomplete = 2 * max_message  # bytes of messages announced and not complete yet (see TcpLink.limit)
         self.buffers = Buffers(pool_bytes)
@@ -97,7 +100,7 @@ class Inbox:
         return seq < self.complete_below or seq in self.msgs
 
     def on_head(self, seq: int, body: bytes, live) -> None:
-        """Register a message; waits while the application lags by more than recv_window."""
+        """Register a message; waits while the application lags by more than RECV_WINDOW."""
         if self.known(seq):
             return  # a HEAD sent again after a reconnect
         h = tf.decode_head(body, self.max_message, self.limit_why)
@@ -111,7 +114,7 @@ class Inbox:
             raise TransportError(f"peer announced message {seq} of {sum(sizes)} bytes with {sum(incomplete)} bytes of "
                                  f"earlier messages still incomplete, above {self.max_incomplete}")
         # only deliverable bytes count: waiting on an incomplete earlier message could deadlock
-        while live() and self.ready_bytes and self.ready_bytes + size > self.recv_window:
+        while live() and self.ready_bytes and self.ready_bytes + size > RECV_WINDOW:
             self.app_lags = True
             self.cv.wait()
         self.app_lags = False

@@ -26,6 +26,7 @@ from ...errors import ChecksumError, TransportError
 from .. import envelope
 from ..base import Message, TransportTimeout
 from . import frames as tf
+from .auth import RCVBUF
 from .inbox import Inbox
 from .mac import TAG, macs_for
 from .outbox import Outbox, as_views, write
@@ -91,22 +92,20 @@ def shut(sock) -> None:
         pass
 
 
-def _limit_unsent(socks, lowat: int) -> None:
-    """TCP_NOTSENT_LOWAT on the sending sockets of a multi-stream link.
+# With 2+ streams, the unsent bytes a stream's socket may hold before its writer takes another frame: writers
+# take frames from one queue as their streams have room, and "room" must mean "the last frame has nearly left",
+# or the first writers swallow many frames each and the slowest stream ends up carrying most of a message.
+NOTSENT_LOWAT = 256 << 10
 
-    Writers take frames from one queue as their streams have room, so a fast
-    stream carries more. "Room" must mean "the last frame has nearly left":
-    with 16 MiB send buffers and no limit, the first writers swallow many frames
-    each and the slowest stream ends up carrying most of the message (measured:
-    cubic, 32 streams across the emulated WAN, 20 Mbit/s against 103 for plain
-    sockets; 117-142 with the limit). One stream has nothing to balance, and
-    the limit costs it wakeups, so it is left alone.
-    """
-    if not lowat or not hasattr(socket, "TCP_NOTSENT_LOWAT"):
+
+def _limit_unsent(socks) -> None:
+    """TCP_NOTSENT_LOWAT on the sending sockets of a multi-stream link (one stream has nothing to balance, and the
+    limit would only cost it wakeups, so its caller leaves it alone)."""
+    if not hasattr(socket, "TCP_NOTSENT_LOWAT"):
         return
     for s in socks:
         try:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, lowat)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
         except OSError:  # the connection may already be gone; its writer will see that
             pass
 
@@ -117,7 +116,7 @@ CLOSE_ANSWER = 2.0  # seconds close() waits for the peer to answer its CLOSE
 def in_flight(cfg) -> int:
     """Bytes a sender may have handed to its kernel that this side has not read yet: both socket buffers of
     every stream (Linux doubles what was asked for; an autotuned one is taken at 32 MiB)."""
-    return cfg.streams * 2 * ((cfg.sndbuf or 32 << 20) + (cfg.rcvbuf or 32 << 20))
+    return cfg.streams * 2 * ((cfg.sndbuf or 32 << 20) + RCVBUF)
 
 
 class TcpLink:
@@ -130,7 +129,7 @@ class TcpLink:
         self.cfg, self.peer, self.session = cfg, peer, session
         self.cv = threading.Condition()
         self.out = Outbox(self.cv, cfg.frame_bytes, cfg.streams)
-        self.inbox = Inbox(self.cv, cfg.max_message, cfg.recv_window, cfg.pool_bytes)
+        self.inbox = Inbox(self.cv, cfg.max_message, cfg.pool_bytes)
         self.state, self.epoch, self.error = "connecting", 0, None
         self.reconnects = 0  # epochs started after a drop (tests and logs read it)
         self._socks: list = []
@@ -265,7 +264,7 @@ class TcpLink:
         self.epoch, self.state, self._socks = e, "up", outs + ins
         self.out.start(len(outs))
         if len(outs) > 1:
-            _limit_unsent(outs, self.cfg.notsent_lowat)
+            _limit_unsent(outs)
         self._threads = [threading.Thread(target=self._writer, args=(e, k, s, mac), daemon=True, name=f"wsync-tx{k}")
                          for k, (s, mac) in enumerate(zip(outs, macs_for(keys, outs)))]
         self._threads += [threading.Thread(target=self._reader, args=(e, s, mac), daemon=True, name=f"wsync-rx{k}")
