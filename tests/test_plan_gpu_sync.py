@@ -1,5 +1,5 @@
 """`wsync plan transfer --backend cuda` reads whole syncs measured on a GPU (benchmarks/bench_gpu_sync.py's
-JSON) before kernel figures, and says so when there is none yet."""
+JSON, carried into the measured inputs) before kernel figures, and says so when there is none yet."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from wsync.cli import main
-from wsync.plan import codec_speeds as cs
+from wsync.plan import measured
 from wsync.plan.gpu_speeds import codec_speed
 from wsync.plan.gpu_sync import e2e_tensor_cost, newest_gpu_sync
 
@@ -47,7 +47,8 @@ def _run(path, *, gpu="NVIDIA H100 80GB HBM3", device="cuda:0", size="full", cre
 
 @pytest.fixture
 def results(tmp_path, monkeypatch):
-    monkeypatch.setattr(cs, "RESULTS_DIR", tmp_path)
+    packaged = measured.inputs()  # the codec runs the package ships, and these GPU runs as the script would add them
+    monkeypatch.setattr(measured, "inputs", lambda: {**packaged, "gpu_sync": measured.extract(tmp_path)["gpu_sync"]})
     return tmp_path
 
 
@@ -59,7 +60,7 @@ def test_without_a_gpu_run_it_says_so_and_prices_as_before(results, capsys):
     assert before.basis == "bound" and "no cuda run" in before.source
     assert main(["plan", "transfer", "--model", "qwen3-8b", "--link", "rdma-3.2t", "--backend", "cuda"]) == 0
     out = capsys.readouterr().out
-    assert "no end-to-end GPU run in benchmarks/results yet" in out and "Priced as before" in out
+    assert "no end-to-end GPU run in the measured inputs yet" in out and "Priced as before" in out
     assert "BOUND, not measured" in out
     assert main(["plan", "transfer", "--model", "qwen3-8b", "--backend", "cuda", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -78,7 +79,7 @@ def test_the_newest_gpu_run_prices_the_device_path(results, capsys):
     _run(results / "2026-11-30-h100-runbook" / "gpu_sync.json", created="2026-11-30T10:00:00+00:00", raw=(9.0, 1.0))
     _run(results / "2026-12-01-h100-runbook" / "gpu_sync.json")
     run = newest_gpu_sync()
-    assert run.path.parent.name == "2026-12-01-h100-runbook"
+    assert run.file == "2026-12-01-h100-runbook/gpu_sync.json"
     full = codec_speed("full", backend="cuda")  # raw over local://: apply apart, the rest is the encode side
     assert (full.basis, full.backend) == ("measured", "cuda")
     assert full.encode_gbps == pytest.approx(DENSE / 1.5 / 1e9) and full.apply_gbps == pytest.approx(DENSE / 0.5 / 1e9)

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from wsync.plan.loop import DecodeCost, LoopConfig, decode_step_s, train_step_s
+from wsync.plan.loop import DecodeCost, SimulatedLoop, decode_step_s, train_step_s
 from wsync.plan.models import PlanError, get_model
 from wsync.plan.params import checkpoint_bytes
 from wsync.plan.sandboxes import SandboxConfig, erlang_b, plan_sandboxes, poisson_quantile
@@ -13,18 +13,18 @@ from wsync.plan.sim import simulate
 from wsync.plan.sweep import SweepPoint, mark_pareto, sweep
 
 # small enough to simulate in well under a second, long-tailed enough to matter
-SMALL = LoopConfig(model="qwen3-8b", train_gpus=2, infer_gpus=4, max_batch=16, samples_per_step=32,
+SMALL = SimulatedLoop(model="qwen3-8b", train_gpus=2, infer_gpus=4, max_batch=16, samples_per_step=32,
                    response_mean=1024, response_sigma=1.2, response_max=8192, steps=8, warmup_steps=2)
 
 
 def test_decode_is_memory_bound_at_batch_one():
-    cfg, m = LoopConfig(step_overhead_s=0.0), get_model("qwen3-8b")
+    cfg, m = SimulatedLoop(step_overhead_s=0.0), get_model("qwen3-8b")
     t = decode_step_s(cfg, m, 1, 0)
     assert t == pytest.approx(checkpoint_bytes(m) / (3.35e12 * 0.8), rel=1e-3)
 
 
 def test_decode_turns_compute_bound_at_large_batch():
-    cfg, m = LoopConfig(step_overhead_s=0.0), get_model("qwen3-8b")
+    cfg, m = SimulatedLoop(step_overhead_s=0.0), get_model("qwen3-8b")
     per_token = [decode_step_s(cfg, m, b, 0) / b for b in (1, 8, 64, 512, 4096)]
     assert per_token == sorted(per_token, reverse=True)  # batching amortizes the weight reads
     big = decode_step_s(cfg, m, 4096, 0) / decode_step_s(cfg, m, 2048, 0)
@@ -32,14 +32,14 @@ def test_decode_turns_compute_bound_at_large_batch():
 
 
 def test_moe_reads_only_the_experts_it_hits():
-    cfg, m = LoopConfig(model="qwen3-30b-a3b", step_overhead_s=0.0), get_model("qwen3-30b-a3b")
+    cfg, m = SimulatedLoop(model="qwen3-30b-a3b", step_overhead_s=0.0), get_model("qwen3-30b-a3b")
     cost = DecodeCost(cfg, m)
     assert cost(1, 0) < cost(64, 0) < cost(4096, 0)
     assert cost(1, 0) < 0.2 * checkpoint_bytes(m) / (3.35e12 * 0.8)
 
 
 def test_measured_curve_overrides_the_roofline():
-    cfg = LoopConfig(decode_curve=((1, 0.01), (64, 0.02)))
+    cfg = SimulatedLoop(decode_curve=((1, 0.01), (64, 0.02)))
     m = get_model("qwen3-8b")
     assert decode_step_s(cfg, m, 1, 999) == pytest.approx(0.01)
     assert decode_step_s(cfg, m, 32, 0) == pytest.approx(0.01 + 0.01 * 31 / 63)
@@ -48,10 +48,10 @@ def test_measured_curve_overrides_the_roofline():
 
 def test_trainer_time_scales_with_tokens_and_gpus():
     m = get_model("qwen3-8b")
-    t = train_step_s(LoopConfig(train_gpus=8), m, 1_000_000)
+    t = train_step_s(SimulatedLoop(train_gpus=8), m, 1_000_000)
     matmul = 8.191e9 - 151936 * 4096  # the embedding lookup does no FLOPs; the LM head does
     assert t == pytest.approx(1e6 * 8 * matmul / (8 * 989e12 * 0.4), rel=0.01)
-    assert train_step_s(LoopConfig(train_gpus=16), m, 1_000_000) == pytest.approx(t / 2)
+    assert train_step_s(SimulatedLoop(train_gpus=16), m, 1_000_000) == pytest.approx(t / 2)
 
 
 def test_sync_mode_has_zero_staleness_and_idles_the_trainer():

@@ -8,6 +8,7 @@ import pytest
 
 from wsync.cli import main
 from wsync.plan import codec_speeds as cs
+from wsync.plan import measured
 from wsync.plan.gpu_speeds import bytes_moved, codec_speed, gpu_bound
 from wsync.plan.models import PlanError
 
@@ -34,7 +35,9 @@ def two_backends(tmp_path, monkeypatch):
                      {"name": "raw", "ratio_vs_raw": 1.0, "encode_gbps": 6.0, "decode_gbps": 9.0}]}]}}}
     (tmp_path / "2026-01-02-b.json").write_text(json.dumps(bench_all))
     (tmp_path / "2026-01-02-b-loop.json").write_text(json.dumps({"runs": [{"mode": "sync"}]}))  # not codec runs
-    monkeypatch.setattr(cs, "RESULTS_DIR", tmp_path)
+    (tmp_path / "2026-01-02-b-moe.json").write_text(json.dumps({"tensors": 20000, "elems": 1024, "hardware": {},
+                                                                "per_tensor_s": {"encode_s": 0.0, "apply_s": 0.0}}))
+    monkeypatch.setattr(measured, "inputs", lambda: measured.extract(tmp_path))  # what the script would write
     return tmp_path
 
 
@@ -102,7 +105,14 @@ def test_output_names_its_speed_sources(two_backends, capsys):
     assert "unknown backend 'nope'" in capsys.readouterr().err
 
 
-def test_without_results_the_builtin_copy_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(cs, "RESULTS_DIR", tmp_path / "none")
-    s = cs.measured_speed("delta")
-    assert "built-in copy" in s.source and "backend cpu" in s.source and s.backend == "cpu"
+def test_without_measured_inputs_it_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(measured, "inputs", lambda: measured.extract(tmp_path / "none"))
+    for kind in ("delta", "full"):
+        with pytest.raises(PlanError, match=r"no '.*' speeds measured with backend 'fastest' in wsync/plan/data/"
+                                            r"measured\.json \(scripts/planner_inputs\.py"):
+            cs.measured_speed(kind)
+    with pytest.raises(PlanError, match="no per-tensor cost in wsync/plan/data/measured.json"):
+        cs.tensor_cost()
+    with pytest.raises(PlanError, match="zstd stage; use --tier sparse"):
+        codec_speed("delta", backend="gpu-bound:h100")
+    assert codec_speed("delta", backend="gpu-bound:h100", tier="sparse").basis == "bound"  # needs no measurement

@@ -140,10 +140,8 @@ def test_delta_speeds_prefer_the_cpu_kernels(tmp_path):
 
 
 def test_repo_default_delta_speed_is_the_fastest_backend():
-    from wsync.plan.codec_speeds import candidates, measured_speed, newest_results
+    from wsync.plan.codec_speeds import candidates, measured_speed
 
-    if newest_results() is None:
-        pytest.skip("no codec results in this checkout")
     s = measured_speed("delta", tier="sparse")
     assert s.encode_gbps == max(c.encode_gbps for c in candidates("delta", tier="sparse"))
     assert s.backend != "ref" and f"backend {s.backend}" in s.source

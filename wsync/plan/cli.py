@@ -11,12 +11,18 @@
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
+from . import measured
+from .loop import GPUS, SimulatedLoop
+from .models import PlanError
 from .report import cmd_loop, cmd_lora, cmd_models, cmd_sandboxes, cmd_sweep, cmd_transfer, cmd_validate
+from .reshard import cmd_route
+from .transfer import parse_link
 
 
-# What each LoopConfig field means on the command line (a field left out here shows up in the help tests).
+# What each SimulatedLoop field means on the command line (a field left out here shows up in the help tests).
 LOOP_HELP = {
     "model": "a catalog name (`wsync plan models`) or a Hugging Face config.json (default %(default)s)",
     "gpu": "GPU model of every rank (default %(default)s)",
@@ -60,7 +66,6 @@ SWEEP_SETS = {"train_gpus": "--train-splits", "infer_gpus": "--total-gpus minus 
 def _refuse_for_sweep(p) -> None:
     """The flags of SWEEP_SETS refused in one line, rather than left out: argparse would read `--mode` as
     an abbreviation of `--model`."""
-    import argparse
 
     class SetBySweep(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
@@ -73,10 +78,7 @@ def _refuse_for_sweep(p) -> None:
 
 def _link(spec: str) -> str:
     """--link checked while parsing, so a wrong one is a usage error (exit 2) before any work."""
-    import argparse
 
-    from .models import PlanError
-    from .transfer import parse_link
 
     try:
         parse_link(spec)
@@ -86,10 +88,9 @@ def _link(spec: str) -> str:
 
 
 def _loop_flags(p, skip: tuple = ()) -> None:
-    from .loop import GPUS, LoopConfig
 
     choices = {"mode": ["sync", "async"], "gpu": list(GPUS), "codec": ["full", "delta", "lora"]}
-    for f in dataclasses.fields(LoopConfig):
+    for f in dataclasses.fields(SimulatedLoop):
         default = f.default
         if isinstance(default, (tuple, bool)) or f.name == "decode_curve" or f.name in skip:
             continue  # set from code, or via --decode-curve
@@ -104,12 +105,6 @@ def _loop_flags(p, skip: tuple = ()) -> None:
                    help="measured decode curve 'batch:seconds,...', e.g. 1:0.01,64:0.02 (replaces the roofline)")
 
 
-def _cmd_route(a) -> None:
-    from .reshard import cmd_route  # imports nothing heavy either, but only when asked
-
-    return cmd_route(a)
-
-
 def add_parsers(sub) -> None:
     plan = sub.add_parser("plan", help="systems model: sync cost, LoRA size, RL loop, layouts, sandboxes")
     ps = plan.add_subparsers(dest="plan_cmd", required=True)
@@ -118,7 +113,9 @@ def add_parsers(sub) -> None:
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
     m.set_defaults(fn=cmd_models)
 
-    t = ps.add_parser("transfer", help="weight-update time per model, link and codec")
+    t = ps.add_parser("transfer", help="weight-update time per model, link and codec",
+                      description="Weight-update time per model, link and codec, and the idle cost. Codec speeds and "
+                                  f"per-tensor costs are measured inputs: {measured.WHERE}.")
     t.add_argument("--model", action="append", help="catalog name or config.json (repeatable; default: the published four)")
     t.add_argument("--link", action="append", help="tcp-50g, rdma-3.2t, wan-10g, ... or a rate like 25g (repeatable)")
     t.add_argument("--codec", action="append", choices=["full", "delta", "lora"], help="repeatable; default all three")
@@ -150,7 +147,7 @@ def add_parsers(sub) -> None:
     t.add_argument("--json", action="store_true", help="print JSON instead of a table")
     t.add_argument("--per-tensor-us", type=float, default=None,
                    help="seconds per tensor at each end, in microseconds (default: the newest `wsync bench codec "
-                        "--shape moe` run; wsync 0.1's per-tensor format measured ~100)")
+                        "--shape moe` run in the measured inputs)")
     t.set_defaults(fn=cmd_transfer)
 
     ro = ps.add_parser("route", help="routing plan of sharded trainer ranks into sharded engine ranks")
@@ -159,7 +156,7 @@ def add_parsers(sub) -> None:
     ro.add_argument("--engine", default="vllm:tp=2",
                     help="vllm:tp=N[,ep=0][,replicas=R] or hf:tp=N[,pad=P][,replicas=R] (default: vllm:tp=2)")
     ro.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    ro.set_defaults(fn=_cmd_route)
+    ro.set_defaults(fn=cmd_route)
 
     lo = ps.add_parser("lora", help="LoRA adapter bytes for a model, rank and layout")
     lo.add_argument("--model", required=True, help="model name (see `wsync plan models`)")
@@ -202,7 +199,8 @@ def add_parsers(sub) -> None:
     sb.set_defaults(fn=cmd_sandboxes)
 
     va = ps.add_parser("validate", help="predict the reference loop's measured samples/s from its measured costs")
-    va.add_argument("results", nargs="?", help="a `python -m trainer.bench` JSON (default: the newest *-loop.json)")
+    va.add_argument("results", nargs="?", help="a `python -m trainer.bench` JSON (default: the newest *-loop.json "
+                                               f"run in {measured.WHERE})")
     va.add_argument("--seeds", type=int, default=3, help="simulated runs averaged per prediction")
     va.add_argument("--json", action="store_true", help="print JSON instead of a table")
     va.set_defaults(fn=cmd_validate)

@@ -1,4 +1,4 @@
-"""Encode/apply speeds of our codecs, read from the benchmark results this repo keeps.
+"""Encode/apply speeds of our codecs, from the measured inputs the package ships (measured.py).
 
 Two kinds of results file carry codec runs: `wsync bench codec --json`
 (`*-codec.json`, runs at the top) and `wsync bench all` (`<date>-<host>.json`,
@@ -16,29 +16,17 @@ speed's `source` names its file, backend and hardware, and the others it beat.
 sparse-tier kernels; the packed tier's zstd stage, which they do not time, is
 taken from a codec run as its packed-minus-sparse time, since every backend
 hands that stage to the same zstd library.
-
-When no results file is reachable (an installed wheel), the figures below,
-copied from the fastest bundled run, stand in and say so.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from . import measured
 from .models import PlanError
-
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 # scheme names in the results file per codec kind (LoRA adapters travel as raw tensors)
 SCHEMES = {"full": "raw", "lora": "raw", "delta/packed": "wsync-packed", "delta/sparse": "wsync-sparse"}
-
-# 2026-11-23 `wsync bench all`, AMD EPYC 2 cores, no GPU, cpu (C++) backend, lr 1e-6 gap 1:
-# (saving, encode GB/s, apply GB/s)
-_FALLBACK = {"raw": (0.0, 5.42, 9.73), "wsync-packed": (1 - 1 / 133.0, 6.15, 7.64),
-             "wsync-sparse": (1 - 1 / 56.1, 8.28, 7.97)}
-_FALLBACK_SOURCE = ("built-in copy of the 2026-11-23 `wsync bench all` run: AMD EPYC, 2 cores, no GPU, "
-                    "backend cpu (lr 1e-6, gap 1)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,69 +48,56 @@ class CodecSpeed:
 class _Runs:
     """The codec runs of one results file, with what they ran on."""
 
-    path: Path
+    file: str
     runs: list
     backend: str
     where: str
 
 
-def _hardware(path: Path, hw: dict) -> tuple[str, str]:
-    backend = str(hw.get("wsync_backend", "?")).split()[0]
-    gpu = hw.get("gpu") or "no GPU"
-    return backend, f"{path.name}: backend {backend}, {hw.get('cpu', '?')}, {hw.get('cores', '?')} cores, {gpu}"
+def _where(file: str, m: dict) -> str:
+    return f"{file}: backend {m.get('backend', '?')}, {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('gpu') or 'no GPU'}"
+
+
+def _runs(entry: dict) -> _Runs:
+    m = entry.get("machine") or {}
+    return _Runs(entry["file"], entry["runs"], m.get("backend", "?"), _where(entry["file"], m))
 
 
 def read_runs(path: Path) -> _Runs | None:
-    """The codec runs in a `bench codec` or `bench all` file; None for a file that has none."""
+    """The codec runs in a `bench codec` or `bench all` file named by the caller; None for a file that has none."""
+    entry = measured.codec_entry(path)
+    return _runs(entry) if entry else None
+
+
+def codec_results() -> list[_Runs]:
+    """Every results file with codec runs in the measured inputs, oldest first."""
+    return [_runs(e) for e in measured.inputs()["codec"]]
+
+
+def newest_results() -> str | None:
+    found = codec_results()
+    return found[-1].file if found else None
+
+
+def newest_kernels() -> dict | None:
+    return measured.inputs().get("kernels")
+
+
+def kernel_backends(kernels: dict) -> list[str]:
+    return sorted(kernels["backends"])
+
+
+def kernel_speed(kernels: dict, backend: str = "cpu") -> tuple[float, float, float, str]:
+    """(encode GB/s, apply GB/s, saving, where) of `backend` in a kernels entry (measured.kernels_entry)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PlanError(f"cannot read codec results {path}: {e}") from e
-    if not isinstance(data, dict):
-        return None
-    runs = data.get("runs") if "runs" in data else (data.get("suites") or {}).get("codec", {}).get("runs")
-    if not isinstance(runs, list) or not isinstance(data.get("hardware", {}), dict):
-        return None
-    return _Runs(path, runs, *_hardware(path, data.get("hardware", {})))
-
-
-def codec_results(directory: Path | None = None) -> list[_Runs]:
-    """Every results file with codec runs, oldest first (default folder: RESULTS_DIR, read at call time)."""
-    directory = directory or RESULTS_DIR
-    files = sorted(directory.glob("*.json")) if directory.is_dir() else []
-    return [r for r in (read_runs(p) for p in files) if r is not None and r.runs]
-
-
-def newest_results(directory: Path | None = None) -> Path | None:
-    found = codec_results(directory)
-    return found[-1].path if found else None
-
-
-def newest_kernels(directory: Path | None = None) -> Path | None:
-    directory = directory or RESULTS_DIR
-    files = sorted(directory.glob("*-kernels.json")) if directory.is_dir() else []
-    return files[-1] if files else None
-
-
-def kernel_backends(path: Path) -> list[str]:
-    try:
-        return sorted(json.loads(path.read_text())["backends"])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise PlanError(f"cannot read the backends of kernel results {path}: {e!r}") from e
-
-
-def kernel_speed(path: Path, backend: str = "cpu") -> tuple[float, float, float, str]:
-    """(encode GB/s, apply GB/s, saving, where) of `backend` in a `wsync.bench.kernels` results file."""
-    try:
-        data = json.loads(path.read_text())
-        b = data["backends"][backend]
+        b = kernels["backends"][backend]
         enc, app = float(b["encode_gbps"]), float(b["apply_gbps"])
-        saving = 1.0 - b["payload_bytes"] / data["model_bytes"]
-        hw = data.get("hardware", {})
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError) as e:
-        raise PlanError(f"cannot read the {backend!r} backend from kernel results {path}: {e!r}") from e
-    where = (f"{path.name}: backend {backend} ({b.get('threads', '?')} threads), sparse tier at "
-             f"{data.get('density', 0):.2%} density, {hw.get('cpu', '?')}, {hw.get('cores', '?')} cores")
+        saving = 1.0 - b["payload_bytes"] / kernels["model_bytes"]
+    except (KeyError, TypeError, ZeroDivisionError) as e:
+        raise PlanError(f"cannot read the {backend!r} backend from kernel results {kernels.get('file')}: {e!r}") from e
+    m = kernels.get("machine") or {}
+    where = (f"{kernels['file']}: backend {backend} ({b.get('threads', '?')} threads), sparse tier at "
+             f"{kernels.get('density', 0):.2%} density, {m.get('cpu', '?')}, {m.get('cores', '?')} cores")
     return enc, app, saving, where
 
 
@@ -167,9 +142,9 @@ def zstd_stage(r: _Runs, saving: float) -> tuple[float, float, float, str] | Non
     return z_enc, z_app, packed[0], f"{r.where}; {packed[3]}"
 
 
-def _with_kernels(path: Path, backend: str, codec: _Runs | None, *, saving: float, tier: str) -> CodecSpeed | None:
+def _with_kernels(kernels: dict, backend: str, codec: _Runs | None, *, saving: float, tier: str) -> CodecSpeed | None:
     """A backend's sparse-tier kernels, plus (packed tier) the zstd stage timed in a codec run."""
-    enc, app, k_saving, where = kernel_speed(path, backend)
+    enc, app, k_saving, where = kernel_speed(kernels, backend)
     if tier == "sparse":
         return CodecSpeed(encode_gbps=enc, apply_gbps=app, saving=k_saving, source=where, backend=backend)
     stage = zstd_stage(codec, saving) if codec else None
@@ -184,7 +159,7 @@ def candidates(kind: str, *, saving: float = 0.98, tier: str = "packed", results
                kernels: Path | None = None) -> list[CodecSpeed]:
     """Every measured speed for codec `kind`: one per codec results file, one per backend of a kernels file.
 
-    An explicit `results` file is used as given; the kernels file is looked up only when
+    An explicit `results` file is used as given; the packaged kernels are used only when
     neither is named.
     """
     _scheme(kind, tier)
@@ -194,11 +169,10 @@ def candidates(kind: str, *, saving: float = 0.98, tier: str = "packed", results
     else:
         sources = codec_results()
     found = [s for s in (_pick(r, kind, saving=saving, tier=tier) for r in sources) if s]
-    path = kernels or (None if results else newest_kernels())
-    if kind == "delta" and path is not None:
+    k = measured.kernels_entry(kernels) if kernels is not None else None if results else newest_kernels()
+    if kind == "delta" and k is not None:
         zsrc = next((r for r in reversed(sources) if zstd_stage(r, saving)), None)
-        found += [s for s in (_with_kernels(path, b, zsrc, saving=saving, tier=tier) for b in kernel_backends(path))
-                  if s]
+        found += [s for s in (_with_kernels(k, b, zsrc, saving=saving, tier=tier) for b in kernel_backends(k)) if s]
     return found
 
 
@@ -210,7 +184,7 @@ def measured_speed(kind: str, *, saving: float = 0.98, tier: str = "packed", res
     a reader can see the reference backend's figure was there and not used.
     """
     found = candidates(kind, saving=saving, tier=tier, results=results, kernels=kernels)
-    measured = sorted({s.backend for s in found})
+    ran = sorted({s.backend for s in found})
     if backend != "fastest":
         found = [s for s in found if s.backend == backend]
     if not found:
@@ -218,11 +192,8 @@ def measured_speed(kind: str, *, saving: float = 0.98, tier: str = "packed", res
         if results is not None:
             raise PlanError(f"{results} has no {scheme!r} runs{'' if backend == 'fastest' else ' of backend ' + backend}"
                             "; re-run `wsync bench codec --json` or pass speeds")
-        if backend == "fastest":
-            s, enc, app = _FALLBACK[scheme]
-            return CodecSpeed(encode_gbps=enc, apply_gbps=app, saving=s, source=_FALLBACK_SOURCE, backend="cpu")
-        raise PlanError(f"no {scheme!r} speeds measured with backend {backend!r} in {RESULTS_DIR} (measured: "
-                        f"{', '.join(measured) or 'none'}); run `wsync bench codec --json` with that backend")
+        raise PlanError(f"no {scheme!r} speeds measured with backend {backend!r} in {measured.WHERE} (measured: "
+                        f"{', '.join(ran) or 'none'}); run `wsync bench codec --json` with that backend")
     best = max(found, key=lambda s: s.encode_gbps)
     rest = [s for s in found if s is not best]
     if rest:
@@ -241,31 +212,14 @@ class TensorCost:
     source: str = ""
 
 
-# 2026-11-23, AMD EPYC 2 cores, cpu backend: 20,000 x 1,024 bf16 vs one tensor, 1% changed. Format 2 codes
-# segments, so the extra cost per tensor measured at or below the noise (taken as zero here); format 1 (wsync 0.1)
-# paid ~100 us per tensor at each end, on the same machine and states.
-_TENSOR_FALLBACK = TensorCost(encode_s=0.0, apply_s=0.0,
-                              source="built-in copy of the 2026-11-23 EPYC 2-core moe run (format 2: no measurable "
-                                     "per-tensor cost)")
-
-
-def newest_moe(directory: Path = RESULTS_DIR) -> Path | None:
-    files = sorted(directory.glob("*-moe.json")) if directory.is_dir() else []
-    return files[-1] if files else None
-
-
 def tensor_cost(path: Path | None = None) -> TensorCost:
-    """The per-tensor cost the newest many-vs-one benchmark measured (negative noise counts as zero)."""
-    path = path or newest_moe()
-    if path is None:
-        return _TENSOR_FALLBACK
-    try:
-        data = json.loads(path.read_text())
-        per = data["per_tensor_s"]
-        hw = data.get("hardware", {})
-        enc, app = max(float(per["encode_s"]), 0.0), max(float(per["apply_s"]), 0.0)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise PlanError(f"cannot read the per-tensor cost in {path}: {e!r}") from e
-    return TensorCost(encode_s=enc, apply_s=app,
-                      source=f"{path.name}: {data.get('tensors')} x {data.get('elems')} vs one tensor, "
-                             f"{hw.get('cpu', '?')}, {hw.get('cores', '?')} cores")
+    """The per-tensor cost the newest many-vs-one benchmark measured, or that of the file named (noise below zero
+    counts as zero)."""
+    entry = measured.moe_entry(path) if path is not None else measured.inputs().get("moe")
+    if entry is None:
+        raise PlanError(f"no per-tensor cost in {measured.WHERE}: run `wsync bench codec --shape moe --json` into "
+                        "benchmarks/results and regenerate, or pass --per-tensor-us")
+    per, m = entry["per_tensor_s"], entry.get("machine") or {}
+    return TensorCost(encode_s=max(per["encode_s"], 0.0), apply_s=max(per["apply_s"], 0.0),
+                      source=f"{entry['file']}: {entry.get('tensors')} x {entry.get('elems')} vs one tensor, "
+                             f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores")

@@ -1,10 +1,10 @@
 """Which codec speeds `wsync plan transfer` prices with, GPU clusters included.
 
-The repo's results come from CPU machines. A trainer on GPUs encodes where its
+Most measured inputs come from CPU machines. A trainer on GPUs encodes where its
 weights already are, with wsync's CUDA kernels (wsync.backends.cuda), so a plan
 for a GPU cluster wants their speed. A whole sync measured on a GPU
 (benchmarks/bench_gpu_sync.py, read by gpu_sync.py) is used first; else a
-measured `cuda` codec run in benchmarks/results; until someone runs either on
+measured `cuda` codec run; until someone runs either on
 a GPU, the honest figure is an upper bound: the bytes each kernel must move
 through HBM, over the GPU's HBM bandwidth. A bound is labelled as one wherever
 it is shown (`CodecSpeed.basis == "bound"`), never passed off as a measurement.
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .codec_speeds import _FALLBACK, CodecSpeed, codec_results, measured_speed, zstd_stage
+from . import measured
+from .codec_speeds import CodecSpeed, codec_results, measured_speed, zstd_stage
 from .gpu_sync import e2e_speed, newest_gpu_sync
 from .loop import get_gpu
 from .models import PlanError
@@ -41,9 +42,8 @@ def _host_zstd(saving: float) -> tuple[float, float, str]:
         stage = zstd_stage(r, saving)
         if stage:
             return stage[0], stage[1], f"measured on a host CPU as packed - sparse in {stage[3]}"
-    _, pe, pa = _FALLBACK["wsync-packed"]
-    _, se, sa = _FALLBACK["wsync-sparse"]
-    return 1 / pe - 1 / se, 1 / pa - 1 / sa, "from the built-in 2026-11-23 EPYC cpu-backend run"
+    raise PlanError(f"no codec run with both delta tiers in {measured.WHERE} to time the packed tier's zstd stage; "
+                    "use --tier sparse")
 
 
 def gpu_bound(kind: str, *, gpu: str = "h100", saving: float = 0.98, tier: str = "packed") -> CodecSpeed:
@@ -77,7 +77,7 @@ def codec_speed(kind: str, *, saving: float = 0.98, tier: str = "packed", backen
             return measured_speed(kind, saving=saving, tier=tier, backend="cuda")
         except PlanError:
             b = gpu_bound(kind, gpu=gpu or "h100", saving=saving, tier=tier)
-            return replace(b, source=f"no cuda run in benchmarks/results; {b.source}")
+            return replace(b, source=f"no cuda run in the measured inputs; {b.source}")
     if name in ("fastest", "ref", "cpu") and not gpu:
         return measured_speed(kind, saving=saving, tier=tier, backend=name)
     raise PlanError(f"unknown backend {backend!r}; use one of {BACKENDS} (GPU: h100, h200, b200, a100)")

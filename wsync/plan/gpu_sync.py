@@ -15,29 +15,26 @@ exists it prices the device path:
 - with the `moe` stages too, the seconds per tensor beyond the bytes, from the
   20,000-tensor state against the dense one.
 
-A stage counts only if it ran whole and its engine ended bit-exact. Runs are
-looked for as `*gpu_sync*.json` in benchmarks/results and one folder down (the
-runbook's folders), at call time, as codec_speeds does; only full-size runs on
-a CUDA device count, the newest (by the time the run wrote down) first.
+A stage counts only if it ran whole and its engine ended bit-exact. Runs come
+from the packaged measured inputs (measured.py: `*gpu_sync*.json` in
+benchmarks/results and one folder down, the runbook's folders); only full-size
+runs on a CUDA device count, the newest (by the time the run wrote down) first.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
-from . import codec_speeds
+from . import measured
 from .codec_speeds import CodecSpeed, TensorCost
 
-BENCH = "gpu_sync"
 STAGE = {"full": "raw_local", "lora": "raw_local", "delta": "delta_local"}
-NO_RUN = ("no end-to-end GPU run in benchmarks/results yet (benchmarks/bench_gpu_sync.py on a GPU, or the "
-          "runbook's gpu-sync step)")
+NO_RUN = ("no end-to-end GPU run in the measured inputs yet (benchmarks/bench_gpu_sync.py on a GPU, or the "
+          "runbook's gpu-sync step, then scripts/planner_inputs.py)")
 
 
 @dataclass(frozen=True)
 class GpuSyncRun:
-    path: Path
+    file: str  # the results file, relative to benchmarks/results
     data: dict
 
     @property
@@ -46,11 +43,7 @@ class GpuSyncRun:
 
     @property
     def where(self) -> str:
-        try:
-            name = str(self.path.relative_to(codec_speeds.RESULTS_DIR))
-        except ValueError:
-            name = str(self.path)
-        return f"{name} ({self.gpu}, {self.data.get('created', '?')})"
+        return f"{self.file} ({self.gpu}, {self.data.get('created', '?')})"
 
     def stage(self, state: str, kind: str) -> dict | None:
         """The stage's record when it can be priced from: it ran whole, with timed versions, and ended bit-exact."""
@@ -66,33 +59,19 @@ class GpuSyncRun:
         return ((self.data.get("states") or {}).get(state) or {}).get("bytes")
 
 
-def _read(path: Path) -> GpuSyncRun | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    if not isinstance(data, dict) or data.get("bench") != BENCH:
-        return None
-    return GpuSyncRun(path, data)
-
-
-def gpu_sync_files(directory: Path | None = None) -> list[GpuSyncRun]:
-    """Every bench_gpu_sync result under `directory` (default: the results folder), any device or size."""
-    directory = directory or codec_speeds.RESULTS_DIR
-    if not directory.is_dir():
-        return []
-    paths = sorted(set(directory.glob("*gpu_sync*.json")) | set(directory.glob("*/*gpu_sync*.json")))
-    return [r for r in (_read(p) for p in paths) if r is not None]
+def gpu_sync_files() -> list[GpuSyncRun]:
+    """Every bench_gpu_sync result in the measured inputs, any device or size."""
+    return [GpuSyncRun(e["file"], e) for e in measured.inputs().get("gpu_sync") or []]
 
 
 def _usable(r: GpuSyncRun) -> bool:
     return r.data.get("size") == "full" and str((r.data.get("machine") or {}).get("device", "")).startswith("cuda")
 
 
-def newest_gpu_sync(directory: Path | None = None, gpu: str | None = None) -> GpuSyncRun | None:
+def newest_gpu_sync(gpu: str | None = None) -> GpuSyncRun | None:
     """The newest full-size run on a CUDA device; with `gpu` (h100, h200, ...), the newest on that GPU if any."""
-    runs = sorted((r for r in gpu_sync_files(directory) if _usable(r)),
-                  key=lambda r: (str(r.data.get("created", "")), str(r.path)))
+    runs = sorted((r for r in gpu_sync_files() if _usable(r)),
+                  key=lambda r: (str(r.data.get("created", "")), r.file))
     if gpu:
         same = [r for r in runs if gpu.lower() in r.gpu.lower()]
         runs = same or runs

@@ -40,7 +40,7 @@ def get_gpu(name: str) -> GPU:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LoopConfig:
+class SimulatedLoop:
     """One RL loop layout and workload; every field has a default a user can override."""
 
     model: str = "qwen3-8b"  # catalog name or config.json path
@@ -121,7 +121,7 @@ def weight_bytes_touched(m: ModelConfig, batch: int) -> float:
 class DecodeCost:
     """Decode step latency of one engine as a function of (batch, mean context), constants precomputed."""
 
-    def __init__(self, cfg: LoopConfig, m: ModelConfig):
+    def __init__(self, cfg: SimulatedLoop, m: ModelConfig):
         g = get_gpu(cfg.gpu)
         self.curve = tuple(cfg.decode_curve)
         self.routed = _routed_bytes(m) if m.moe else 0.0
@@ -148,7 +148,7 @@ class DecodeCost:
         return max(t_mem, t_flop) + self.overhead
 
 
-def decode_step_s(cfg: LoopConfig, m: ModelConfig, batch: int, context: float) -> float:
+def decode_step_s(cfg: SimulatedLoop, m: ModelConfig, batch: int, context: float) -> float:
     """Seconds for one decode step of an engine with `batch` active sequences at mean `context`."""
     return DecodeCost(cfg, m)(batch, context)
 
@@ -163,7 +163,7 @@ def _interpolate(curve: tuple[tuple[int, float], ...], batch: int) -> float:
     return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), 1e-9)
 
 
-def train_step_s(cfg: LoopConfig, m: ModelConfig, tokens: int) -> float:
+def train_step_s(cfg: SimulatedLoop, m: ModelConfig, tokens: int) -> float:
     """Seconds for one trainer step over `tokens` tokens (prompts and responses); a measured time wins."""
     if cfg.train_step_s is not None:
         return cfg.train_step_s
@@ -172,7 +172,7 @@ def train_step_s(cfg: LoopConfig, m: ModelConfig, tokens: int) -> float:
     return tokens * cfg.train_flops_per_param * matmul / (cfg.train_gpus * g.peak_tflops * 1e12 * cfg.train_mfu)
 
 
-def sync_seconds(cfg: LoopConfig, m: ModelConfig) -> tuple[float, float]:
+def sync_seconds(cfg: SimulatedLoop, m: ModelConfig) -> tuple[float, float]:
     """(trainer-side sync time, engine pause) per weight update."""
     from .transfer import parse_codec, parse_link, wire_seconds
 
@@ -181,7 +181,7 @@ def sync_seconds(cfg: LoopConfig, m: ModelConfig) -> tuple[float, float]:
     return s, pause
 
 
-def decode_curve_table(cfg: LoopConfig, batches=(1, 8, 32, 64, 128, 256)) -> list[dict]:
+def decode_curve_table(cfg: SimulatedLoop, batches=(1, 8, 32, 64, 128, 256)) -> list[dict]:
     """Decode step latency and tokens/s per engine vs batch: where memory-bound turns compute-bound."""
     m = get_model(cfg.model)
     ctx = cfg.prompt_tokens + cfg.response_mean / 2
@@ -192,6 +192,6 @@ def decode_curve_table(cfg: LoopConfig, batches=(1, 8, 32, 64, 128, 256)) -> lis
     return rows
 
 
-def weights_fit(cfg: LoopConfig, m: ModelConfig) -> bool:
+def weights_fit(cfg: SimulatedLoop, m: ModelConfig) -> bool:
     """Whether one engine's GPUs hold the weights (with 20% left for KV cache and activations)."""
     return weight_bytes(m) <= 0.8 * cfg.tp * get_gpu(cfg.gpu).hbm_gb * 1e9

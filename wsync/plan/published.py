@@ -1,142 +1,292 @@
-"""The published figures the systems model must reproduce, and where they do not add up.
+"""The published tables recomputed: every figure from the inputs its table states, and from the model configs.
 
-Each figure is kept with the assumptions it states. `audit()` recomputes every
-one twice: from the published size (does the figure follow from its own
-numbers?) and from the model config (does it follow from the model?). Units:
+The figures themselves are data (published_tables.py). Each is recomputed with
+exact arithmetic (fractions), so "does it follow" means: the recomputation,
+rounded to the places the figure was printed with, is the printed figure.
+The model-config recomputation is the planner's own (catalog + params), held to
+1% (a LoRA row's figures 3%) plus the figure's own rounding. Units:
 GB = 1e9 bytes, Gbit/s = 1e9 bit/s, as the tables use them.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
 
-IDLE_USD_PER_GPU_S = 0.01  # the tables' price of an idle GPU-second
-TCP_GBIT, RDMA_GBIT, WAN_GBIT = 50.0, 3200.0, 10.0
-WAN_DELTA_SAVING = 0.98
+from . import published_tables as tables
+from .lora import LoraConfig, lora_size
+from .models import get_model
+from .params import breakdown, checkpoint_bytes, total_params, weight_bytes
 
-# (model, size GB, seconds at 50 Gbit/s TCP, seconds at 3.2 Tbit/s RDMA); tolerance 1%
-TRANSFER_TABLE = [
-    ("qwen3-8b", 16.3, 2.62, 0.041),
-    ("qwen3-30b-a3b", 61.1, 9.78, 0.153),
-    ("glm-4.7", 716.7, 114.67, 1.79),
-    ("kimi-k2.6", 595.2, 95.23, 1.49),
-]
-# Over a 10 Gbit/s WAN: (model, full sync s, delta sync s with 98% of bytes saved, idle-GPU USD saved per sync and
-# GPU at IDLE_USD_PER_GPU_S). None marks a figure of the published table that this repository holds no copy of:
-# the model's value is printed for it, and it is checked as soon as the figure is filled in here. Tolerance 1%.
-WAN_TABLE = [
-    ("qwen3-8b", 12.8, 0.26, None),
-    ("qwen3-30b-a3b", None, None, None),
-    ("glm-4.7", None, None, None),
-    ("kimi-k2.6", None, None, None),
-]
-WAN_ROW = WAN_TABLE[0][:3]
+USD_PER_GPU_S = Fraction(tables.IN_CLUSTER_INPUTS["usd_per_gpu_s"])
+TCP_GBIT = Fraction(tables.IN_CLUSTER_INPUTS["tcp_gbit_per_s"])
+RDMA_GBIT = Fraction(tables.IN_CLUSTER_INPUTS["rdma_gbit_per_s"])
+WAN_GBIT = Fraction(tables.WAN_INPUTS["wan_gbit_per_s"])
+WAN_DELTA_SAVING = Fraction(tables.WAN_INPUTS["delta_saving"])
+IDLE_USD_PER_GPU_S = float(USD_PER_GPU_S)  # the tables' price of an idle GPU-second, as the planner's default
 
-# (model, layout, rank, GB); tolerance 3%
-LORA_TABLE = [
-    ("qwen3-30b-a3b", "shared-outer", 32, 1.0),
-    ("glm-4.7", "shared-outer", 32, 4.7),
-    ("glm-4.7", "per-expert", 32, 18.8),
-    ("kimi-k2.6", "shared-outer", 32, 9.4),
-    ("kimi-k2.6", "per-expert", 32, 41.0),
-]
+_SCALE = {"s": Fraction(1), "ms": Fraction(1, 1000), "GB": Fraction(1), "$": Fraction(1)}
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One published cell: its text, the digits as printed and their unit."""
+
+    text: str
+    digits: str
+    unit: str  # s, ms, GB or $
+
+    @property
+    def value(self) -> Fraction:
+        """In seconds, GB or USD."""
+        return Fraction(self.digits) * _SCALE[self.unit]
+
+    def rounds_to(self, x: Fraction) -> bool:
+        """Whether `x`, rounded half up to the places this figure was printed with, is this figure."""
+        places = Decimal(self.digits).as_tuple().exponent
+        mine = _decimal(x / _SCALE[self.unit]).quantize(Decimal(1).scaleb(places), rounding=ROUND_HALF_UP)
+        return mine == Decimal(self.digits)
+
+    def approx(self, x: float) -> str:
+        """`x` in this figure's unit to 4 significant digits (a model-config figure, not exact)."""
+        n = f"{float(x / _SCALE[self.unit]):.4g}"
+        return f"${n}" if self.unit == "$" else f"{n} {self.unit}"
+
+    def show(self, x: Fraction) -> str:
+        """`x` in this figure's unit, written out exactly (a recomputation, beside the published text)."""
+        n = exact(x / _SCALE[self.unit])
+        return f"${n}" if self.unit == "$" else f"{n} {self.unit}"
+
+
+def figure(cell: str) -> Figure:
+    m = re.match(r"(\$)?(\d+(?:\.\d+)?)(?:\s*(ms|s|GB)\b)?", cell.strip())
+    if not m or not (m.group(1) or m.group(3)):
+        raise ValueError(f"not a published figure: {cell!r}")
+    return Figure(cell, m.group(2), m.group(3) or "$")
+
+
+def gpu_count(cell: str) -> int:
+    """'16x8 H200' -> 128: nodes x GPUs per node."""
+    m = re.match(r"(\d+)x(\d+)\s", cell)
+    if not m:
+        raise ValueError(f"not a GPU count: {cell!r}")
+    return int(m.group(1)) * int(m.group(2))
+
+
+def _decimal(x: Fraction) -> Decimal:
+    return Decimal(x.numerator) / Decimal(x.denominator)
+
+
+def exact(x: Fraction) -> str:
+    """A terminating decimal written out in full; anything else to 6 places with a '~'."""
+    d = _decimal(x)
+    text = format(d.normalize(), "f")
+    if "." in text and len(text.split(".")[1]) > 8:
+        return "~" + format(d.quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP).normalize(), "f")
+    return text
+
+
+def seconds(gb: Fraction | float, gbit_per_s: Fraction | float) -> Fraction | float:
+    return gb * 8 / gbit_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recomputed:
+    """One published figure and what its table's own inputs make of it."""
+
+    table: int  # 1: in cluster, 2: WAN
+    row: str  # the row's Model cell
+    column: str  # the column's heading
+    published: Figure
+    ways: tuple[tuple[str, Fraction], ...]  # (how, value): each recomputation from the stated inputs
+
+    def follows(self, i: int = 0) -> bool:
+        return self.published.rounds_to(self.ways[i][1])
+
+
+def in_cluster_row(r: tables.Row) -> list[Recomputed]:
+    """Table 1's figures of one row: TCP and RDMA time from the size, the saving from the times."""
+    name, size_c, tcp_c, rdma_c, gpus_c, usd_c = r.cells
+    size, tcp, rdma, usd = figure(size_c), figure(tcp_c), figure(rdma_c), figure(usd_c)
+    gpus = gpu_count(gpus_c)
+    cols = tables.IN_CLUSTER_COLUMNS
+    t_tcp, t_rdma = seconds(size.value, TCP_GBIT), seconds(size.value, RDMA_GBIT)
+    gb = exact(size.value)
+
+    def rec(col, fig, *ways):
+        return Recomputed(table=1, row=name, column=cols[col], published=fig, ways=ways)
+
+    return [
+        rec(2, tcp, (f"{gb} GB at {exact(TCP_GBIT)} Gbit/s", t_tcp)),
+        rec(3, rdma, (f"{gb} GB at {exact(RDMA_GBIT)} Gbit/s", t_rdma)),
+        rec(5, usd, (f"(published TCP - RDMA) x {gpus} GPUs x ${exact(USD_PER_GPU_S)}",
+                     (tcp.value - rdma.value) * gpus * USD_PER_GPU_S),
+            (f"(recomputed TCP - RDMA) x {gpus} GPUs x ${exact(USD_PER_GPU_S)}",
+             (t_tcp - t_rdma) * gpus * USD_PER_GPU_S)),
+    ]
+
+
+def wan_row_figures(r: tables.Row) -> list[Recomputed]:
+    """Table 2's figures of one row: the full time from the size, the delta from the full time."""
+    name, size_c, full_c, delta_c = r.cells
+    size, full, delta = figure(size_c), figure(full_c), figure(delta_c)
+    cols = tables.WAN_COLUMNS
+    t_full = seconds(size.value, WAN_GBIT)
+    keep = 1 - WAN_DELTA_SAVING
+    pct = exact(keep * 100)
+    return [
+        Recomputed(table=2, row=name, column=cols[2], published=full,
+                   ways=((f"{exact(size.value)} GB at {exact(WAN_GBIT)} Gbit/s", t_full),)),
+        Recomputed(table=2, row=name, column=cols[3], published=delta,
+                   ways=((f"{pct}% of the published full time", full.value * keep),
+                         (f"{pct}% of the recomputed full time", t_full * keep))),
+    ]
+
+
+def recomputed() -> list[Recomputed]:
+    """Every figure of both tables that follows from others, recomputed from the table's stated inputs."""
+    return ([x for r in tables.IN_CLUSTER for x in in_cluster_row(r)]
+            + [x for r in tables.WAN for x in wan_row_figures(r)])
+
+
+# Derived views of the tables, the planner's tests and sweeps use them as numbers.
+TRANSFER_TABLE = [(r.model, float(figure(r.cells[1]).value), float(figure(r.cells[2]).value),
+                   float(figure(r.cells[3]).value)) for r in tables.IN_CLUSTER if r.lora is None]
+LORA_TABLE = [(r.model, r.lora[0], r.lora[1], float(figure(r.cells[1]).value)) for r in tables.IN_CLUSTER if r.lora]
+WAN_TABLE = [(r.model, float(figure(r.cells[1]).value), float(figure(r.cells[2]).value),
+              float(figure(r.cells[3]).value)) for r in tables.WAN]
+
+
+def _model_gb(r: tables.Row) -> float:
+    m = get_model(r.model)
+    if r.lora:
+        return lora_size(m, LoraConfig(rank=r.lora[1], layout=r.lora[0])).bytes / 1e9
+    return checkpoint_bytes(m) / 1e9
+
+
+def _gb(r: tables.Row) -> str:
+    """The size cell without its dtype: '357 GB'."""
+    return r.cells[1].split(" (")[0]
+
+
+def notes() -> list[str]:
+    """What the figures imply where they do not follow from their inputs, and what their sizes are."""
+    out = []
+    t1 = {r.model: r for r in tables.IN_CLUSTER if r.lora is None}
+    for r in tables.IN_CLUSTER:
+        for x in in_cluster_row(r):
+            if x.follows(0):
+                continue
+            p = x.published
+            if x.column == tables.IN_CLUSTER_COLUMNS[5]:
+                why = (f"{x.ways[1][0]} gives {p.show(x.ways[1][1])}: the saving was worked out before the times "
+                       "were rounded" if x.follows(1) else "neither way gives it")
+            else:
+                gb = _model_gb(r)
+                rate = TCP_GBIT if "TCP" in x.column else RDMA_GBIT
+                t = Fraction(gb) * 8 / rate
+                why = f"the model's {gb:.2f} GB gives {p.approx(t)}"
+                size = figure(r.cells[1]).value
+                if p.rounds_to(t):
+                    why += ", which rounds to it"
+                    if int(gb * 10) / 10 == float(size):
+                        why += f": the size column truncates {gb:.2f} GB to {exact(size)} GB"
+            out.append(f"Table 1, {x.row}, {x.column}: {x.ways[0][0]} gives {p.show(x.ways[0][1])}, printed {p.text}; "
+                       f"{why}")
+    rounded = []
+    for r in tables.WAN:
+        size = figure(r.cells[1])
+        full, delta = wan_row_figures(r)
+        one = t1.get(r.model)
+        if one is not None and figure(one.cells[1]).value != size.value:
+            rounded.append(f"{r.cells[0]} {exact(size.value)} GB (table 1: {exact(figure(one.cells[1]).value)} GB)")
+        if not full.follows():
+            gb = full.published.value * WAN_GBIT / 8
+            out.append(f"Table 2, {r.cells[0]}: {full.published.text} is {exact(gb)} GB at {exact(WAN_GBIT)} Gbit/s; "
+                       f"{exact(size.value)} GB gives {full.published.show(full.ways[0][1])} "
+                       f"({float(full.ways[0][1]):.1f} s)")
+        if not delta.follows():
+            out.append(f"Table 2, {r.cells[0]}: {delta.ways[0][0]} is {delta.published.show(delta.ways[0][1])}, "
+                       f"printed as {delta.published.text}")
+    if rounded:
+        out.append("Table 2 uses rounded sizes: " + "; ".join(rounded))
+    for r in tables.WAN:
+        m, one = get_model(r.model), t1.get(r.model)
+        size = figure(r.cells[1]).value
+        says_bf16 = "BF16" in r.cells[1] and "INT4" not in r.cells[1]
+        if says_bf16 and one is not None and size < figure(one.cells[1]).value * 3 / 4:
+            n = total_params(m)
+            out.append(f"{r.cells[0]} is {_gb(one)} BF16 in table 1 but {_gb(r)} \"BF16\" in table 2: "
+                       f"{float(size) * 1e9 / n:.2f} bytes per parameter of the model's {n / 1e9:.1f}B, "
+                       "about one byte per parameter (FP8-sized), not BF16")
+    for r in tables.IN_CLUSTER:
+        m = get_model(r.model)
+        if r.lora is None and "INT4" in r.cells[1] and m.quant:
+            out.append(f"{r.cells[0]}'s {_gb(r)} is the INT4 checkpoint (routed experts {m.quant.bits}-bit, group "
+                       f"{m.quant.group_size}) with BF16 attention: the model's checkpoint is "
+                       f"{checkpoint_bytes(m) / 1e9:.1f} GB; in BF16 it would be {weight_bytes(m, 'bf16') / 1e9:.1f} GB")
+        if r.lora is None and breakdown(m)["mtp"] and m.mtp_own_embeddings:
+            out.append(f"{r.cells[0]}'s {_gb(r)} includes the MTP layer with its own embedding and head copies "
+                       f"({breakdown(m)['mtp'] * 2 / 1e9:.1f} GB)")
+    out.append("LoRA sizes are bf16 adapters on every linear layer; fp32 would double them")
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
 class Check:
+    """A published figure against the planner's model-config recomputation."""
+
     figure: str  # what was published, in words
-    published: float | None  # None: the table has it, this repository has no copy (see WAN_TABLE)
-    from_own_numbers: float | None  # recomputed from the published size and rate (None: no own numbers)
+    published: float
+    from_own_numbers: float | None  # recomputed from the table's stated inputs (None: a size, an input itself)
     from_model: float  # recomputed from the model config
-    note: str  # why they differ, when they do
+    tolerance: float  # 1% (a LoRA row's 3%), plus the published figure's own rounding
 
     def error(self, which: str = "from_model") -> float | None:
         v = getattr(self, which)
-        if self.published is None or v is None:
+        if v is None:
             return None
         return abs(v - self.published) / self.published
 
-    @property
-    def tolerance(self) -> float:
-        return 0.03 if "LoRA" in self.figure else 0.01  # as each table states
+
+def _check(what: str, fig: Figure, own: Fraction | None, model: float, base: float = 0.01) -> Check:
+    half_unit = float(Decimal(1).scaleb(Decimal(fig.digits).as_tuple().exponent)) / 2
+    tol = base + half_unit / float(Decimal(fig.digits))
+    return Check(figure=what, published=float(fig.value), from_own_numbers=None if own is None else float(own),
+                 from_model=model, tolerance=tol)
 
 
-def seconds(gb: float, gbit_per_s: float) -> float:
-    return gb * 8.0 / gbit_per_s
-
-
-def _transfer_checks() -> list[Check]:
-    from .models import get_model
-    from .params import checkpoint_bytes
-
+def audit() -> list[Check]:
+    """Every published figure against the model configs (sizes, times, savings of both tables)."""
     out = []
-    for name, gb, tcp_s, rdma_s in TRANSFER_TABLE:
-        model_gb = checkpoint_bytes(get_model(name)) / 1e9
-        note = ""
-        if name == "qwen3-8b":
-            note = (f"16.3 GB at 50 Gbit/s is {seconds(16.3, TCP_GBIT):.3f} s, not 2.62 s; 2.62 s follows from the "
-                    f"model's {model_gb:.2f} GB (8.19B x 2 bytes), which rounds to 16.4 GB: the size was truncated")
-        elif name == "kimi-k2.6":
-            note = "595.2 GB is the INT4 checkpoint (routed experts 4-bit, group 32); bf16 would be 2053.8 GB"
-        elif name == "glm-4.7":
-            note = "716.7 GB includes the MTP layer with its own embedding and head copies (11.1 GB)"
-        out.append(Check(figure=f"{name} size GB", published=gb, from_own_numbers=None, from_model=model_gb,
-                         note=note if name != "qwen3-8b" else "published size truncated (16.38 GB)"))
-        for link, rate, pub in (("TCP 50 Gbit/s", TCP_GBIT, tcp_s), ("RDMA 3.2 Tbit/s", RDMA_GBIT, rdma_s)):
-            out.append(Check(figure=f"{name} full sync s, {link}", published=pub,
-                             from_own_numbers=seconds(gb, rate), from_model=seconds(model_gb, rate), note=note))
+    for r in tables.IN_CLUSTER:
+        gb = _model_gb(r)
+        label = r.model + (f" LoRA r={r.lora[1]} {r.lora[0]}" if r.lora else "")
+        tcp_m, rdma_m = seconds(gb, float(TCP_GBIT)), seconds(gb, float(RDMA_GBIT))
+        tcp, rdma, usd = in_cluster_row(r)
+        gpus = gpu_count(r.cells[4])
+        base = 0.03 if r.lora else 0.01  # a LoRA row's times and saving carry its size's error
+        out += [_check(f"{label} size GB", figure(r.cells[1]), None, gb, base),
+                _check(f"{label} full sync s, TCP 50 Gbit/s", tcp.published, tcp.ways[0][1], tcp_m, base),
+                _check(f"{label} full sync s, RDMA 3.2 Tbit/s", rdma.published, rdma.ways[0][1], rdma_m, base),
+                _check(f"{label} USD saved per step, {gpus} GPUs", usd.published, usd.ways[0][1],
+                       (tcp_m - rdma_m) * gpus * IDLE_USD_PER_GPU_S, base)]
+    for r in tables.WAN:
+        full, delta = wan_row_figures(r)
+        m_full, m_delta, _ = wan_row(r.model)
+        model_gb = checkpoint_bytes(get_model(r.model)) / 1e9
+        out += [_check(f"{r.model} size GB in the WAN table", figure(r.cells[1]), None, model_gb),
+                _check(f"{r.model} full sync s, WAN 10 Gbit/s", full.published, full.ways[0][1], m_full),
+                _check(f"{r.model} delta sync s, 98% saved, WAN 10 Gbit/s", delta.published, delta.ways[0][1], m_delta)]
     return out
 
 
 def wan_row(name: str) -> tuple[float, float, float]:
     """(full sync s, delta sync s, idle USD saved per sync and GPU) of `name` over the WAN, from its config."""
-    from .models import get_model
-    from .params import checkpoint_bytes
-
-    full = seconds(checkpoint_bytes(get_model(name)) / 1e9, WAN_GBIT)
-    delta = full * (1 - WAN_DELTA_SAVING)
+    full = seconds(checkpoint_bytes(get_model(name)) / 1e9, float(WAN_GBIT))
+    delta = full * (1 - float(WAN_DELTA_SAVING))
     return full, delta, (full - delta) * IDLE_USD_PER_GPU_S
-
-
-def _wan_checks() -> list[Check]:
-    out = []
-    for name, full_s, delta_s, usd in WAN_TABLE:
-        m_full, m_delta, m_usd = wan_row(name)
-        own = (None, None, None) if full_s is None else (None, full_s * (1 - WAN_DELTA_SAVING),
-                                                         (full_s - delta_s) * IDLE_USD_PER_GPU_S)
-        missing = "" if full_s is not None else "figure not copied into this repository; the model's value alone"
-        notes = [missing, missing, missing]
-        if name == "qwen3-8b":
-            notes[0] = (f"does not follow: 16.3 GB at 10 Gbit/s is {seconds(16.3, WAN_GBIT):.2f} s and the model's "
-                        f"{m_full / 0.8:.2f} GB is {m_full:.2f} s; 12.8 s would need 16.0 GB, or 16.38 GB at 10.24 "
-                        "Gbit/s (a binary-prefixed 10 Gbit/s)")
-            own = (seconds(16.3, WAN_GBIT), *own[1:])
-            notes[1] = "follows from either full-sync time: 2% of 12.8 s is 0.256 s, 2% of 13.10 s is 0.262 s"
-        if usd is None:
-            notes[2] = (f"saving = (full - delta) s x ${IDLE_USD_PER_GPU_S}/GPU-s, per sync and idle GPU; "
-                        "published figure not copied into this repository")
-        for (what, pub, o, m), note in zip((("full sync s", full_s, own[0], m_full),
-                                            ("delta sync s, 98% saved", delta_s, own[1], m_delta),
-                                            ("idle USD saved per sync per GPU", usd, own[2], m_usd)), notes):
-            out.append(Check(figure=f"{name} {what}, WAN 10 Gbit/s", published=pub, from_own_numbers=o,
-                             from_model=m, note=note))
-    return out
-
-
-def _lora_checks() -> list[Check]:
-    from .lora import LoraConfig, lora_size
-    from .models import get_model
-
-    out = []
-    for name, layout, rank, gb in LORA_TABLE:
-        got = lora_size(get_model(name), LoraConfig(rank=rank, layout=layout)).bytes / 1e9
-        out.append(Check(figure=f"{name} LoRA r={rank} {layout} GB", published=gb, from_own_numbers=None,
-                         from_model=got, note="bf16 adapters on every linear layer; fp32 would double it"))
-    return out
-
-
-def audit() -> list[Check]:
-    """Every published figure, recomputed from its own numbers and from the model."""
-    return _transfer_checks() + _wan_checks() + _lora_checks()
 
 
 # Sharded trainers into sharded engines: (who, model, trainer GPUs, engine GPUs, seconds, source, setup
@@ -155,9 +305,6 @@ RDT_GB_PER_S, RDT_GPUS = 1049.0, 48 * 8
 
 def reshard_prediction(name: str = "kimi-k2") -> dict:
     """The model's BF16 sync from 256 trainer to 128 engine GPUs: the busiest link's bytes and their wire time."""
-    from .models import get_model
-    from .params import weight_bytes
-
     m_ranks, n_ranks = RESHARD_RANKS
     total = weight_bytes(get_model(name), "bf16")
     busiest = total / min(m_ranks, n_ranks)

@@ -1,12 +1,27 @@
-"""What `wsync plan ...` prints: plain tables for people, the same rows as JSON for scripts.
-
-Imports of the model stay inside the commands so that building the CLI parser
-(done on every `wsync` call) loads nothing beyond this file.
-"""
+"""What `wsync plan ...` prints: plain tables for people, the same rows as JSON for scripts."""
 from __future__ import annotations
 
 import dataclasses
 import json
+
+from . import measured
+from . import published_tables as tables
+from .codec_speeds import CodecSpeed, TensorCost
+from .gpu_speeds import codec_speed
+from .gpu_sync import NO_RUN, e2e_tensor_cost, newest_gpu_sync, stage_lines
+from .loop import SimulatedLoop, decode_curve_table
+from .lora import LoraConfig, lora_size
+from .models import PlanError, get_model, model_names
+from .params import active_params, checkpoint_bytes, total_params
+from .published import (LORA_TABLE, RDMA_GBIT, RESHARD_RANKS, RESHARD_TABLE, TCP_GBIT, TRANSFER_TABLE, USD_PER_GPU_S,
+                        WAN_DELTA_SAVING, WAN_GBIT, WAN_TABLE, audit, exact, gpu_count, in_cluster_row, notes,
+                        recomputed, reshard_lines, seconds, wan_row, wan_row_figures)
+from .reshard import plan_for
+from .sandboxes import SandboxConfig, plan_sandboxes
+from .sim import simulate
+from .sweep import as_rows, plot, sweep
+from .transfer import parse_codec, parse_link, reshard_cost, sync_cost
+from .validate import TOLERANCE, validate, validate_runs
 
 PUBLISHED_MODELS = ["qwen3-8b", "qwen3-30b-a3b", "glm-4.7", "kimi-k2.6"]
 
@@ -25,8 +40,6 @@ def _json(obj) -> None:
 
 
 def cmd_models(a) -> None:
-    from .models import get_model, model_names
-    from .params import active_params, checkpoint_bytes, total_params
 
     rows = []
     for n in model_names():
@@ -39,36 +52,82 @@ def cmd_models(a) -> None:
     print("params/active in billions (active: embeddings + LM head + visited experts); GB = 1e9 bytes")
 
 
-def _published(a) -> None:
-    from .published import (LORA_TABLE, RDMA_GBIT, TCP_GBIT, TRANSFER_TABLE, WAN_TABLE, audit, reshard_lines, seconds,
-                            wan_row)
-    from .lora import LoraConfig, lora_size
-    from .models import get_model
-    from .params import checkpoint_bytes
+def _published_json() -> dict:
+    figs = [{"table": x.table, "model": x.row, "column": x.column, "published": x.published.text,
+             "published_value": exact(x.published.value),
+             "recomputed": [{"how": how, "value": exact(v), "shown": x.published.show(v),
+                             "rounds_to_published": x.published.rounds_to(v)} for how, v in x.ways]}
+            for x in recomputed()]
+    return {"source": tables.SOURCE,
+            "tables": {"1": {"title": tables.IN_CLUSTER_TITLE, "inputs": tables.IN_CLUSTER_INPUTS,
+                             "columns": tables.IN_CLUSTER_COLUMNS, "rows": [r.cells for r in tables.IN_CLUSTER]},
+                       "2": {"title": tables.WAN_TITLE, "inputs": tables.WAN_INPUTS, "columns": tables.WAN_COLUMNS,
+                             "rows": [r.cells for r in tables.WAN]}},
+            "recomputed": figs, "notes": notes(),
+            "checks": [dict(dataclasses.asdict(c), error_vs_model=c.error()) for c in audit()],
+            "reshard": reshard_lines()}
 
-    checks = audit()
+
+def _mark(x, i: int) -> str:
+    """A recomputation in the published figure's unit, with a '!' where it does not round to the figure."""
+    v = x.ways[i][1]
+    return x.published.show(v) + ("" if x.published.rounds_to(v) else " !")
+
+
+def _published(a) -> None:
     if a.json:
-        return _json([dict(dataclasses.asdict(c), error_vs_model=c.error(), tolerance=c.tolerance) for c in checks])
+        return _json(_published_json())
+    print(f"The published tables ({tables.SOURCE}), every figure beside wsync's recomputation from the inputs "
+          "the table states.\n'!' marks a recomputation that does not round to the published figure; notes below.\n")
+    i1 = tables.IN_CLUSTER_INPUTS
+    print(f"Table 1: {tables.IN_CLUSTER_TITLE}. Inputs: {i1['tcp_gbit_per_s']} Gbit/s TCP, "
+          f"{exact(RDMA_GBIT / 1000)} Tbit/s RDMA, ${i1['usd_per_gpu_s']} per GPU-second x the reference GPU count.")
+    rows = []
+    for r in tables.IN_CLUSTER:
+        tcp, rdma, usd = in_cluster_row(r)
+        rows.append({"model": r.cells[0], "size": r.cells[1], "tcp": tcp.published.text, "tcp_from_size": _mark(tcp, 0),
+                     "rdma": rdma.published.text, "rdma_from_size": _mark(rdma, 0),
+                     "gpus": f"{r.cells[4]} = {gpu_count(r.cells[4])}", "saving": usd.published.text,
+                     "from_printed_times": _mark(usd, 0), "from_recomputed_times": _mark(usd, 1)})
+    print(_table(rows, [(k, "") for k in rows[0]]))
+    print(f"saving = (TCP s - RDMA s) x GPUs x ${i1['usd_per_gpu_s']}: from the printed times, and from the times "
+          "recomputed from the size\n")
+    i2 = tables.WAN_INPUTS
+    print(f"Table 2: {tables.WAN_TITLE}. Inputs: {i2['wan_gbit_per_s']} Gbit/s WAN, delta compression saves "
+          f"{exact(WAN_DELTA_SAVING * 100)}% of the weight update.")
+    rows = []
+    for r in tables.WAN:
+        full, delta = wan_row_figures(r)
+        rows.append({"model": r.cells[0], "size": r.cells[1], "full": full.published.text,
+                     "full_from_size": _mark(full, 0), "delta": delta.published.text,
+                     "delta_of_printed_full": _mark(delta, 0), "delta_of_recomputed_full": _mark(delta, 1)})
+    print(_table(rows, [(k, "") for k in rows[0]]))
+    print("\nNotes on figures that do not follow from their inputs, and on the sizes:")
+    for note in notes():
+        print(" -", note)
+
+    print("\nThe same figures from the model configs (`wsync plan models`; GB = 1e9 bytes):\n")
     gb = {n: checkpoint_bytes(get_model(n)) / 1e9 for n, *_ in TRANSFER_TABLE}
-    print("Published tables, every row and column as the model computes them (GB = 1e9 bytes):\n")
-    print(_table([{"model": n, "gb": gb[n], "tcp_50g_s": seconds(gb[n], TCP_GBIT), "rdma_3_2t_s": seconds(gb[n], RDMA_GBIT)}
-                  for n, *_ in TRANSFER_TABLE], [("model", ""), ("gb", ".1f"), ("tcp_50g_s", ".2f"), ("rdma_3_2t_s", ".3f")]))
+    print(_table([{"model": n, "gb": gb[n], "tcp_50g_s": seconds(gb[n], float(TCP_GBIT)),
+                   "rdma_3_2t_s": seconds(gb[n], float(RDMA_GBIT))} for n, *_ in TRANSFER_TABLE],
+                 [("model", ""), ("gb", ".1f"), ("tcp_50g_s", ".2f"), ("rdma_3_2t_s", ".3f")]))
     print()
     print(_table([dict(zip(("model", "full_s", "delta_s", "usd_saved"), (n, *wan_row(n)))) for n, *_ in WAN_TABLE],
                  [("model", ""), ("full_s", ".2f"), ("delta_s", ".3f"), ("usd_saved", ".4f")]))
-    print("WAN 10 Gbit/s; delta saves 98% of bytes; usd_saved = idle GPU-seconds saved per sync x $0.01, per GPU\n")
+    print(f"WAN {exact(WAN_GBIT)} Gbit/s; delta saves {exact(WAN_DELTA_SAVING * 100)}% of bytes; usd_saved = idle "
+          f"GPU-seconds saved per sync x ${exact(USD_PER_GPU_S)}, per GPU\n")
     print(_table([{"model": n, "layout": lay, "rank": r, "gb": lora_size(get_model(n), LoraConfig(rank=r, layout=lay)).bytes
                    / 1e9} for n, lay, r, _ in LORA_TABLE], [("model", ""), ("layout", ""), ("rank", "d"), ("gb", ".2f")]))
     print("\nEach figure against the published one:\n")
-    rows = [{"figure": c.figure, "published": "not in repo" if c.published is None else f"{c.published:.4g}",
-             "own": "-" if c.from_own_numbers is None else f"{c.from_own_numbers:.4g}", "model": c.from_model,
-             "err": "-" if c.error() is None else f"{c.error():.2%}",
-             "ok": "n/a" if c.error() is None else "yes" if c.error() <= c.tolerance else "NO"} for c in checks]
-    print(_table(rows, [("figure", ""), ("published", ""), ("own", ""), ("model", ".4g"), ("err", ""), ("ok", "")]))
-    print("own = recomputed from the published size and rate; model = from the model config; tolerance 1%, "
-          "LoRA sizes 3%. Notes:")
-    for note in dict.fromkeys(c.note for c in checks if c.note):
-        print(" -", note)
+    checks = audit()
+    rows = [{"figure": c.figure, "published": f"{c.published:.6g}",
+             "own": "-" if c.from_own_numbers is None else f"{c.from_own_numbers:.6g}", "model": c.from_model,
+             "err": f"{c.error():.2%}", "tol": f"{c.tolerance:.1%}", "ok": "yes" if c.error() <= c.tolerance else "NO"}
+            for c in checks]
+    print(_table(rows, [("figure", ""), ("published", ""), ("own", ""), ("model", ".4g"), ("err", ""), ("tol", ""),
+                        ("ok", "")]))
+    print("own = recomputed from the table's stated inputs; model = from the model config; tol = 1% (a LoRA row's "
+          "figures 3%) plus the published figure's own rounding")
     print("\nSharded trainers into sharded engines (busiest link = total / min(M, N)):")
     print("\n".join(reshard_lines()))
 
@@ -81,11 +140,6 @@ def _speed_label(speed) -> str:
 def cmd_transfer(a) -> None:
     if a.published:
         return _published(a)
-    from .codec_speeds import CodecSpeed
-    from .gpu_speeds import codec_speed
-    from .lora import LoraConfig
-    from .models import get_model
-    from .transfer import parse_codec, parse_link, reshard_cost, sync_cost
 
     models = [get_model(n) for n in (a.model or PUBLISHED_MODELS)]
     links = [parse_link(s) for s in (a.link or ["tcp-50g", "rdma-3.2t", "wan-10g"])]
@@ -93,7 +147,6 @@ def cmd_transfer(a) -> None:
     codecs = [parse_codec(k, saving=a.delta_saving, lora=lora) for k in (a.codec or ["full", "delta", "lora"])]
     per_tensor = None
     if a.per_tensor_us is not None:
-        from .codec_speeds import TensorCost
 
         per_tensor = TensorCost(encode_s=a.per_tensor_us * 1e-6, apply_s=a.per_tensor_us * 1e-6,
                                 source=f"{a.per_tensor_us} us per tensor at each end, given on the command line")
@@ -105,7 +158,6 @@ def cmd_transfer(a) -> None:
         speed = codec_speed(c.kind, saving=c.saving, tier=c.tier, backend=a.backend)
         tensor_cost = per_tensor
         if tensor_cost is None and e2e and speed.source.startswith(e2e.where):
-            from .gpu_sync import e2e_tensor_cost
 
             tensor_cost = e2e_tensor_cost(c.kind, e2e)  # None without the moe stages: the default then
         if a.encode_gbps or a.apply_gbps:
@@ -147,6 +199,7 @@ def cmd_transfer(a) -> None:
               "the H100 bandwidth bound) or --backend gpu-bound:h200")
     for src in dict.fromkeys(r["tensor_source"] for r in rows):
         print("per-tensor cost:", src)
+    print(f"measured inputs: {measured.WHERE}")
     _print_e2e(a.backend, e2e)
 
 
@@ -158,7 +211,6 @@ def _gpu_e2e(backend: str):
     """--backend cuda[:GPU]: the newest whole sync measured on a GPU (None: none yet, or another backend)."""
     if not _is_cuda(backend):
         return None
-    from .gpu_sync import newest_gpu_sync
 
     return newest_gpu_sync(gpu=backend.lower().partition(":")[2] or None)
 
@@ -167,7 +219,6 @@ def _e2e_field(backend: str, run) -> dict:
     """The rows' `gpu_e2e` (cuda backend only): the run priced from, or why there is none."""
     if not _is_cuda(backend):
         return {}
-    from .gpu_sync import NO_RUN
 
     return {"gpu_e2e": run.where if run else f"{NO_RUN}: priced as before"}
 
@@ -175,7 +226,6 @@ def _e2e_field(backend: str, run) -> dict:
 def _print_e2e(backend: str, run) -> None:
     if not _is_cuda(backend):
         return
-    from .gpu_sync import NO_RUN, stage_lines
 
     if run is None:
         print(f"end to end: {NO_RUN}. Priced as before, from a measured cuda codec run or else the HBM bound, which "
@@ -191,13 +241,10 @@ def _sharded(a, models) -> dict:
     if a.trainer_ranks is None and a.engine_ranks is None:
         return {}
     if not (a.trainer_ranks and a.engine_ranks) or a.trainer_ranks < 1 or a.engine_ranks < 1:
-        from .models import PlanError
 
         raise PlanError("a sharded sync needs both --trainer-ranks and --engine-ranks, each >= 1")
     out = {m.name: {} for m in models}
     if a.from_plan:
-        from .models import PlanError
-        from .reshard import plan_for
 
         for m in models:
             trainer, engine = f"fsdp:{a.trainer_ranks}", f"vllm:tp={a.engine_ranks}"
@@ -218,7 +265,6 @@ def _print_sharded(a, rows) -> None:
     print(f"{a.trainer_ranks} trainer ranks -> {a.engine_ranks} engine ranks, each rank over its own link: gb / wire_s "
           "= the busiest rank's bytes and their time; encode/apply on all ranks at once (per rank: total / M, "
           "total / N).")
-    from .published import RESHARD_RANKS, RESHARD_TABLE, reshard_lines
 
     for name in dict.fromkeys(r["model"] for r in rows):
         if (a.trainer_ranks, a.engine_ranks) == RESHARD_RANKS and any(t[1] == name for t in RESHARD_TABLE):
@@ -226,8 +272,6 @@ def _print_sharded(a, rows) -> None:
 
 
 def cmd_lora(a) -> None:
-    from .lora import LoraConfig, lora_size
-    from .models import get_model
 
     m = get_model(a.model)
     cfg = LoraConfig(rank=a.rank, layout=a.layout, targets=tuple(a.targets), dtype=a.dtype, include_mtp=not a.no_mtp)
@@ -242,23 +286,19 @@ def cmd_lora(a) -> None:
 
 
 def _loop_config(a):
-    from .loop import LoopConfig
 
-    fields = {f.name for f in dataclasses.fields(LoopConfig)} - {"decode_curve"}
+    fields = {f.name for f in dataclasses.fields(SimulatedLoop)} - {"decode_curve"}
     kw = {k: getattr(a, k) for k in fields if hasattr(a, k)}
     if getattr(a, "decode_curve", ""):
-        from .models import PlanError
 
         try:
             kw["decode_curve"] = tuple((int(b), float(t)) for b, t in (p.split(":") for p in a.decode_curve.split(",")))
         except ValueError as e:
             raise PlanError(f"--decode-curve wants 'batch:seconds,...', got {a.decode_curve!r}") from e
-    return LoopConfig(**kw)
+    return SimulatedLoop(**kw)
 
 
 def cmd_loop(a) -> None:
-    from .loop import decode_curve_table
-    from .sim import simulate
 
     cfg = _loop_config(a)
     curve = decode_curve_table(cfg)
@@ -278,7 +318,6 @@ def cmd_loop(a) -> None:
 
 
 def cmd_sweep(a) -> None:
-    from .sweep import as_rows, plot, sweep
 
     pts = sweep(_loop_config(a), total_gpus=a.total_gpus, train_gpus=a.train_splits, batches=a.batches, caps=a.caps)
     rows = as_rows(pts)
@@ -293,7 +332,6 @@ def cmd_sweep(a) -> None:
 
 
 def cmd_sandboxes(a) -> None:
-    from .sandboxes import SandboxConfig, plan_sandboxes
 
     cfg = SandboxConfig(rollouts_per_s=a.rate, actions_per_rollout=a.actions, action_latency_s=a.action_latency,
                         think_s=a.think, startup_s=a.startup, failure_rate=a.failure_rate, quantile=a.quantile)
@@ -307,17 +345,16 @@ def cmd_sandboxes(a) -> None:
 
 
 def cmd_validate(a) -> None:
-    from .codec_speeds import RESULTS_DIR
-    from .models import PlanError
-    from .validate import TOLERANCE, validate
-
-    path = a.results or max(RESULTS_DIR.glob("*-loop.json"), default=None)
-    if path is None:
-        raise PlanError(f"no *-loop.json in {RESULTS_DIR}; run `python -m trainer.bench` or name a file")
-    rows = validate(path, seeds=a.seeds)
+    if a.results:
+        name, rows = str(a.results), validate(a.results, seeds=a.seeds)
+    else:
+        loop = measured.inputs().get("loop")
+        if loop is None:
+            raise PlanError(f"no reference-loop run in {measured.WHERE}; run `python -m trainer.bench` or name a file")
+        name, rows = f"{loop['file']} (from {measured.WHERE})", validate_runs(loop, seeds=a.seeds)
     if a.json:
-        return _json({"results": str(path), "tolerance": TOLERANCE, "runs": rows})
-    print(f"reference loop {path}: measured component costs -> simulated samples/s")
+        return _json({"results": name, "tolerance": TOLERANCE, "runs": rows})
+    print(f"reference loop {name}: measured component costs -> simulated samples/s")
     print(_table(rows, [("run", ""), ("measured_samples_per_s", ".1f"), ("predicted_samples_per_s", ".1f"),
                         ("error", "+.1%"), ("decode_step_ms", ".1f"), ("train_step_s", ".3f"), ("sync_s", ".3f"),
                         ("trainer_idle_measured", ".1%"), ("trainer_idle_predicted", ".1%"),

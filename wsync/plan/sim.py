@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .loop import DecodeCost, LoopConfig, sync_seconds, train_step_s
+from .loop import DecodeCost, SimulatedLoop, sync_seconds, train_step_s
 from .models import PlanError, get_model
 
 _DONE = 1e-6  # tokens left below which a sequence counts as finished (float residue)
@@ -33,7 +33,7 @@ class _Seq:
     group: int = 0  # prompt it belongs to; a group reaches the trainer when all its samples are done
 
 
-class _Engine:
+class _SimEngine:
     def __init__(self, cost: DecodeCost, prompt: int, max_batch: int):
         self.cost, self.prompt, self.max_batch = cost, prompt, max_batch
         self.seqs: list[_Seq] = []
@@ -89,14 +89,14 @@ class LoopResult:
 
 
 class _Sim:
-    def __init__(self, cfg: LoopConfig):
+    def __init__(self, cfg: SimulatedLoop):
         cfg.validate()
         self.cfg, m = cfg, get_model(cfg.model)
         self.m = m
         self.rng = np.random.default_rng(cfg.seed)
         self.sync_s, self.pause_s = sync_seconds(cfg, m)
         cost = DecodeCost(cfg, m)
-        self.engines = [_Engine(cost, cfg.prompt_tokens, cfg.max_batch) for _ in range(cfg.infer_gpus // cfg.tp)]
+        self.engines = [_SimEngine(cost, cfg.prompt_tokens, cfg.max_batch) for _ in range(cfg.infer_gpus // cfg.tp)]
         self.version = 0  # trainer steps done = newest policy version
         self.training_until = math.inf  # end of the current train + sync, inf when idle
         self.buffer: list[_Seq] = []
@@ -239,6 +239,6 @@ class _Sim:
         )
 
 
-def simulate(cfg: LoopConfig) -> LoopResult:
+def simulate(cfg: SimulatedLoop) -> LoopResult:
     """Run the loop for `cfg.steps` trainer steps and report steady-state figures."""
     return _Sim(cfg).run()

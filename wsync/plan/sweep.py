@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass, replace
 
-from .loop import LoopConfig
+from .loop import SimulatedLoop
 from .models import PlanError
 from .sim import simulate
 
@@ -32,7 +32,7 @@ class SweepPoint:
     pareto: bool = False
 
 
-def sweep(base: LoopConfig, *, total_gpus: int, train_gpus: list[int], batches: list[int],
+def sweep(base: SimulatedLoop, *, total_gpus: int, train_gpus: list[int], batches: list[int],
           caps: list[int]) -> list[SweepPoint]:
     """Simulate every (train/infer split, batch, cap) and mark the throughput-staleness Pareto front."""
     points = []

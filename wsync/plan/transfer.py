@@ -20,7 +20,7 @@ from .published import IDLE_USD_PER_GPU_S
 
 
 @dataclass(frozen=True, kw_only=True)
-class Link:
+class LinkModel:
     """A network path between trainer and engines."""
 
     name: str
@@ -33,16 +33,16 @@ class Link:
 
 
 LINKS = {
-    "tcp-50g": Link(name="tcp-50g", gbit_per_s=50.0),
-    "rdma-3.2t": Link(name="rdma-3.2t", gbit_per_s=3200.0),  # 8 x 400 Gbit/s NICs
-    "wan-10g": Link(name="wan-10g", gbit_per_s=10.0),
-    "tcp-100g": Link(name="tcp-100g", gbit_per_s=100.0),
-    "ib-400g": Link(name="ib-400g", gbit_per_s=400.0),
-    "wan-1g": Link(name="wan-1g", gbit_per_s=1.0),
+    "tcp-50g": LinkModel(name="tcp-50g", gbit_per_s=50.0),
+    "rdma-3.2t": LinkModel(name="rdma-3.2t", gbit_per_s=3200.0),  # 8 x 400 Gbit/s NICs
+    "wan-10g": LinkModel(name="wan-10g", gbit_per_s=10.0),
+    "tcp-100g": LinkModel(name="tcp-100g", gbit_per_s=100.0),
+    "ib-400g": LinkModel(name="ib-400g", gbit_per_s=400.0),
+    "wan-1g": LinkModel(name="wan-1g", gbit_per_s=1.0),
 }
 
 
-def parse_link(spec: str) -> Link:
+def parse_link(spec: str) -> LinkModel:
     """A preset name, or a rate such as '25g', '400gbit', '3.2t' (Gbit/s unless a 't'/'m' says otherwise)."""
     if spec in LINKS:
         return LINKS[spec]
@@ -53,7 +53,7 @@ def parse_link(spec: str) -> Link:
     rate = float(m.group(2)) * scale
     if rate <= 0:
         raise PlanError(f"link rate must be positive, got {spec!r}")
-    return Link(name=spec, gbit_per_s=rate)
+    return LinkModel(name=spec, gbit_per_s=rate)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +116,7 @@ class SyncCost:
     busiest_basis: str = ""  # where the busiest link's bytes come from: total / min(M, N), or a routing plan
 
 
-def sync_cost(m: ModelConfig, link: Link, codec: Codec, *, speed: CodecSpeed | None = None,
+def sync_cost(m: ModelConfig, link: LinkModel, codec: Codec, *, speed: CodecSpeed | None = None,
               dtype: str | None = None, buckets: int = 16, encode_workers: int = 1, apply_workers: int = 1,
               usd_per_gpu_s: float = IDLE_USD_PER_GPU_S, per_tensor: TensorCost | None = None,
               wire_bytes: float | None = None) -> SyncCost:
@@ -150,12 +150,12 @@ def sync_cost(m: ModelConfig, link: Link, codec: Codec, *, speed: CodecSpeed | N
                     tensors=tensors, tensor_s=t_enc + t_app, tensor_source=per_tensor.source)
 
 
-def wire_seconds(m: ModelConfig, link: Link, codec: Codec | None = None, dtype: str | None = None) -> float:
+def wire_seconds(m: ModelConfig, link: LinkModel, codec: Codec | None = None, dtype: str | None = None) -> float:
     """The published tables' number: payload bytes over the line rate, nothing else."""
     return link.seconds(payload_bytes(m, codec or Codec(), dtype)[0])
 
 
-def reshard_cost(m: ModelConfig, link: Link, codec: Codec, trainer_ranks: int, engine_ranks: int, *,
+def reshard_cost(m: ModelConfig, link: LinkModel, codec: Codec, trainer_ranks: int, engine_ranks: int, *,
                  busiest_full_bytes: float | None = None, basis: str = "", **kw) -> SyncCost:
     """A sharded sync: M trainer ranks send only their own slices, point to point, to N engine ranks of one engine,
     each rank over its own `link` (one NIC per GPU). With a balanced plan every engine rank receives total / N and

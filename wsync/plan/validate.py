@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .loop import LoopConfig
+from .loop import SimulatedLoop
 from .models import PlanError
 from .sim import LoopResult, simulate
 
@@ -90,7 +90,8 @@ def fit_early_stop(caps, mean: float) -> float:
 def from_bench_run(run: dict, args: dict, label: str = "") -> LoopMeasurement:
     """Read one run of a `trainer.bench` results file (its `runs[i]` and `args`)."""
     try:
-        s, t, sync = run["samplers"], run["trainer"], run["sync"]
+        s, t = run["samplers"], run["trainer"]
+        run["sync"]  # a run without its sync clocks is not one the model can read
         steps, n = int(args["steps"]), int(args["samplers"])
         trained = sum(run["staleness_hist"].values())
         # tokens the samplers generated (dropped samples included) per sample they generated
@@ -111,9 +112,9 @@ def from_bench_run(run: dict, args: dict, label: str = "") -> LoopMeasurement:
                         "regenerate with `python -m trainer.bench`") from e
 
 
-def loop_config(m: LoopMeasurement, seed: int = 0) -> LoopConfig:
+def loop_config(m: LoopMeasurement, seed: int = 0) -> SimulatedLoop:
     """The simulator's config for a measured run: measured costs replace every modelled one."""
-    return LoopConfig(
+    return SimulatedLoop(
         mode=m.mode, max_staleness=max(m.max_staleness, 0), steps=m.steps, warmup_steps=0,
         train_gpus=1, infer_gpus=m.samplers, tp=1, max_batch=m.slots, group_size=m.group_size,
         samples_per_step=m.group_size * m.batch_groups, decode_curve=((1, m.decode_step_s), (m.slots, m.decode_step_s)),
@@ -130,7 +131,11 @@ def predict(m: LoopMeasurement, seeds: int = 3) -> tuple[float, LoopResult]:
 
 def validate(path: Path | str, seeds: int = 3) -> list[dict]:
     """One row per run of a `trainer.bench` results file: measured vs predicted samples/s and idle shares."""
-    doc = json.loads(Path(path).read_text())
+    return validate_runs(json.loads(Path(path).read_text()), seeds)
+
+
+def validate_runs(doc: dict, seeds: int = 3) -> list[dict]:
+    """validate() of a results file already read: its `runs` and `args` (the packaged loop entry has both)."""
     rows = []
     for i, run in enumerate(doc["runs"]):
         m = from_bench_run(run, doc["args"], label=f"{run['mode']} #{run.get('repeat', i)}")
