@@ -86,7 +86,7 @@ def test_device_states_follow_bit_exact_with_only_the_sections_crossing(device_r
             pub.flush(timeout=30)
             crossed.append({d: device_rt.crossed[d] - before[d] for d in before})
             assert same(trainer, engine.state), f"version {v}"
-        sizes = pub.stats["bytes"]
+        sizes = pub.stats.bytes
     assert isinstance(sub._bound, DeviceEngine) and engine.loads == 0
     assert commits == [True] + [False] * 5  # one keyframe, then deltas
     assert sum(allocated) == 2 * model_bytes  # the trainer's snapshots: two, recycled from then on

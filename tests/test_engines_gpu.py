@@ -93,6 +93,6 @@ def test_sglang_update_weights_from_tensor(tmp_path):
                 pub.publish(trainer.state_dict(), version=v)
                 sub.wait_for(v, timeout=120)
                 assert adapter.digest() == engines.HF(trainer).digest()
-            assert sub.stats["failures"] == 0
+            assert sub.stats.failures == 0
     finally:
         engine.shutdown()

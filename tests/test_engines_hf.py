@@ -44,7 +44,7 @@ def test_fused_engine_follows_trainer_exactly(gen):
             attn = trainer.model.layers[1].self_attn
             want = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
             assert same_bytes({"w": eng_model.model.layers[1].self_attn.qkv_proj.weight.data}, {"w": want})
-        assert sub.stats["failures"] == 0 and not sub.stats["last"]["keyframe"]
+        assert sub.stats.failures == 0 and not sub.stats.last.keyframe
     assert ptrs == {n: p.data_ptr() for n, p in eng_model.named_parameters()}
     assert torch.equal(probe(trainer), probe(eng_model))  # same bytes, same logits
 

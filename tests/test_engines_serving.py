@@ -71,7 +71,7 @@ def test_load_weights_engine_follows_exactly(gen):
             sub.wait_for(v, timeout=30)
             want = engines.HF(trainer).digest()
             assert engine.digest() == want and live_digest(served) == want  # host copy and live weights
-        assert sub.stats["failures"] == 0
+        assert sub.stats.failures == 0
 
 
 def test_failed_push_rolls_back_then_recovers(gen):
@@ -85,7 +85,7 @@ def test_failed_push_rolls_back_then_recovers(gen):
         served.fail_next = True
         pub.publish(trainer.state_dict(), version=1)
         sub.wait_for(1, timeout=30)  # the delta fails mid-load and is undone; a keyframe of version 1 follows
-        assert sub.stats["failures"] == 1 and isinstance(sub.error, EngineError) and "mid-load" in str(sub.error)
+        assert sub.stats.failures == 1 and isinstance(sub.error, EngineError) and "mid-load" in str(sub.error)
         assert live_digest(served) == engines.HF(trainer).digest() != at0
 
 

@@ -136,7 +136,7 @@ def test_grpo_server_sync_through_wsync(trl_cpu, monkeypatch, caplog):
         assert server.sub.version == 3
         assert server.get("/weight_info") == {"weight_version": "3"}  # what vLLM reports as live
         assert server.calls.count("/update_weights") == 4 and "/reset_prefix_cache" in server.calls
-        sizes = vgen.vllm_client.wsync_pub.stats["bytes"]
+        sizes = vgen.vllm_client.wsync_pub.stats.bytes
         full = sum(t.nbytes for t in trainer.state_dict().values())
         assert sizes[1] < full / 4  # deltas, not full weights
         # the token never rode the HTTP control plane (servers log it), nor any log line

@@ -83,7 +83,7 @@ def test_engine_follows_the_mirror_exactly_and_reports_error():
             rep = sender.report
             assert rep.factor_error and all(0 <= e < 1 for e in rep.factor_error.values())
             assert rep.bytes < rep.full_bytes / 2
-        assert sub.stats["failures"] == 0
+        assert sub.stats.failures == 0
     trainer.eval()
     kl = lowrank.kl_next_token(trainer, served_model.float(), ids)
     assert 0 < kl < 0.05  # lossy, and it says by how much

@@ -105,7 +105,7 @@ def test_failures_by_type_and_reconnects(rng):
     assert value(s, "wsync_failures_total", error="EngineError") == 1
     assert value(s, "wsync_versions_committed_total") == 1
     assert value(s, "wsync_reconnects_total") >= 1
-    assert sub.stats["reconnects"] >= 1 and sub.stats["failures"] == 1
+    assert sub.stats.reconnects >= 1 and sub.stats.failures == 1
 
 
 def test_instances_in_one_process_keep_their_own_numbers(rng):

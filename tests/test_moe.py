@@ -71,7 +71,7 @@ def _sync(trainer_state, engine, params, versions, rng):
                 pub.publish(bound, version=v)
                 sub.wait_for(v, timeout=120)
                 times.append(time.perf_counter() - t0)
-                assert sub.stats["last"]["keyframe"] is False  # every version after the first went as a delta
+                assert sub.stats.last.keyframe is False  # every version after the first went as a delta
             assert sub.error is None
     return times
 

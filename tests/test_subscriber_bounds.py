@@ -169,7 +169,7 @@ def test_a_version_that_fits_the_layout_is_never_refused(rng):
                 pub.publish(cur, version=v)
                 sub.wait_for(v, timeout=60)
                 cur = {n: rng.integers(0, 1 << 16, a.size, dtype=np.uint16) for n, a in cur.items()}
-            assert sub.stats["failures"] == 0 and sub.error is None
+            assert sub.stats.failures == 0 and sub.error is None
             cur = None
         assert len(seen) == 3 and max(seen) <= limit
 
@@ -231,10 +231,10 @@ def test_an_unpolled_subscriber_holds_one_raw_version_and_poll_yields_the_newest
             held = _inbox_bytes()
             assert held <= 2 * one, f"the link's buffers still referenced: {held} bytes, two versions are {2 * one}"
             stats = sub.stats
-            assert stats["staged"] == 1 and stats["staged_bytes"] <= 2 * one
+            assert stats.staged == 1 and stats.staged_bytes <= 2 * one
             assert sub.poll() == 24
             assert _same(engine, states[-1])
-            assert sub.stats["versions"] == 1  # the superseded versions were never applied
+            assert sub.stats.versions == 1  # the superseded versions were never applied
     finally:
         tracemalloc.stop()
 
@@ -270,14 +270,14 @@ def test_unpolled_dense_deltas_past_the_bound_are_dropped_and_a_keyframe_brings_
     peaks, sub_ref = [], []  # what waits to be applied, sampled as each bucket arrives
     with Publisher(ADDR, token=TOKEN, keyframe_every=0) as pub, \
             Subscriber(pub.address, engine=engine, token=TOKEN, apply="poll",
-                       progress=lambda *a: peaks.extend(s.stats["staged_bytes"] for s in sub_ref)) as sub:
+                       progress=lambda *a: peaks.extend(s.stats.staged_bytes for s in sub_ref)) as sub:
         sub_ref.append(sub)
         pub.wait_for_subscribers(1, timeout=30)  # else flush() has nobody to wait for
         for v, st in enumerate(states):
             pub.publish(st, version=v)
         pub.flush(timeout=60)
         assert max(peaks) <= 2 * bound
-        assert sub.stats["staged_bytes"] <= 2 * bound
+        assert sub.stats.staged_bytes <= 2 * bound
         sub.wait_for(24, timeout=60)
         assert _same(engine, states[-1])
 

@@ -66,7 +66,7 @@ def test_hf_model_follows_bit_exact(gen):
         assert ptrs == {n: p.data_ptr() for n, p in engine_model.named_parameters()}
         assert engine_model.lm_head.weight.data_ptr() == engine_model.model.embed_tokens.weight.data_ptr()
         assert sub.version == 9
-        assert sub.stats["versions"] == 10 and not sub.stats["last"]["keyframe"]
+        assert sub.stats.versions == 10 and not sub.stats.last.keyframe
 
 
 def test_eight_subscribers_fifty_deltas(gen):
@@ -84,12 +84,12 @@ def test_eight_subscribers_fifty_deltas(gen):
                 s.close()
     want = engines.HF(trainer).digest()
     for s in subs:
-        assert s.version == 50 and s.stats["failures"] == 0
-        assert s.stats["versions"] == 51, (s.mode, s.stats)  # one keyframe, then every delta applied in turn
+        assert s.version == 50 and s.stats.failures == 0
+        assert s.stats.versions == 51, (s.mode, s.stats)  # one keyframe, then every delta applied in turn
         assert s.engine.digest() == want
     assert all(same_bytes(trainer, m) for m in models)
     raw = sum(t.numel() * 2 for t in engines.HF(trainer).tensors().values())
-    deltas = [b for v, b in pub.stats["bytes"].items() if b is not None]
+    deltas = [b for v, b in pub.stats.bytes.items() if b is not None]
     assert len(deltas) == 50 and max(deltas) < raw / 5
 
 
@@ -119,10 +119,10 @@ def test_two_engines_follow_over_each_transport(scheme, gen):
                 s.close()
     assert all(same_bytes(trainer, m) for m in models)
     for s in subs:
-        assert s.version == 5 and s.stats["failures"] == 0, s.stats
+        assert s.version == 5 and s.stats.failures == 0, s.stats
         # every version from keyframe 0; or, where its sender first looked after version 3 was published
         # (on a loaded machine publish() can outrun a sender), from keyframe 3
-        assert s.stats["versions"] in (6, 3), s.stats
+        assert s.stats.versions in (6, 3), s.stats
 
 
 @pytest.mark.soak
@@ -147,7 +147,7 @@ def test_gloo_groups_opened_and_closed_in_a_loop():
             finally:
                 for s in subs:
                     s.close()
-        assert all(s.stats["failures"] == 0 for s in subs)
+        assert all(s.stats.failures == 0 for s in subs)
 
 
 def test_relay_tree_forwards_bit_exact(gen):
@@ -216,14 +216,14 @@ def test_publish_that_fails_mid_read_leaves_no_version(gen, monkeypatch, live):
         pub.publish(trainer.state_dict(), version=1)  # the failed one never counted
         assert sub.wait_for(1, timeout=30) == 1
         assert same_bytes(trainer, engine_model) and held != engines.HF(engine_model).digest()
-        assert sub.stats["failures"] == 0
+        assert sub.stats.failures == 0
         # a half-written mirror is not trusted: that version goes out whole
-        assert sub.stats["last"]["keyframe"] == live
+        assert sub.stats.last.keyframe == live
         pub.flush(timeout=30)
         rl_step(trainer, gen)
         pub.publish(trainer.state_dict(), version=2)  # and deltas go on against version 1
         assert sub.wait_for(2, timeout=30) == 2 and same_bytes(trainer, engine_model)
-        assert not sub.stats["last"]["keyframe"]
+        assert not sub.stats.last.keyframe
 
 
 def test_copying_that_misses_a_tensor_fails_its_readers():
@@ -246,7 +246,7 @@ def test_late_and_returning_subscribers_catch_up(gen):
         late_model = tiny_qwen(3)
         with Subscriber(pub.address, engine=engines.HF(late_model), token=TOKEN) as late:
             late.wait_for(7, timeout=30)
-            assert late.stats["versions"] == 3  # keyframe 5, then deltas 6 and 7
+            assert late.stats.versions == 3  # keyframe 5, then deltas 6 and 7
         for v in range(8, 10):
             pub.publish(trainer.state_dict(), version=v)
             rl_step(trainer, gen)
@@ -254,7 +254,7 @@ def test_late_and_returning_subscribers_catch_up(gen):
         engine.version = 7
         with Subscriber(pub.address, engine=engine, token=TOKEN) as back:
             back.wait_for(9, timeout=30)
-            assert back.stats["versions"] == 2 and not back.stats["last"]["keyframe"]  # deltas 8 and 9 only
+            assert back.stats.versions == 2 and not back.stats.last.keyframe  # deltas 8 and 9 only
         pub.publish(trainer.state_dict(), version=10)  # a keyframe; the deltas before it are dropped
         rl_step(trainer, gen)
         pub.publish(trainer.state_dict(), version=11)
@@ -285,7 +285,7 @@ def test_copied_delta_becomes_the_mirror_with_the_checksums_its_encoding_gave(ge
             pub.flush(timeout=30)
         assert adopted == [(0, True, False), (1, False, True)]  # the keyframe is copied and hashed in one pass
         publish_steps(pub, trainer, gen, [2], [sub])  # measured against the mirror, with version 1's sums as base
-        assert pub._mirror.version == 2 and sub.stats["failures"] == 0 and not sub.stats["last"]["keyframe"]
+        assert pub._mirror.version == 2 and sub.stats.failures == 0 and not sub.stats.last.keyframe
         assert same_bytes(trainer, model)
         k = pub._mirror.kernels
         from wsync.layout import segments
@@ -310,14 +310,14 @@ def test_drifted_engine_refuses_delta_then_recovers_by_keyframe(gen, live):
         rl_step(trainer, gen)
         pub.publish(trainer.state_dict(), version=1)
         sub.wait_for(1, timeout=30)  # the delta is refused, a keyframe of version 1 follows
-        assert isinstance(sub.error, VersionError) and sub.stats["failures"] == 1
-        assert sub.stats["last"]["keyframe"] and same_bytes(trainer, model)
+        assert isinstance(sub.error, VersionError) and sub.stats.failures == 1
+        assert sub.stats.last.keyframe and same_bytes(trainer, model)
         assert not all(torch.equal(drifted[k], v) for k, v in model.state_dict().items())
         assert (pub._mirror.version == 1) == live
         rl_step(trainer, gen)
         pub.publish(trainer.state_dict(), version=2)  # and deltas go on, against the mirror the keyframe froze
         sub.wait_for(2, timeout=30)
-        assert not sub.stats["last"]["keyframe"] and same_bytes(trainer, model)
+        assert not sub.stats.last.keyframe and same_bytes(trainer, model)
 
 
 def test_poll_mode_applies_only_when_asked(gen):
@@ -445,7 +445,7 @@ def test_a_version_that_can_never_apply_surfaces_instead_of_looping():
         pub.publish({"w": np.zeros(16, np.float32)}, version=0)
         with pytest.raises(MismatchError, match="fp8"):
             sub.wait_for(0, timeout=60)
-        assert sub.version is None and 3 <= sub.stats["failures"] <= 6  # backed off, not a hot loop
+        assert sub.version is None and 3 <= sub.stats.failures <= 6  # backed off, not a hot loop
 
 
 def test_on_commit_once_per_committed_version_in_order(gen):
@@ -474,7 +474,7 @@ def test_on_commit_once_per_committed_version_in_order(gen):
         pub.flush(timeout=30)
         # the delta is refused; the keyframe the refusal asks for may arrive while this poll still runs
         polled = sub.poll()
-        assert polled in (None, 3) and sub.stats["failures"] == 1, (polled, sub.stats)
+        assert polled in (None, 3) and sub.stats.failures == 1, (polled, sub.stats)
         if polled is None:
             assert isinstance(sub.error, VersionError) and len(seen) == 3
         sub.wait_announced(timeout=30)

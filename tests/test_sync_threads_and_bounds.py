@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import numpy as np
@@ -59,8 +60,8 @@ def test_stats_reads_while_publishing_never_race(rng):
         while not stop.is_set():
             try:
                 s = pub.stats
-                {v: n for v, n in s["bytes"].items() if n is not None}
-                sum(s["encode_s"].values())
+                {v: n for v, n in s.bytes.items() if n is not None}
+                sum(s.encode_s.values())
             except Exception as e:  # noqa: BLE001 - any error reading stats is the failure under test
                 errors.append(e)
                 return
@@ -85,23 +86,48 @@ def test_stats_reads_while_publishing_never_race(rng):
         sys.setswitchinterval(old)
         stop.set()
     assert not errors, errors[0]
-    assert snap["versions"] == 600 and len(snap["bytes"]) == 600
+    assert snap.versions == 600 and len(snap.bytes) == 600
 
 
-def test_stats_is_a_copy_not_the_live_dict(rng):
+def test_stats_is_a_copy_not_the_live_counters(rng):
     state = _state(rng, 1024)
     with Publisher(ADDR, token=TOKEN) as pub, Subscriber(pub.address, engine=Shadow(), token=TOKEN) as sub:
         pub.publish(state, version=0)
         sub.wait_for(0, timeout=30)
         pub.flush(timeout=30)
         s = pub.stats
-        s["bytes"].clear()
-        s["versions"] = -1
-        assert pub.stats.versions == 1 and 0 in pub.stats.bytes
+        s.bytes.clear()
+        s.send_s.clear()
+        with pytest.raises(FrozenInstanceError):
+            s.versions = -1
+        assert pub.stats.versions == 1 and 0 in pub.stats.bytes and 0 in pub.stats.send_s
         t = sub.stats
-        t["versions"] = -1
-        t["last"]["version"] = 99
+        with pytest.raises(FrozenInstanceError):
+            t.versions = -1
+        with pytest.raises(FrozenInstanceError):
+            t.last.version = 99
         assert sub.stats.versions == 1 and sub.stats.last.version == 0
+
+
+def test_send_seconds_once_every_subscriber_link_has_the_version(rng):
+    """send_s holds a version once every live subscriber's link has all of its buckets, and not before: a
+    version published with nobody subscribed has none until a subscriber joins and is sent it."""
+    states = [_state(rng, 4096) for _ in range(3)]
+    with Publisher(ADDR, token=TOKEN, codec="raw") as pub:
+        pub.publish(states[0], version=0)
+        pub.flush(timeout=30)
+        assert pub.stats.send_s == {} and 0 in pub.stats.encode_s  # encoded, sent to nobody
+        with Subscriber(pub.address, engine=Shadow(), token=TOKEN) as a, \
+                Subscriber(pub.address, engine=Shadow(), token=TOKEN) as b:
+            a.wait_for(0, timeout=30)
+            b.wait_for(0, timeout=30)
+            for v in (1, 2):
+                pub.publish(states[v], version=v)
+            a.wait_for(2, timeout=30)
+            b.wait_for(2, timeout=30)
+            pub.flush(timeout=30)
+            send_s = pub.stats.send_s
+    assert sorted(send_s) == [0, 1, 2] and all(s >= 0 for s in send_s.values())
 
 
 def test_concurrent_polls_apply_each_version_once(rng):

@@ -33,6 +33,7 @@ import secrets
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,6 +42,9 @@ from .grpo import GRPOConfig
 from .metrics import Recorder
 from .policy import PolicyConfig
 from .task import TaskConfig, sample_digits
+
+if TYPE_CHECKING:
+    from wsync.sync import PublisherStats
 
 
 class SamplerFailed(RuntimeError):
@@ -286,26 +290,30 @@ def _qsize(q) -> int:
         return -1
 
 
-def _sent(stats: dict) -> dict:
+def _sent(stats: PublisherStats) -> dict:
     """version -> bytes on the wire, for versions whose size is known (keyframes are sized on first use)."""
-    return {v: n for v, n in stats.get("bytes", {}).items() if n is not None}
+    return {v: n for v, n in stats.bytes.items() if n is not None}
 
 
-def last_sync(stats: dict) -> dict:
-    """Bytes and seconds of the newest version the publisher finished encoding."""
+def last_sync(stats: PublisherStats) -> dict:
+    """Bytes and seconds of the newest version on every sampler's link, seconds counted from publish() (its
+    encoding included); before any version is, the newest encoded and the seconds of its encoding."""
     sent = _sent(stats)
+    on_links = [v for v in stats.send_s if v in sent]
+    if on_links:
+        v = max(on_links)
+        return {"version": v, "bytes": sent[v], "seconds": stats.send_s[v]}
     if not sent:
         return {}
     v = max(sent)
-    secs = sum(stats.get(k, {}).get(v, 0.0) for k in ("encode_s", "send_s"))
-    return {"version": v, "bytes": sent[v], "seconds": secs}
+    return {"version": v, "bytes": sent[v], "seconds": stats.encode_s.get(v, 0.0)}
 
 
-def sync_summary(pub: dict, samplers: dict) -> dict:
+def sync_summary(pub: PublisherStats, samplers: dict) -> dict:
     sent = _sent(pub)
     return {
         "versions_sent": len(sent), "bytes_total": int(sum(sent.values())),
         "bytes_per_version_mean": float(np.mean(list(sent.values()))) if sent else 0.0,
-        "encode_s": float(sum(pub.get("encode_s", {}).values())), "send_s": float(sum(pub.get("send_s", {}).values())),
+        "encode_s": float(sum(pub.encode_s.values())), "send_s": float(sum(pub.send_s.values())),
         "sampler_apply_s": float(sum(s.get("apply_s", 0.0) for s in samplers.values())),
     }

@@ -31,10 +31,14 @@ import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from .driver import Driver, LoopConfig, Result, SamplerFailed, sync_summary
 from .ray_place import local_cluster
 from .task import sample_digits
+
+if TYPE_CHECKING:
+    from wsync.sync import PublisherStats
 
 
 @dataclass(kw_only=True)
@@ -463,9 +467,10 @@ class _Line(deque):
         self.append(ticket)
 
 
-def _versions(pub: dict, report: dict) -> list[dict]:
-    """Per version: bytes on the wire and encode seconds (publisher), the trainer's gather and publish seconds,
-    and each sampler's apply seconds and bytes received (keyframe or delta)."""
+def _versions(pub: PublisherStats, report: dict) -> list[dict]:
+    """Per version: bytes on the wire, encode seconds and seconds from publish() until on every link (publisher),
+    the trainer's gather and publish seconds, and each sampler's apply seconds and bytes received (keyframe or
+    delta)."""
     steps = {s["version"]: s for s in report["steps"]}
     applied: dict[int, list] = {}
     for a in report["applied"]:
@@ -476,7 +481,7 @@ def _versions(pub: dict, report: dict) -> list[dict]:
         st, got = steps.get(v, {}), applied.get(v, [])
         sent = pub.get("bytes", {}).get(v)  # a keyframe is sized when first sent: then what the samplers got
         out.append({"version": v, "bytes": sent if sent is not None else max((a["bytes"] for a in got), default=None),
-                    "encode_s": pub.get("encode_s", {}).get(v), "gather_s": st.get("gather_s"),
+                    "encode_s": pub.encode_s.get(v), "send_s": pub.send_s.get(v), "gather_s": st.get("gather_s"),
                     "publish_s": st.get("publish_s"), "applied": got})
     return out
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from .decode import DecodeConfig, Decoder, Sequence
 from .policy import PolicyConfig
@@ -156,7 +156,7 @@ class Worker:
 
     def stats(self) -> dict:
         s = {**self.clock, **self.count, "slots": self.cfg.decode.slots}
-        s.update({f"sub_{k}": v for k, v in self.sub.stats.items() if isinstance(v, (int, float))})
+        s.update({f"sub_{k}": v for k, v in asdict(self.sub.stats).items() if isinstance(v, (int, float))})
         return s
 
 

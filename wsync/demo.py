@@ -143,7 +143,7 @@ def _follow(addresses: dict, token: str, steps: int, results) -> None:
             for mode, sub in subs.items():
                 sub.wait_for(version, timeout=WAIT_S)
                 t = time.monotonic()  # the engine serves it now: checked, applied, digest verified
-                results.put({"mode": mode, "version": version, "t": t, "bytes": sub.stats["last"]["bytes"],
+                results.put({"mode": mode, "version": version, "t": t, "bytes": sub.stats.last.bytes,
                              "sha256": _sha256({n: (tb.shape, tb.bits) for n, tb in sub.engine.state.items()})})
     except BaseException as e:  # the trainer must hear why, not wait out its timeout
         results.put({"error": f"{type(e).__name__}: {e}"})

@@ -54,6 +54,7 @@ class Sender:
     def _die(self) -> None:
         with self.pub._cv:
             self.dead = True
+            self.pub._on_links()  # the versions that waited only for this link are on every live one now
             self.pub._cv.notify_all()
 
     def _run(self) -> None:
@@ -99,6 +100,7 @@ class Sender:
                 continue
             with self.pub._cv:
                 self.sent, self.sent_checksum = enc.version, enc.checksum
+                self.pub._on_links()
                 self.pub._cv.notify_all()
             if self.lockstep:
                 self._gather_acks(enc.version)

@@ -34,15 +34,15 @@ commit and the ack; an exception in it is logged and never stops the subscriber.
 Threads: the receiver thread stages versions; applying happens there
 (apply="background") or in whoever calls poll(), one caller at a time
 (_apply_lock). Everything both sides read or write (staged versions, the
-version served, counters) is under _cv; stats are read as a copy.
+version served, counters) is under _cv; stats are an immutable copy.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
 from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -66,6 +66,35 @@ MAX_PAUSE = 30.0  # seconds between dials at most, once a listener keeps refusin
 MAX_LAYOUTS = 4096  # member tables kept (a layout per bucket) ...
 LAYOUT_BYTES = 64 << 20  # ... and their bytes, unless the version served needs more (see _learn)
 WAIT_LOG_S = 5.0  # wait_for without a timeout says what it is waiting for this often: a silent hang helps nobody
+
+
+@dataclass(frozen=True, kw_only=True)
+class Committed:
+    """One version the engine committed: its wire bytes, whether it was a keyframe, and the seconds its apply took
+    (what on_commit is handed, as a dict)."""
+
+    version: int
+    bytes: int
+    keyframe: bool
+    apply_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubscriberStats:
+    """A copy of a subscriber's counters at one moment (Subscriber.stats).
+
+    versions, bytes: versions committed and their wire bytes; failures: versions refused (apply failed, or
+    larger than the layout allows); reconnects: dials after the first; last: the newest version committed
+    (None before one); staged, staged_bytes: versions received and waiting to be applied, and what they hold.
+    """
+
+    versions: int = 0
+    bytes: int = 0
+    failures: int = 0
+    reconnects: int = 0
+    last: Committed | None = None
+    staged: int = 0
+    staged_bytes: int = 0
 
 
 class WaitTimeout(WsyncError, TimeoutError):
@@ -115,7 +144,7 @@ class Subscriber:
         self._refusals = 0  # dials refused in a row by the listener (not: nothing listening)
         self._said: str | None = None  # the last dial failure logged: a repeat is not logged again
         self._bye = False  # the publisher said goodbye: its absence now is expected, not a failure
-        self._stats: dict = {"versions": 0, "bytes": 0, "failures": 0, "reconnects": 0, "last": None}  # under _cv
+        self._stats = SubscriberStats()  # under _cv; staged and staged_bytes are filled in when read
         self.metrics = None
         if metrics_port is not None:
             from .metrics import SubscriberMetrics
@@ -212,18 +241,11 @@ class Subscriber:
             what += f"; no link to the publisher: {self.error}"
         return WaitTimeout(what)
 
-    def stats_snapshot(self) -> dict:
-        """A consistent copy of the counters (versions, bytes, failures, reconnects, the last version's numbers),
-        and what waits to be applied: staged (versions) and staged_bytes (what they hold)."""
-        with self._cv:
-            out = copy.deepcopy(self._stats)
-            out["staged"], out["staged_bytes"] = len(self._staged.items), self._staged.held
-            return out
-
     @property
-    def stats(self) -> dict:
-        """stats_snapshot(): a copy, never the dict the applying thread writes."""
-        return self.stats_snapshot()
+    def stats(self) -> SubscriberStats:
+        """The counters and what waits to be applied, at one moment (see SubscriberStats); safe from any thread."""
+        with self._cv:
+            return replace(self._stats, staged=len(self._staged.items), staged_bytes=self._staged.held)
 
     @property
     def served(self) -> list[Layout] | None:
@@ -255,7 +277,8 @@ class Subscriber:
         dialled = False
         while not self._closed:
             if dialled:
-                self._count("reconnects")
+                with self._cv:
+                    self._stats = replace(self._stats, reconnects=self._stats.reconnects + 1)
                 if self.metrics is not None:
                     self.metrics.reconnects.inc()
             dialled = True
@@ -352,7 +375,7 @@ class Subscriber:
         with self._cv:
             self.error = self._apply_error = e
             self._streak += 1
-            self._stats["failures"] += 1
+            self._stats = replace(self._stats, failures=self._stats.failures + 1)
             self._cv.notify_all()
         log.error("refused a version from the publisher %s: %s; redialling", self.address, e)
 
@@ -455,10 +478,6 @@ class Subscriber:
             if self.metrics is not None:
                 self.metrics.behind(newest, served)
 
-    def _count(self, key: str) -> None:
-        with self._cv:
-            self._stats[key] += 1
-
     def _take(self) -> Received | None:
         with self._cv:
             return self._staged.take()
@@ -522,7 +541,7 @@ class Subscriber:
             with self._cv:
                 self.error = self._apply_error = e
                 self._streak += 1
-                self._stats["failures"] += 1
+                self._stats = replace(self._stats, failures=self._stats.failures + 1)
             if self.metrics is not None:
                 self.metrics.failed(e)
             log.error("version %s refused, engine stays at %s: %s", st.version, self.version, e)
@@ -534,9 +553,9 @@ class Subscriber:
             self.engine.version = self.version = st.version
             self._need_keyframe = False
             self._streak = 0
-            self._stats.update(versions=self._stats["versions"] + 1, bytes=self._stats["bytes"] + st.nbytes,
-                               last={"version": st.version, "bytes": st.nbytes, "apply_s": apply_s,
-                                     "keyframe": st.keyframe})
+            committed = Committed(version=st.version, bytes=st.nbytes, keyframe=st.keyframe, apply_s=apply_s)
+            self._stats = replace(self._stats, versions=self._stats.versions + 1,
+                                  bytes=self._stats.bytes + st.nbytes, last=committed)
             newest = self.newest_seen
             self._cv.notify_all()
         if self.metrics is not None:
@@ -550,7 +569,7 @@ class Subscriber:
                                version=st.version)
         if self.on_commit is not None:
             try:
-                self.on_commit({"version": st.version, "bytes": st.nbytes, "keyframe": st.keyframe, "apply_s": apply_s})
+                self.on_commit(asdict(committed))
             except Exception:  # noqa: BLE001 - the caller's hook; the version is committed whatever it does
                 log.exception("on_commit raised for version %s (ignored)", st.version)
         return True

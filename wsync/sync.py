@@ -26,7 +26,6 @@ acks come back as one gather per version, so that path runs in lockstep.
 """
 from __future__ import annotations
 
-import copy
 import ipaddress
 import sys
 import logging
@@ -90,6 +89,26 @@ def _warn_if_open(address: str, token) -> None:
                     "wsync serve --token-file PATH", address)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PublisherStats:
+    """A copy of the publisher's counters at one moment (Publisher.stats); per-version maps hold the newest 1000.
+
+    versions: versions encoded. bytes: version -> bytes of its encoded buckets (None: a keyframe of a frozen
+    state, encoded afresh for each subscriber that needs one). encode_s: version -> seconds its encoding took.
+    send_s: version -> seconds from publish() until every live subscriber's link had all of its buckets (a
+    version no subscriber was sent has none). history_bytes: bytes the catch-up history holds.
+    """
+
+    versions: int
+    bytes: dict[int, int | None]
+    encode_s: dict[int, float]
+    send_s: dict[int, float]
+    history_bytes: int
+
+
+KEPT_PER_VERSION = 1000  # entries of each per-version map in the stats (and publish times awaiting their send)
+
+
 class FlushTimeout(WsyncError, TimeoutError):
     """flush() ran out of time; the message names each subscriber left behind and the version it holds."""
 
@@ -122,6 +141,8 @@ class Publisher:
         self._mirror = Mirror(backends.kernels(self.config.backend))
         self._published = 0  # versions accepted by publish()
         self._published_at: dict[int, float] = {}  # version -> wall clock of publish(), sent for publish->live latency
+        self._unsent: dict[int, float] = {}  # version -> perf_counter at publish(), until it is on every link (_cv)
+        self._send_s: dict[int, float] = {}  # version -> seconds from publish() to on every live link (_cv)
         self._since_keyframe = 0
         self._last: int | None = None
         self._last_layout: tuple | None = None  # the last version's bucket layouts (hashes)
@@ -135,7 +156,9 @@ class Publisher:
         self._queue: queue.Queue = queue.Queue(self.config.max_queued)
         # written by the encoder thread, read by the trainer's: only under _stats_lock, read as a copy (stats)
         self._stats_lock = threading.Lock()
-        self._stats: dict = {"versions": 0, "bytes": {}, "encode_s": {}}
+        self._encoded = 0
+        self._bytes: dict[int, int | None] = {}
+        self._encode_s: dict[int, float] = {}
         self.metrics = self._start_metrics()
         self._threads = [threading.Thread(target=self._encode_loop, name="wsync-encode", daemon=True),
                          threading.Thread(target=self._accept_loop, name="wsync-accept", daemon=True)]
@@ -175,8 +198,9 @@ class Publisher:
         with self._cv:
             self._host_trainer = live is not None and not on_device  # worth keeping a host mirror for (not frozen)
             self._published_at[version] = time.time()  # before the encoder can start on it
-            while len(self._published_at) > 1000:
-                self._published_at.pop(next(iter(self._published_at)))
+            self._unsent[version] = time.perf_counter()
+            for d in (self._published_at, self._unsent):
+                _keep_newest(d)
         make_kf = self._publish_device(version, live) if on_device \
             else self._publish_host(version, state, live, frozen=frozen)
         with self._cv:  # the encoder thread reads _last
@@ -288,22 +312,17 @@ class Publisher:
         return [f"{p.link.peer} (holds {'nothing' if p.acked is None else f'version {p.acked}'})"
                 for p in self._peers if not p.dead and p.acked != newest]
 
-    def stats_snapshot(self) -> dict:
-        """A consistent copy of the counters: versions encoded, bytes and encode seconds per version, and the
-        bytes the catch-up history holds. Safe from any thread; the caller may keep or change it.
+    @property
+    def stats(self) -> PublisherStats:
+        """A consistent copy of the counters (see PublisherStats), safe from any thread; the caller may keep it.
 
         A version is counted once its encoding ends, which can be after a subscriber has committed it
         (pieces stream while they are packed): flush() first to read a version just published."""
         with self._stats_lock:
-            snap = copy.deepcopy(self._stats)
+            versions, nbytes, encode_s = self._encoded, dict(self._bytes), dict(self._encode_s)
         with self._cv:
-            snap["history_bytes"] = self._history.held_bytes()
-        return snap
-
-    @property
-    def stats(self) -> dict:
-        """stats_snapshot(): a copy, never the dict the encoder thread writes."""
-        return self.stats_snapshot()
+            return PublisherStats(versions=versions, bytes=nbytes, encode_s=encode_s, send_s=dict(self._send_s),
+                                  history_bytes=self._history.held_bytes())
 
     @property
     def newest(self) -> int | None:
@@ -500,10 +519,11 @@ class Publisher:
     def _record(self, version: int, t0: float, enc: EncodedVersion | None) -> None:
         seconds = time.perf_counter() - t0
         with self._stats_lock:
-            self._stats["versions"] += 1
-            self._stats["encode_s"][version] = seconds
-            self._stats["bytes"][version] = enc.nbytes if enc else None
-            self._trim_stats()
+            self._encoded += 1
+            self._encode_s[version] = seconds
+            self._bytes[version] = enc.nbytes if enc else None
+            _keep_newest(self._encode_s)
+            _keep_newest(self._bytes)
         if self.metrics is not None:
             self.metrics.encoded(version, seconds)
 
@@ -655,12 +675,17 @@ class Publisher:
             spare, self._spare = self._spare, None
             return spare
 
-    def _trim_stats(self) -> None:
-        """Holds _stats_lock."""
-        for key in ("bytes", "encode_s"):
-            d = self._stats[key]
-            while len(d) > 1000:
-                d.pop(next(iter(d)))
+    def _on_links(self) -> None:
+        """Under _cv, when a sender has sent a version or gone: each version published that every live
+        subscriber's link now has whole gets its send time."""
+        live = [p for p in self._peers if p.greeted and not p.dead]
+        if not live or not self._unsent:
+            return
+        sent = min(-1 if p.sent is None else p.sent for p in live)
+        now = time.perf_counter()
+        for v in [v for v in self._unsent if v <= sent]:
+            self._send_s[v] = now - self._unsent.pop(v)
+        _keep_newest(self._send_s)
 
     # -- serving subscribers ---------------------------------------------------------------------
 
@@ -741,6 +766,12 @@ class Publisher:
             if enc.error is not None or self._closed:
                 return None
             return enc.buckets[i]
+
+
+def _keep_newest(d: dict) -> None:
+    """Drop a per-version map's oldest entries (insertion order is version order) past KEPT_PER_VERSION."""
+    while len(d) > KEPT_PER_VERSION:
+        d.pop(next(iter(d)))
 
 
 class _Frozen(dict):

@@ -185,7 +185,7 @@ class WsyncWorkerExtension:
             sub, engine = getattr(backend, "sub", None), getattr(backend, "engine", None)
         if sub is None:
             return {"version": None, "digest": None, "failures": 0}
-        return {"version": sub.version, "digest": engine.digest(), "failures": sub.stats["failures"]}
+        return {"version": sub.version, "digest": engine.digest(), "failures": sub.stats.failures}
 
     def wsync_close(self) -> None:
         self.wsync_sub.close()
@@ -258,7 +258,7 @@ class WsyncWorkerExtension:
 
     def wsync_lora_status(self, lora_int_id: int | None = None) -> dict:
         sub, engine = self._wsync_lora(lora_int_id)
-        return {"version": sub.version, "digest": engine.digest(), "failures": sub.stats["failures"],
+        return {"version": sub.version, "digest": engine.digest(), "failures": sub.stats.failures,
                 **engine.status()}
 
     def wsync_lora_tensors(self, lora_int_id: int | None = None) -> dict:

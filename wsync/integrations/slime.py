@@ -87,7 +87,7 @@ class WsyncUpdateWeight:
             self._pub.wait_for_subscribers(_SIDECARS, timeout=_CONFIG.timeout_s)
             self._pub.publish(state, version=self.weight_version)
             self._pub.flush(_CONFIG.timeout_s)  # every sidecar has written weight_v{N}
-            self.update_weight_metrics = {"wsync/wire_bytes": float(self._pub.stats["bytes"].get(self.weight_version) or 0)}
+            self.update_weight_metrics = {"wsync/wire_bytes": float(self._pub.stats.bytes.get(self.weight_version) or 0)}
         _barrier()
 
     def _chunks(self):

@@ -35,6 +35,7 @@ import sys
 
 from ..engines.staged import Staged
 from ..errors import BackendUnavailable, WsyncError
+from ..sync import PublisherStats
 from .common import SyncConfig, host_state, next_version
 
 BACKEND = "wsync"  # the name in verl's CheckpointEngineRegistry
@@ -135,13 +136,13 @@ class WsyncCheckpointEngineCore:
             yield name, tensor
 
 
-def sync_metrics(stats: dict, version: int, state: dict) -> dict:
+def sync_metrics(stats: PublisherStats, version: int, state: dict) -> dict:
     """What send_weights hands verl's trainer, which logs every value as a number (tensorboard, wandb)."""
-    wire = stats["bytes"].get(version)
+    wire = stats.bytes.get(version)
     keyframe = wire is None  # a keyframe ships the raw tensors, not an encoded delta
     return {"wsync/version": version, "wsync/keyframe": float(keyframe),
             "wsync/wire_bytes": sum(t.nbytes for t in state.values()) if keyframe else wire,
-            "wsync/encode_s": stats["encode_s"].get(version) or 0.0}
+            "wsync/encode_s": stats.encode_s.get(version) or 0.0}
 
 
 def _whole(engine: Staged) -> dict:

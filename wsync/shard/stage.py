@@ -56,10 +56,10 @@ class Source(Subscriber):
                     if not staged or staged[0].version > version:
                         return failed
                     st = staged.pop(0)
-                    before = self._stats["failures"]
+                    before = self._stats.failures
                 self._apply(st)
                 with self._cv:
-                    if self._stats["failures"] > before:
+                    if self._stats.failures > before:
                         failed = f"version {st.version} failed to stage: {self._apply_error}"
 
     def overshot(self, version: int) -> bool:
@@ -253,7 +253,7 @@ class Stage:
                 self._live_sums.pop(s, None)
 
     def received_bytes(self) -> int:
-        return sum(src.stats_snapshot()["bytes"] for src in self.sources.values())
+        return sum(src.stats.bytes for src in self.sources.values())
 
     def close(self) -> None:
         for src in self.sources.values():

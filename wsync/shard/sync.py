@@ -235,7 +235,7 @@ class ShardPublisher:
         piece_bytes = sum(b.numel() * b.element_size() for bufs in self.buffers.values() for b in bufs.values())
         sent: dict[int, int] = {}
         for pub in self.publishers.values():
-            for v, n in pub.stats_snapshot()["bytes"].items():
+            for v, n in pub.stats.bytes.items():
                 sent[v] = sent.get(v, 0) + (n or 0)
         return {"pieces": sum(len(p) for p in self.sends.values()), "piece_bytes": piece_bytes,
                 "buffer_bytes": piece_bytes, "bytes": sent}
