@@ -477,9 +477,9 @@ def _versions(pub: PublisherStats, report: dict) -> list[dict]:
         applied.setdefault(a["version"], []).append({k: a[k] for k in ("worker", "incarnation", "bytes", "apply_s",
                                                                          "keyframe")})
     out = []
-    for v in sorted(set(pub.get("bytes", {})) | set(applied)):
+    for v in sorted(set(pub.bytes) | set(applied)):
         st, got = steps.get(v, {}), applied.get(v, [])
-        sent = pub.get("bytes", {}).get(v)  # a keyframe is sized when first sent: then what the samplers got
+        sent = pub.bytes.get(v)  # a keyframe is sized when first sent: then what the samplers got
         out.append({"version": v, "bytes": sent if sent is not None else max((a["bytes"] for a in got), default=None),
                     "encode_s": pub.encode_s.get(v), "send_s": pub.send_s.get(v), "gather_s": st.get("gather_s"),
                     "publish_s": st.get("publish_s"), "applied": got})
