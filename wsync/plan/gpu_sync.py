@@ -13,7 +13,7 @@ exists it prices the device path:
   encode, the local transport) the encode term; a link's wire time is then
   added on top, so the local transport counts twice (a small overstatement);
 - with the `moe` stages too, the seconds per tensor beyond the bytes, from the
-  20,000-tensor state against the dense one.
+  many-tensor state against the dense one.
 
 A stage counts only if it ran whole and its engine ended bit-exact. Runs come
 from the packaged measured inputs (measured.py: `*gpu_sync*.json` in

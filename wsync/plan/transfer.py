@@ -2,8 +2,8 @@
 
 The published tables price a sync as bytes / line rate. That is the floor; a
 real update also encodes on the trainer and applies on the engine, at the
-codec speeds measured in `benchmarks/results/*.json` (overridable). This module
-computes both, says which term dominates, and prices the idle GPU time.
+codec speeds of the packaged measured inputs (measured.py; overridable). This
+module computes both, says which term dominates, and prices the idle GPU time.
 Units: GB = 1e9 bytes, Gbit/s = 1e9 bit/s.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ only per-component costs, never the throughput itself:
 
 The discrete-event simulator (`sim.py`) then schedules those costs: stragglers,
 group admission into free slots, the admission window, stale drops, idle time.
-On 2 shared cores a component costs more when the processes overlap (async)
+On shared cores a component costs more when the processes overlap (async)
 than when they take turns (sync), so each run's costs are read from that run.
 """
 from __future__ import annotations
