@@ -1,6 +1,6 @@
 """The lowrank range finder kernel (csrc/ws_lora.cuh): Y = (W_new - W_old) @ Omega from two bf16 matrices.
 
-Run on the CPU harness through the real engine (_Engine.lora_range), under
+Run on the CPU harness through the real launcher (_Launcher.lora_range), under
 three schedules, against torch on CPU. The kernel sums in fp32 in a fixed
 tree (each thread's columns in order, then 5 shuffle levels, then the 8
 warps), torch in its own order; both are within the stated bound of the exact
@@ -49,10 +49,10 @@ def check_bound(y: np.ndarray, new, old, omega) -> None:
 @pytest.mark.parametrize("m,n,k,density", [(37, 1000, 24, 0.3), (5, 300, 1, 1.0), (9, 257, 40, 0.05),
                                             (3, 1, 33, 1.0), (4, 700, 24, 0.0)])
 def test_range_matches_torch_within_the_bound(sim, schedule, m, n, k, density):
-    engine = cuda._Engine(cudasim.SimRuntime(sim, schedule, seed=m))
+    launcher = cuda._Launcher(cudasim.SimRuntime(sim, schedule, seed=m))
     new, old = bf16_pair(m, n, density, seed=m * n + k)
     omega = torch.randn(n, k, generator=torch.Generator().manual_seed(k))
-    y = engine.lora_range(u16(new), u16(old), omega.numpy())
+    y = launcher.lora_range(u16(new), u16(old), omega.numpy())
     assert y.shape == (m, k) and y.dtype == np.float32
     check_bound(y, new, old, omega)
     check_bound(((new.float() - old.float()) @ omega).numpy(), new, old, omega)  # torch meets it too
@@ -63,7 +63,7 @@ def test_range_matches_torch_within_the_bound(sim, schedule, m, n, k, density):
 def test_the_same_bits_under_every_schedule(sim):
     new, old = bf16_pair(16, 2000, 0.2, seed=1)
     omega = torch.randn(2000, 24, generator=torch.Generator().manual_seed(2)).numpy()
-    ys = [cuda._Engine(cudasim.SimRuntime(sim, s, seed=3)).lora_range(u16(new), u16(old), omega) for s in SCHEDULES]
+    ys = [cuda._Launcher(cudasim.SimRuntime(sim, s, seed=3)).lora_range(u16(new), u16(old), omega) for s in SCHEDULES]
     assert all(y.tobytes() == ys[0].tobytes() for y in ys)
 
 
@@ -72,31 +72,31 @@ def test_inf_and_nan_propagate_like_torch(sim):
     new[1, 7] = float("inf")
     new[2, 9] = float("nan")
     omega = torch.randn(300, 3, generator=torch.Generator().manual_seed(5))
-    y = cuda._Engine(cudasim.SimRuntime(sim)).lora_range(u16(new), u16(old), omega.numpy())
+    y = cuda._Launcher(cudasim.SimRuntime(sim)).lora_range(u16(new), u16(old), omega.numpy())
     ref = ((new.float() - old.float()) @ omega).numpy()
     assert np.array_equal(np.isnan(y), np.isnan(ref)) and np.array_equal(np.isinf(y), np.isinf(ref))
 
 
 def test_empty_and_mismatched_inputs(sim):
-    engine = cuda._Engine(cudasim.SimRuntime(sim))
-    assert engine.lora_range(np.zeros((0, 5), np.uint16), np.zeros((0, 5), np.uint16),
+    launcher = cuda._Launcher(cudasim.SimRuntime(sim))
+    assert launcher.lora_range(np.zeros((0, 5), np.uint16), np.zeros((0, 5), np.uint16),
                              np.zeros((5, 3), np.float32)).shape == (0, 3)
     with pytest.raises(ValueError, match="omega"):
-        engine.lora_range(np.zeros((2, 5), np.uint16), np.zeros((2, 5), np.uint16), np.zeros((4, 3), np.float32))
+        launcher.lora_range(np.zeros((2, 5), np.uint16), np.zeros((2, 5), np.uint16), np.zeros((4, 3), np.float32))
     with pytest.raises(TypeError, match="fp32 omega"):
-        engine.lora_range(np.zeros((2, 5), np.uint16), np.zeros((2, 5), np.uint16), np.zeros((5, 3), np.float64))
+        launcher.lora_range(np.zeros((2, 5), np.uint16), np.zeros((2, 5), np.uint16), np.zeros((5, 3), np.float64))
 
 
 class SimRange:
     """What lowrank asks of a backend (lowrank_range on torch tensors), served by the kernel on the harness."""
 
     def __init__(self, sim):
-        self.engine = cuda._Engine(cudasim.SimRuntime(sim, "random", seed=9))
+        self.launcher = cuda._Launcher(cudasim.SimRuntime(sim, "random", seed=9))
         self.calls = 0
 
     def lowrank_range(self, w_new, w_old, omega):
         self.calls += 1
-        return torch.from_numpy(self.engine.lora_range(u16(w_new), u16(w_old), omega.numpy()))
+        return torch.from_numpy(self.launcher.lora_range(u16(w_new), u16(w_old), omega.numpy()))
 
 
 def test_lowrank_uses_the_kernel_for_bf16_weights(sim):
@@ -154,7 +154,7 @@ def test_cpp_twin_within_the_bound(cpu_kernels, m, n, k, density):
 def test_cpp_twin_and_kernel_agree(sim, cpu_kernels):
     new, old = bf16_pair(16, 3000, 0.2, seed=8)
     omega = torch.randn(3000, 24, generator=torch.Generator().manual_seed(8))
-    gpu = cuda._Engine(cudasim.SimRuntime(sim, "random", seed=8)).lora_range(u16(new), u16(old), omega.numpy())
+    gpu = cuda._Launcher(cudasim.SimRuntime(sim, "random", seed=8)).lora_range(u16(new), u16(old), omega.numpy())
     cpp = cpu_kernels.lowrank_range(new, old, omega).numpy()
     check_bound(gpu, new, old, omega)
     check_bound(cpp, new, old, omega)

@@ -3,7 +3,7 @@
 csrc/delta_cuda.cu is compiled unchanged by g++ after tests/cudasim/wsim.h
 (one fiber per GPU thread, strict barriers and warp collectives, junk in
 shared memory and in fresh device arrays) and driven by the real host side
-of wsync.backends.cuda (_Engine, _KernelsOver) through SimRuntime in place
+of wsync.backends.cuda (_Launcher, _KernelsOver) through SimRuntime in place
 of cupy. Every kernel runs under three schedules (forward, reverse, random),
 across widths, orders, sizes around the 65,536-element chunk, densities from
 none to all, and misaligned views. tests/test_cuda_kernels.py is the same
@@ -45,11 +45,11 @@ def round_trip(k: cuda._KernelsOver, old, new, order: str, what: str) -> None:
     assert pos.dtype == rpos.dtype and pos.tobytes() == rpos.tobytes(), f"decode positions, {what}"
     assert values.dtype == rvalues.dtype and values.tobytes() == rvalues.tobytes(), f"decode values, {what}"
     live = np.array(old, copy=True)
-    undo = k.engine.apply(live, got, order, undo=True)
+    undo = k.launcher.apply(live, got, order, undo=True)
     assert live.tobytes() == new.tobytes(), f"apply, {what}"
-    k.engine.restore(live, undo)
+    k.launcher.restore(live, undo)
     assert live.tobytes() == old.tobytes(), f"restore, {what}"
-    assert k.engine.apply(live, got, order, undo=False) is None
+    assert k.launcher.apply(live, got, order, undo=False) is None
     assert live.tobytes() == new.tobytes(), f"apply without undo, {what}"
 
 
@@ -97,9 +97,9 @@ def test_misaligned_views(sim, width, schedule):
         assert values.tobytes() == delta_ref.decode(old, delta_ref.encode(old, new, "float"), "float")[1].tobytes()
         if offset % width == 0:
             live = misaligned(old, offset)
-            undo = k.engine.apply(live, delta_ref.encode(old, new, "float"), "float", undo=True)
+            undo = k.launcher.apply(live, delta_ref.encode(old, new, "float"), "float", undo=True)
             assert live.tobytes() == new.tobytes()
-            k.engine.restore(live, undo)
+            k.launcher.restore(live, undo)
             assert live.tobytes() == old.tobytes()
 
 
@@ -121,7 +121,7 @@ def test_bad_sections_raise_like_the_reference_and_touch_nothing(sim, width, ord
         assert str(got_err.value) == str(ref_err.value), what
         live = old.copy()
         with pytest.raises(FormatError) as apply_err:
-            k.engine.apply(live, bad, order, undo=True)
+            k.launcher.apply(live, bad, order, undo=True)
         assert str(apply_err.value) == str(ref_err.value), what
         assert live.tobytes() == old.tobytes(), what
 
@@ -148,7 +148,7 @@ def test_xxh3_every_length_class_matches_xxhash(sim, schedule):
     rng = np.random.default_rng(7)
     bufs = [rng.integers(0, 256, size=n, dtype=np.uint8) for n in XXH3_LENGTHS]
     bufs += [misaligned(rng.integers(0, 256, size=n, dtype=np.uint8), 3) for n in (5, 300, 4099)]
-    got = k.engine.block_digests(bufs)
+    got = k.launcher.block_digests(bufs)
     for b, d in zip(bufs, got):
         want = [xxhash.xxh3_64_intdigest(b.tobytes())] if b.nbytes else []
         assert d.tolist() == want, f"{b.nbytes} bytes"
@@ -161,10 +161,10 @@ def test_block_digests_match_the_checksum_module(sim, schedule):
     raw = rng.integers(0, 256, size=3 * BLOCK + 1000, dtype=np.uint8)
     bufs = [raw[: 3 * BLOCK + 17], raw[:0], raw[1:241], raw[5 : 5 + BLOCK], raw[: BLOCK + 1], raw[3:4],
             raw[BLOCK - 1 : 2 * BLOCK]]
-    got = k.engine.block_digests(bufs)
+    got = k.launcher.block_digests(bufs)
     for b, d in zip(bufs, got):
         assert d.tobytes() == block_digests(b).tobytes()
-    assert k.engine.digests(bufs) == [checksum(b) for b in bufs]
+    assert k.launcher.digests(bufs) == [checksum(b) for b in bufs]
     assert k.checksum(raw) == checksum(raw)  # host bytes stay on the host
 
 
@@ -224,7 +224,7 @@ def test_fused_detector_matches_reference_on_torch_casts(sim, schedule, n, lr):
         after = before + (rng.standard_normal(n) * lr).astype(np.float32)
     after[rng.random(n) < 0.001] = rng.choice(specials)  # NaN appears, disappears, changes payload
     nan = cuda.torch_bf16_nan_bits("cpu")
-    got = k.engine.encode_bf16_from_f32(before.view(np.uint32), after.view(np.uint32), nan)
+    got = k.launcher.encode_bf16_from_f32(before.view(np.uint32), after.view(np.uint32), nan)
     b16 = _round_torch(before.view(np.uint32))
     a16 = _round_torch(after.view(np.uint32))
     assert sections_equal(cuda.sections_to_host(got, np.uint16), delta_ref.encode(b16, a16, "float"))
@@ -266,11 +266,11 @@ def test_every_kernel_in_csrc_runs_under_three_schedules(sim):
             old, new = make_case(rng, width, order, 3000, 0.1)
             round_trip(k, old, new, order, f"width {width} {order}")
         before = rng.standard_normal(3000).astype(np.float32)
-        k.engine.encode_bf16_from_f32(before.view(np.uint32), (before * 1.001).view(np.uint32), (0x7FFF, 0x7FFF))
-        k.engine.digests([rng.integers(0, 256, 5000, dtype=np.uint8)])
+        k.launcher.encode_bf16_from_f32(before.view(np.uint32), (before * 1.001).view(np.uint32), (0x7FFF, 0x7FFF))
+        k.launcher.digests([rng.integers(0, 256, 5000, dtype=np.uint8)])
         w = rng.integers(0, 1 << 16, (3, 70), dtype=np.uint16)
-        k.engine.lora_range(w, w ^ np.uint16(1), rng.standard_normal((70, 5)).astype(np.float32))
-        from test_codec_v2_cuda_sim import v2_round_trip  # delta v2's decoder (csrc/ws_v2_cuda.cu), one width each
+        k.launcher.lora_range(w, w ^ np.uint16(1), rng.standard_normal((70, 5)).astype(np.float32))
+        from codec_helpers import v2_round_trip  # delta v2's decoder (csrc/ws_v2_cuda.cu), one width each
 
         v2_round_trip(rt)
         assert in_source <= set(rt.launched), f"never launched under {schedule}: {sorted(in_source - set(rt.launched))}"

@@ -34,7 +34,7 @@ reader on another stream needs (wait for the event, and record_stream so the
 allocator does not hand the memory out while that stream still reads it).
 
 The host-side choreography (launch order, prefix sums, validation, error
-messages, devices, streams) lives in ``_Engine`` and ``CudaKernels`` over a
+messages, devices, streams) lives in ``_Launcher`` and ``CudaKernels`` over a
 small runtime interface, so the CPU tests run it unchanged: against the kernels
 themselves on CPU fibers (tests/cudasim), and against a fake runtime that
 records launches, streams, events and syncs (tests/test_cuda_streams.py).
@@ -216,7 +216,7 @@ def _use_on(rt, ready, stream, arrays) -> None:
             rt.record_stream(a, stream)
 
 
-class _Engine:
+class _Launcher:
     """Kernel launches and their host-side bookkeeping, over a runtime that provides
     xp (numpy or cupy), launch(name, grid, args), to_host(array) and ptr(array)."""
 
@@ -516,7 +516,7 @@ def _host_kernels():
 
 
 class _KernelsOver(Composed):
-    """The Kernels protocol on numpy arrays, over an _Engine (GPU or host emulation).
+    """The Kernels protocol on numpy arrays, over a _Launcher (GPU or host emulation).
 
     The fused host-array operations are Composed's: on host arrays the work
     is the round trip to the GPU, which fusing would not remove. On the GPU
@@ -526,7 +526,7 @@ class _KernelsOver(Composed):
     name = "cuda"
 
     def __init__(self, rt):
-        self.engine = _Engine(rt)
+        self.launcher = _Launcher(rt)
         self.xp = rt.xp
 
     # Host tables (many tensors as one segment) are gathered into one host array first: its one copy to the
@@ -535,12 +535,12 @@ class _KernelsOver(Composed):
     def delta_encode(self, old: np.ndarray, new: np.ndarray, order: str) -> DeltaSections:
         xp = self.xp
         old, new = as_array(old), as_array(new)
-        sec = self.engine.encode(xp.ascontiguousarray(xp.asarray(old)), xp.ascontiguousarray(xp.asarray(new)), order)
+        sec = self.launcher.encode(xp.ascontiguousarray(xp.asarray(old)), xp.ascontiguousarray(xp.asarray(new)), order)
         return sections_to_host(sec, new.dtype)
 
     def delta_decode(self, old: np.ndarray, sec: DeltaSections, order: str) -> tuple[np.ndarray, np.ndarray]:
         old = as_array(old)
-        pos, values = self.engine.decode(self.xp.ascontiguousarray(self.xp.asarray(old)), sec, order)
+        pos, values = self.launcher.decode(self.xp.ascontiguousarray(self.xp.asarray(old)), sec, order)
         return _host(pos), _host(values).astype(old.dtype, copy=False)
 
     def v2_encode(self, old, sec: DeltaSections, dtype) -> dict:
@@ -553,7 +553,7 @@ class _KernelsOver(Composed):
     def v2_decode(self, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
         """codecs/v2_ref.decode with the chunks decoded on the GPU: the base goes up, the sections come back."""
         old = as_array(old)
-        sec = self.engine.v2_decode(self.xp.ascontiguousarray(self.xp.asarray(old)), parts, dtype)
+        sec = self.launcher.v2_decode(self.xp.ascontiguousarray(self.xp.asarray(old)), parts, dtype)
         return sections_to_host(sec, old.dtype)
 
     def checksum(self, buf) -> str:
@@ -572,12 +572,12 @@ class CudaKernels(_KernelsOver):
 
     def __init__(self, runtime=None):
         super().__init__(runtime if runtime is not None else _CupyRuntime())
-        self.rt = self.engine.rt
+        self.rt = self.launcher.rt
 
     def checksum(self, buf) -> str:
         if _is_device_array(buf):  # hashed on the buffer's own device, not the current one
             with self._on(buf):
-                return self.engine.digests([self.rt.bits(buf, bytes_only=True)])[0]
+                return self.launcher.digests([self.rt.bits(buf, bytes_only=True)])[0]
         return host_checksum(as_array(buf))
 
     # ---- GPU-native entry points (torch CUDA tensors or cupy arrays) --------------
@@ -587,13 +587,13 @@ class CudaKernels(_KernelsOver):
         new's device; see DeviceSections for reading them elsewhere."""
         self._one_device("encode_device", old=old, new=new)
         with self._on(new):
-            return self._device_sections(self.engine.encode(self.rt.bits(old), self.rt.bits(new), order))
+            return self._device_sections(self.launcher.encode(self.rt.bits(old), self.rt.bits(new), order))
 
     def v2_decode_device(self, base, parts: dict, dtype) -> DeviceSections:
         """The v1 sections of a delta-v2 tensor against a contiguous CUDA tensor (the base it was coded
         against), decoded on its GPU and left there, for apply_device. Bad parts raise FormatError."""
         with self._on(base):
-            return self._device_sections(self.engine.v2_decode(self.rt.bits(base), parts, dtype))
+            return self._device_sections(self.launcher.v2_decode(self.rt.bits(base), parts, dtype))
 
     def apply_device(self, weights, sections: DeltaSections, order: str, undo: bool = True) -> Undo | None:
         """Apply sections in place to a contiguous CUDA tensor. Bad sections raise
@@ -602,7 +602,7 @@ class CudaKernels(_KernelsOver):
         self._one_device("apply_device", weights=weights, **_device_parts(sections))
         with self._on(weights):
             self._wait_ready(sections)
-            u = self.engine.apply(self.rt.bits(weights), sections, order, undo)
+            u = self.launcher.apply(self.rt.bits(weights), sections, order, undo)
             if u is not None:
                 u.ready, u.runtime = self.rt.record_event(), self.rt
             return u
@@ -611,7 +611,7 @@ class CudaKernels(_KernelsOver):
         self._one_device("restore_device", weights=weights, saved=undo.saved)
         with self._on(weights):
             self._wait_ready(undo)
-            self.engine.restore(self.rt.bits(weights), undo)
+            self.launcher.restore(self.rt.bits(weights), undo)
 
     def digest_device(self, tensor) -> str:
         """wsync.checksum.checksum of a contiguous CUDA tensor's bytes, computed on its GPU."""
@@ -627,7 +627,7 @@ class CudaKernels(_KernelsOver):
             return []
         self._one_device("digests_device", **{f"tensors[{i}]": t for i, t in enumerate(tensors)})
         with self._on(tensors[0]):
-            return self.engine.digests([self.rt.bits(t, bytes_only=True) for t in tensors])
+            return self.launcher.digests([self.rt.bits(t, bytes_only=True) for t in tensors])
 
     def fused_change_detect(self, master_before, master_after, nan_bits: tuple[int, int] | None = None
                             ) -> DeviceSections:
@@ -644,7 +644,7 @@ class CudaKernels(_KernelsOver):
         self._one_device("fused_change_detect", master_before=master_before, master_after=master_after)
         with self._on(master_after):
             nan = nan_bits or self._torch_bf16_nan(master_after)
-            sec = self.engine.encode_bf16_from_f32(self.rt.bits(master_before), self.rt.bits(master_after), nan)
+            sec = self.launcher.encode_bf16_from_f32(self.rt.bits(master_before), self.rt.bits(master_after), nan)
             return self._device_sections(sec)
 
     def lowrank_range(self, w_new, w_old, omega):
@@ -663,7 +663,7 @@ class CudaKernels(_KernelsOver):
             a = self.rt.bits(w_new).reshape(m, n)
             b = self.rt.bits(w_old).reshape(m, n)
             om = self.rt.bits(omega.contiguous()).view(np.float32).reshape(omega.shape)
-            return torch.from_dlpack(self.engine.lora_range(a, b, om))
+            return torch.from_dlpack(self.launcher.lora_range(a, b, om))
 
     # ---- helpers -------------------------------------------------------------------
 
@@ -782,7 +782,7 @@ def _torch_u8():
 class _CupyRuntime:
     """Launches on the current CUDA device through cupy; the module compiles once (cupy caches it on disk).
 
-    The runtime interface CudaKernels and _Engine use: xp, launch, to_host, ptr, bits, device_of,
+    The runtime interface CudaKernels and _Launcher use: xp, launch, to_host, ptr, bits, device_of,
     stream_of (device, stream and allocator of a tensor), record_event, wait, wait_current,
     record_stream."""
 

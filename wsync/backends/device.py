@@ -80,7 +80,7 @@ class DeviceKernels:
                     if ls[p]:
                         flat[at : at + ls[p]] = self._device_bytes(v)
                     at += ls[p]
-                frame_sum = self.k.engine.digests([flat[start:at]])[0]
+                frame_sum = self.k.launcher.digests([flat[start:at]])[0]
                 out.append((key, start, ls, frame_sum))
         return body, out
 

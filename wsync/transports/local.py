@@ -37,7 +37,7 @@ from .. import safejson
 from ..errors import ChecksumError, TransportError
 from . import envelope, local_cuda, options
 from .base import Address, Message, TransportTimeout
-from .local_segments import Outbox, copy_in, verify_pieces
+from .local_segments import SegmentPool, copy_in, verify_pieces
 
 FRAME = struct.Struct("<cI")  # frame type, JSON body length
 HELLO = FRAME.pack(b"H", 0)  # a subscriber's first bytes
@@ -164,7 +164,7 @@ class LocalLink:
 
     def __init__(self, sock: socket.socket, cfg: LocalConfig, peer: str):
         self.sock, self.cfg, self.peer = sock, cfg, peer
-        self._out = Outbox(cfg.pool_bytes)  # segments we write
+        self._out = SegmentPool(cfg.pool_bytes)  # segments we write
         self._in_fds: dict[int, int] = {}  # the peer's segments we may map, by id
         self._held: list[_Held] = []  # what our caller got, given back once unused
         self._lent: dict[int, list] = {}  # message id -> CUDA tensors we sent that the reader may still use

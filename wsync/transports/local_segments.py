@@ -52,7 +52,7 @@ class Segment:
     shared: bool = False  # the reader already has our descriptor
 
 
-class Outbox:
+class SegmentPool:
     """The writer's segments; release() comes from the link's reader thread."""
 
     def __init__(self, limit: int):

@@ -253,7 +253,7 @@ class TcpLink:
             raise TransportError(f"link to {self.peer} ended while reconnecting")
         nxt, partial = tf.decode_state(peer_state.encode(), self.out.next_seq)
         try:
-            self.out.plan(nxt, partial)
+            self.out.resume(nxt, partial)
         except ValueError as ex:
             raise TransportError(f"bad resume state from {self.peer}: {ex}") from None
         if self.state == "broken":

@@ -121,7 +121,7 @@ class Outbox:
         else:
             self.frames.extend(("frames", om, [job], True) for job in jobs)  # one frame each, on any stream
 
-    def plan(self, nxt: int, partial: dict) -> None:
+    def resume(self, nxt: int, partial: dict) -> None:
         """New epoch: drop what the peer completed and queue again everything it lacks."""
         self.control.clear()
         self.frames.clear()
