@@ -20,7 +20,8 @@ from . import backends, dtypes
 from .codecs import CODECS
 from .codecs.base import Applied, Decoded, Encoded, Overwritten
 from .errors import ChecksumError, FormatError, MismatchError, VersionError
-from .layout import Bound, Layout, check_covers, layout_of, segment_digest, segments, split
+from .checksum import state_digest
+from .layout import Bound, Layout, check_covers, layout_of, segments, split
 from .manifest import Manifest, TensorSpec, check_members
 from .payload import Payload, as_payload
 from .snapshot import State, TensorBits, aliases, as_state, to_torch
@@ -106,8 +107,8 @@ def _payload(encoded: list, k, members: Layout, inline: bool, **fields) -> Paylo
         else _assemble(encoded, k, members)
     delta = fields["codec"] == "delta"
     manifest = Manifest(
-        checksum=segment_digest((s.name, s.dtype, s.numel, s.checksum) for s in specs),
-        base_checksum=segment_digest((s.name, s.dtype, s.numel, s.base_checksum) for s in specs) if delta else None,
+        checksum=state_digest((s.name, s.dtype, (s.numel,), s.checksum) for s in specs),
+        base_checksum=state_digest((s.name, s.dtype, (s.numel,), s.base_checksum) for s in specs) if delta else None,
         tensors=specs, layout_hash=members.hash, members=members if inline else None, **fields,
     )
     return Payload(manifest, body if getattr(k, "keep", False) else memoryview(body))
@@ -445,7 +446,7 @@ def apply_payloads_inplace(state: State, payloads: list[Payload], *, backend: st
     try:
         for p in payloads:
             _apply(state, p, k, inplace=True, whole=False, log=log, layouts=layouts)
-            records += [(s.name, s.dtype, s.numel, s.checksum) for s in p.manifest.tensors]
+            records += [(s.name, s.dtype, (s.numel,), s.checksum) for s in p.manifest.tensors]
     except BaseException:
         undo()
         raise

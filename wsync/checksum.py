@@ -34,7 +34,15 @@ def checksum(buf) -> str:
 
 
 def state_digest(entries) -> str:
-    """Digest of a whole state from (name, dtype, shape, checksum) tuples, order-independent."""
+    """The one digest of weights: xxh3-64 over sorted (name, dtype, shape, checksum) entries, order-independent.
+
+    Two things are digested with it, and they differ because their entries do:
+    - a version (the ``checksum`` every payload and version carries, on the wire and on disk): one entry
+      per segment, ``("<layout hash>:<j>", dtype, (numel,), checksum of the segment's bits)``; it depends
+      on how the version is cut into buckets and segments (subscriber.version_digest computes it from a state);
+    - a state, whatever its layout (snapshot.digest, what engines report to be compared with a trainer): one
+      entry per tensor, ``(name, dtype, shape, checksum of the tensor's bits)``.
+    """
     h = xxhash.xxh3_64()
     for name, dtype, shape, csum in sorted(entries):
         h.update(f"{name}\0{dtype}\0{list(shape)}\0{csum}\n".encode())

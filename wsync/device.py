@@ -34,7 +34,8 @@ from .codecs import CODECS
 from .codecs.delta import xor_data
 from .codecs.delta_ref import DeltaSections
 from .errors import BackendUnavailable, ChecksumError, FormatError, MismatchError, VersionError
-from .layout import Bound, Layout, check_covers, layout_of, segment_digest
+from .checksum import state_digest
+from .layout import Bound, Layout, check_covers, layout_of
 from .snapshot import TensorBits, plan_buckets
 
 
@@ -148,7 +149,7 @@ class DeviceEngine:
             for p, m in zip(payloads, members):
                 for j, spec in enumerate(p.manifest.tensors):
                     records.append(self._apply_segment(p, m, j, spec, undo, checked))
-            held = segment_digest(records)
+            held = state_digest(records)
             if held != checksum:
                 raise ChecksumError(f"after applying, the engine's weights digest to {held}, expected {checksum}")
         except BaseException:
@@ -189,7 +190,7 @@ class DeviceEngine:
 
     def _check_raw_version(self, payloads: list, members: list[Layout], checksum: str) -> None:
         specs = [spec for p in payloads for spec in p.manifest.tensors]
-        if segment_digest((s.name, s.dtype, s.numel, s.checksum) for s in specs) != checksum:
+        if state_digest((s.name, s.dtype, (s.numel,), s.checksum) for s in specs) != checksum:
             raise ChecksumError(f"the version's segments digest to other than its digest {checksum}")
         for p, m in zip(payloads, members):
             for j, spec in enumerate(p.manifest.tensors):
@@ -218,7 +219,7 @@ class DeviceEngine:
             got = k.digest_device(seg)
             if got != spec.checksum:
                 raise ChecksumError(f"{what}: decoded result does not match its checksum")
-        return spec.name, spec.dtype, spec.numel, got
+        return spec.name, spec.dtype, (spec.numel,), got
 
     def _write(self, p, spec, seg, dt, what: str, checked: bool):
         """Write one segment's new values into seg; returns how to put the old ones back."""

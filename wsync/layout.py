@@ -23,7 +23,6 @@ import numpy as np
 import xxhash
 
 from . import dtypes
-from .checksum import state_digest
 from .errors import FormatError, MismatchError
 from .snapshot import State, TensorBits, aliases, as_state, unique_tensors
 from .tables import Table, as_array
@@ -201,11 +200,6 @@ def split(members: Layout, seg_bits: list[np.ndarray]) -> State:
             out[members.names[i]] = TensorBits(dt, members.shapes[i], bits[at : at + n])
             at += n
     return out
-
-
-def segment_digest(records) -> str:
-    """Digest of a version or payload from its segments' (key, dtype, numel, checksum)."""
-    return state_digest((k, dt, (n,), s) for k, dt, n, s in records)
 
 
 class Bound(dict):

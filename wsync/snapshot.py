@@ -65,7 +65,8 @@ def as_state(obj) -> State:
 
 
 def digest(state: State, checksums: dict[str, str] | None = None) -> str:
-    """Digest of a whole state (names, dtypes, shapes, contents)."""
+    """Digest of a whole state, one entry per tensor (names, dtypes, shapes, contents: see
+    checksum.state_digest); the same for any layout, so any two holders of the weights can be compared."""
     checksums = checksums or {n: tb.checksum() for n, tb in state.items()}
     return state_digest((n, tb.dtype.name, tb.shape, checksums[n]) for n, tb in state.items())
 

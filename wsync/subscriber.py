@@ -47,9 +47,10 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from . import api, backends
+from .checksum import state_digest
 from .errors import ChecksumError, TransportError, WsyncError
 from .device import DeviceEngine, host_payload, on_one_device
-from .layout import Bound, Layout, bind_copying, check_covers, segment_digest, segments
+from .layout import Bound, Layout, bind_copying, check_covers, segments
 from .payload import Payload
 from .sender import PROTOCOL
 from .snapshot import as_state, to_torch
@@ -614,7 +615,7 @@ def apply_version(engine, payloads: list[Payload], checksum: str, *, backend: st
                 engine.load({name: to_torch(state[name]) for name in changed})
             held = version_digest(engine.tensors(), members, backend)
         else:  # every segment was just checked against the manifest, in the engine's own memory
-            held = segment_digest(records)
+            held = state_digest(records)
         if held != checksum:
             raise ChecksumError(f"after loading, the engine's weights digest to {held}, expected {checksum}")
     except BaseException:
@@ -670,23 +671,24 @@ def _check_covers(state: Bound, members: list[Layout]) -> None:
 
 
 def version_digest(tensors, members: list[Layout], backend: str | None = None) -> str:
-    """The digest a version's payloads promise, computed from a state: its segments' checksums."""
+    """The digest a version's payloads promise (checksum.state_digest of its segments), computed from a state
+    cut into the version's layouts."""
     k = backends.kernels(backend)
     state = tensors if isinstance(tensors, Bound) else as_state(tensors)
     records = []
     for m in members:
         for key, seg in zip(m.keys(), segments(state, m)):
-            records.append((key, seg.dtype.name, seg.numel, k.checksum(seg.bits)))
-    return segment_digest(records)
+            records.append((key, seg.dtype.name, (seg.numel,), k.checksum(seg.bits)))
+    return state_digest(records)
 
 
 def _replace(engine, payloads: list[Payload], checksum: str, backend) -> None:
     """A keyframe into an engine that takes states whole. Each bucket is checked against its manifest as it is
     decoded; an engine with replace_parts (engines.Spool) takes them one at a time, so the decoded model is
     never in memory beside the received one."""
-    records = [(s.name, s.dtype, s.numel, s.checksum) for p in payloads for s in p.manifest.tensors]
-    if segment_digest(records) != checksum:
-        raise ChecksumError(f"keyframe digests to {segment_digest(records)}, expected {checksum}")
+    records = [(s.name, s.dtype, (s.numel,), s.checksum) for p in payloads for s in p.manifest.tensors]
+    if state_digest(records) != checksum:
+        raise ChecksumError(f"keyframe digests to {state_digest(records)}, expected {checksum}")
     parts = (api.apply_state(None, p, backend=backend) for p in payloads)
     if hasattr(engine, "replace_parts"):
         engine.replace_parts(parts)

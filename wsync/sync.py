@@ -39,7 +39,8 @@ from . import api, backends
 from .errors import SnapshotError, VersionError, WsyncError
 from .history import EncodedVersion, History, Keyframe, keyframe_due
 from .sender import Sender
-from .layout import Bound, Layout, bind, layout_of, segment_digest
+from .checksum import state_digest
+from .layout import Bound, Layout, bind, layout_of
 from .mirror import LiveDelta, Mirror
 from .device import DeviceSource, DeviceState, on_one_device
 from .snapshot import Copying, State, as_state, blank_like, off_host, plan_buckets, unique_tensors, wait_copied
@@ -571,7 +572,7 @@ class Publisher:
         """Encode a version bucket by bucket (payload(i) makes bucket i of enc.count), waking senders after each.
 
         Returns each segment's checksum (as its manifest gives it)."""
-        sums = []  # (key, dtype, numel, checksum) of every segment: the version digest, without another pass
+        sums = []  # (key, dtype, (numel,), checksum) of every segment: the version digest, without another pass
         try:
             for i in range(enc.count):
                 p = payload(i)
@@ -600,11 +601,11 @@ class Publisher:
         """Bucket i of enc as a message; sums collects each segment's checksum record, in order."""
         with self._cv:
             at = self._published_at.get(enc.version)  # publish()'s wall clock: subscribers measure latency from it
-        sums += [(t.name, t.dtype, t.numel, t.checksum) for t in p.manifest.tensors]
+        sums += [(t.name, t.dtype, (t.numel,), t.checksum) for t in p.manifest.tensors]
         last = i == enc.count - 1
         # the digest of the whole version rides on its last bucket, the one the subscriber applies after
         meta = {"version": enc.version, "base_version": enc.base_version, "index": i, "count": enc.count,
-                "checksum": segment_digest(sums) if last else None, "published_at": at}
+                "checksum": state_digest(sums) if last else None, "published_at": at}
         return Message("bucket", meta, [p.header(), p.body])
 
     def _encoder(self, enc: EncodedVersion, base: State | None, state: State, host: bool = False):

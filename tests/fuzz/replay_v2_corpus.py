@@ -57,7 +57,7 @@ def as_payload(c, dt, old: np.ndarray, sec) -> bytes:
     import wsync
     from wsync.checksum import checksum
     from wsync.codecs import delta_ref
-    from wsync.layout import segment_digest
+    from wsync.checksum import state_digest
     from wsync.payload import Payload
     from wsync.snapshot import TensorBits
 
@@ -75,7 +75,7 @@ def as_payload(c, dt, old: np.ndarray, sec) -> bytes:
         new[pos] = values
         spec.checksum = checksum(new)
     m = p.manifest
-    m.checksum = segment_digest((s.name, s.dtype, s.numel, s.checksum) for s in m.tensors)
+    m.checksum = state_digest((s.name, s.dtype, (s.numel,), s.checksum) for s in m.tensors)
     return Payload(m, memoryview(body)).to_bytes()
 
 
