@@ -21,9 +21,10 @@ Two faces:
   sections are built on the GPU.
 
 The ``v2`` tier is decoded on the GPU too (``v2_decode`` in the protocol,
-``v2_decode_device`` for a CUDA base; csrc/ws_v2_cuda.cu, one thread per
-chunk, the C++ backend's own chunk decoder); v2 is encoded on the host, by
-the C++ encoder (the reference where the extension is not built).
+``v2_decode_device`` for a CUDA base; csrc/ws_v2_cuda.cu, a warp per chunk
+whose lanes count and place the changes while one reads the codes with the C++
+backend's own decoder); v2 is encoded on the host, by the C++ encoder (the
+reference where the extension is not built).
 
 Streams. Device sections and undo buffers are written on the stream that was
 current when they were made, from torch's caching allocator for that stream.
@@ -456,8 +457,8 @@ class _Launcher:
 
 
 def v2_index_lengths(index: bytes, nc: int, pos_len: int, steps_len: int) -> np.ndarray:
-    """v2_ref.read_index as an (nc, 2) uint64 array, its varints read with numpy: the reference's loop took
-    ~10 ms of the GPU decode's 24 for 4096 chunks (H200 host). The common case only: varints of at most nine
+    """v2_ref.read_index as an (nc, 2) uint64 array, its varints read with numpy: the reference's Python loop,
+    one varint at a time, would take much of the GPU decode's time. The common case only: varints of at most nine
     bytes (values below 2^63) that tile the index, within their limits, summing to the sections' lengths.
     Anything else goes to the reference, which decides, and raises, as the spec says."""
     b = np.frombuffer(index, np.uint8)
@@ -545,8 +546,8 @@ class _KernelsOver(Composed):
 
     def v2_encode(self, old, sec: DeltaSections, dtype) -> dict:
         """codecs/v2_ref.encode's bytes. There is no CUDA encoder: the base is a host array here and the
-        sections came back with delta_encode, so the C++ encoder runs on the host (2-3 GB/s on two cores);
-        only where the extension is not built does the reference's Python (about 40 MB/s) do it."""
+        sections came back with delta_encode, so the C++ encoder runs on the host; only where the extension is
+        not built does the reference's Python, far slower, do it."""
         host = _host_kernels()
         return host.v2_encode(old, sec, dtype) if host is not None else v2_ref.encode(as_array(old), sec, dtype)
 

@@ -1,8 +1,9 @@
 """``local://name``: publisher and subscribers on one host, payload through shared memory.
 
 A Unix socket in a private runtime directory (mode 0700, peers must run as our
-uid) carries small JSON frames; payload bytes are written once into a
-**memfd** segment whose file descriptor travels with the frame (SCM_RIGHTS),
+uid) carries message headers (envelope.py) and small JSON control frames;
+payload bytes are written once into a **memfd** segment whose file descriptor
+travels with the message header (SCM_RIGHTS),
 and the reader maps it copy-on-write and hands out views: no second copy, and
 the caller may still write to what it got. Segments have no name anywhere, so
 nothing can leak into /dev/shm: when both processes close their descriptors

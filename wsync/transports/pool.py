@@ -1,8 +1,8 @@
 """Receive buffers recycled once the caller has let go of them.
 
-Fresh memory is expensive: every page is faulted in and zeroed on first touch
-(about 1 GB/s on the 2-core CI machine, slower than the wire), while a sync
-receives the same bucket sizes version after version. So a receiving link
+Fresh memory is expensive: every page is faulted in and zeroed on first touch,
+which can be slower than the wire, while a sync receives the same bucket sizes
+version after version. So a receiving link
 keeps the buffers it handed out and gives one back out when the caller holds no
 reference to it any more (its reference count says so; a numpy array, tensor or
 memoryview over a buffer holds a reference, so a buffer in use is never reused).

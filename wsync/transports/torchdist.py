@@ -57,11 +57,11 @@ FOREVER = datetime.timedelta(days=3650)  # gloo's own op timeout: we bound every
 class GroupConfig:
     world_size: int = 0  # ranks in the group: publisher + subscribers; a subscriber may omit it (read from the store)
     rank: int | None = None  # a subscriber's rank in 1..world_size-1; None takes the next free one
-    chunk: int = 64 << 20  # bytes per collective; loopback gloo peaks at >= 64M, smaller pieces lose ~20%
+    chunk: int = 64 << 20  # bytes per collective: large, so each operation's fixed cost is spread over many bytes
     join_timeout: float = 300.0  # seconds for the store to be reached and the group to form
     stall_timeout: float = 120.0  # once a message has started, longest wait for any of its parts
     device: str | None = None  # nccl: this rank's GPU (default: the one current where listen/connect was called)
-    pool_bytes: int = 1 << 30  # received buffers kept for reuse once released (fresh pages cost ~1 GB/s)
+    pool_bytes: int = 1 << 30  # received buffers kept for reuse once released (fresh pages are slow: see pool.py)
     bind: str | None = None  # gloo: local IP to bind; default 127.0.0.1 for a loopback store, else the hostname's
 
 

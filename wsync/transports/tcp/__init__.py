@@ -89,9 +89,8 @@ class TcpConfig:
     congestion: str | None = None  # TCP_CONGESTION for every connection, e.g. "bbr" or "cubic" (None: system)
     # Linux >= 6.15, ignored elsewhere: the shortest retransmission timeout (the system's is 200 ms), and the
     # longest an ACK may be delayed (40 ms), kept well under it so a delayed ACK never looks like a loss. A
-    # delta version is a few hundred packets after an idle gap: a lost tail packet whose probe is lost too
-    # waited 200 ms; on the emulated 200 Mbit/s, 40 ms, 0.5% loss WAN the slowest of 16 versions went from
-    # 0.60 s to 0.27 s. 0: the system's.
+    # delta version is a few hundred packets after an idle gap, so a lost tail packet whose probe is lost too
+    # would otherwise wait out the system's timeout. 0: the system's.
     rto_min: float = 0.05
     delack_max: float = 0.01
     pool_bytes: int = 256 << 20  # received buffers (>= 1 MiB) kept for reuse once the caller drops them (fresh pages are slow)

@@ -1,9 +1,8 @@
 """The listener's door: connections that have not finished their handshake, few at once, one deadline each.
 
 Until a peer has proved the token it is a stranger, and a stranger must not be
-able to make the listener hold threads or memory. With a timeout per read, a
-peer that trickled a byte at a time kept its handshake alive for ever; 2,200
-of them took a listener to 1.5 GB and 1,392 threads. So:
+able to make the listener hold threads or memory: with only a timeout per read,
+a peer trickling a byte at a time would keep its handshake alive for ever. So:
 
 * at most ``cap`` connections are in their handshake at once; a newcomer
   beyond that displaces the one that has waited longest, so a flood of

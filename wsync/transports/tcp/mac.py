@@ -16,7 +16,7 @@ tag before acting on it and a body's before it marks the frame held, so a
 failure (``Forged``) ends the link with nothing of the forged message kept.
 
 The xxh3 sums stay: they tell damage in transit (resent) from forgery (fatal).
-BLAKE3 rather than HMAC-SHA256: 3.5 against 1.6 GiB/s on one core here.
+BLAKE3 rather than HMAC-SHA256: it hashes many chunks at once with SIMD, so it is the faster keyed hash.
 """
 from __future__ import annotations
 

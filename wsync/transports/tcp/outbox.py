@@ -32,13 +32,9 @@ def frame_size(nbytes: int, streams: int, frame_bytes: int) -> int:
 
     Frames are dealt to streams as they free up, so a message ends when the
     last stream finishes its last frame; the others sit idle meanwhile, and on
-    a WAN the busy one cannot take over their share of the link at once
-    (measured on the emulated 200 Mbit/s, 40 ms, 0.5% loss link, 96 MiB: bbr
-    with 4 streams lost ~15% of the rate to 4 MiB frames, none with 1 MiB;
-    cubic with 32 streams, each a few Mbit/s, went from 117 to 142 Mbit/s
-    with frames of 256 KiB instead of 1 MiB). Smaller frames shrink that
-    tail; large messages keep frame_bytes, so fast links keep their few,
-    cheap, large frames (a frame costs tens of microseconds of Python).
+    a WAN the busy one cannot take over their share of the link at once.
+    Smaller frames shrink that tail; large messages keep frame_bytes, so fast
+    links keep their few, cheap, large frames (each frame costs Python work).
     """
     if streams <= 1 or frame_bytes <= MIN_SPLIT:
         return frame_bytes
@@ -139,28 +135,21 @@ class Outbox:
 
         Frames of a large message go to whichever writer is free, so the load
         spreads over every stream at once. A small message goes whole to the
-        lowest-numbered free writer: a light load (a delta bucket every few
-        milliseconds) so stays on stream 0 and keeps that connection's
-        congestion window open. Dealt round-robin instead, every stream sat
-        idle most of the time and its window shrank: on the emulated
-        200 Mbit/s, 40 ms WAN a 170 KB bucket took about 60 ms to arrive over
-        4 streams against 40 ms over one. When stream 0 falls behind (its
-        sendall blocks), the next message goes to stream 1, and so on.
+        lowest-numbered free writer, so a light load (a delta bucket now and
+        then) stays on stream 0 and keeps that connection's congestion window
+        open, where dealt round-robin every stream would idle and its window
+        shrink. When stream 0 falls behind (its sendall blocks), the next
+        message goes to stream 1, and so on.
 
         With LANE_STREAMS or more streams, the frames of large messages skip
         stream 0: it stays a lane for small messages that no bulk transfer
-        shares. Shared, its bbr bandwidth estimate fell to a fair share of the
-        link during each keyframe, and the deltas after it went out at that
-        rate for many versions (emulated 200 Mbit/s, 40 ms, 0.5% loss WAN, 4
-        streams, 1 MB deltas: 58 Mbit/s after a keyframe, 122 twelve deltas
-        later). Alone it keeps what the deltas taught it (~185 Mbit/s), and
-        large messages still fill the link over the other streams (89-91% of
-        it with 3, 4 and 8 streams). A fresh connection starts from TCP's
-        initial window, though, so each epoch stream 0 does take the first
-        LANE_WARMUP bytes of large messages (the keyframe a new subscriber
-        gets first): its slow start happens there, not in the first delta
-        (0.34-0.41 s without, 0.16-0.18 with), and 1 MiB is too little for
-        bbr to leave its startup phase at a fair share of the link.
+        shares, so a keyframe does not cut the rate its congestion control
+        learned from the deltas, while large messages still fill the link over
+        the other streams. A fresh connection starts from TCP's initial
+        window, though, so each epoch stream 0 does take the first LANE_WARMUP
+        bytes of large messages (the keyframe a new subscriber gets first): its
+        slow start happens there rather than in the first delta, and the
+        warmup is kept small enough not to teach it a fair share of the link.
         """
         self.free.add(k)
         try:
@@ -214,8 +203,8 @@ def write(sock, job: tuple, mac=None) -> None:
             send_record(sock, tf.pack(tf.Record(tf.FRAME, om.seq, b, off, len(view), s)), view, mac)
 
 
-# a body is tagged piece by piece just before each piece is sent, while it is in cache; BLAKE3 runs at twice
-# the speed on 1 MiB updates as on 64 KiB ones (its SIMD hashes many 1 KiB chunks at once)
+# a body is tagged piece by piece just before each piece is sent, while it is in cache, in pieces large enough
+# for BLAKE3's SIMD to hash many 1 KiB chunks at once
 MAC_PIECE = 1 << 20
 
 
