@@ -78,8 +78,6 @@ def _refuse_for_sweep(p) -> None:
 
 def _link(spec: str) -> str:
     """--link checked while parsing, so a wrong one is a usage error (exit 2) before any work."""
-
-
     try:
         parse_link(spec)
     except PlanError as e:
@@ -88,7 +86,6 @@ def _link(spec: str) -> str:
 
 
 def _loop_flags(p, skip: tuple = ()) -> None:
-
     choices = {"mode": ["sync", "async"], "gpu": list(GPUS), "codec": ["full", "delta", "lora"]}
     for f in dataclasses.fields(SimulatedLoop):
         default = f.default

@@ -40,7 +40,6 @@ def _json(obj) -> None:
 
 
 def cmd_models(a) -> None:
-
     rows = []
     for n in model_names():
         m = get_model(n)
@@ -147,7 +146,6 @@ def cmd_transfer(a) -> None:
     codecs = [parse_codec(k, saving=a.delta_saving, lora=lora) for k in (a.codec or ["full", "delta", "lora"])]
     per_tensor = None
     if a.per_tensor_us is not None:
-
         per_tensor = TensorCost(encode_s=a.per_tensor_us * 1e-6, apply_s=a.per_tensor_us * 1e-6,
                                 source=f"{a.per_tensor_us} us per tensor at each end, given on the command line")
     sharded = _sharded(a, models)
@@ -158,7 +156,6 @@ def cmd_transfer(a) -> None:
         speed = codec_speed(c.kind, saving=c.saving, tier=c.tier, backend=a.backend)
         tensor_cost = per_tensor
         if tensor_cost is None and e2e and speed.source.startswith(e2e.where):
-
             tensor_cost = e2e_tensor_cost(c.kind, e2e)  # None without the moe stages: the default then
         if a.encode_gbps or a.apply_gbps:
             speed = CodecSpeed(encode_gbps=a.encode_gbps or speed.encode_gbps, apply_gbps=a.apply_gbps or
@@ -241,11 +238,9 @@ def _sharded(a, models) -> dict:
     if a.trainer_ranks is None and a.engine_ranks is None:
         return {}
     if not (a.trainer_ranks and a.engine_ranks) or a.trainer_ranks < 1 or a.engine_ranks < 1:
-
         raise PlanError("a sharded sync needs both --trainer-ranks and --engine-ranks, each >= 1")
     out = {m.name: {} for m in models}
     if a.from_plan:
-
         for m in models:
             trainer, engine = f"fsdp:{a.trainer_ranks}", f"vllm:tp={a.engine_ranks}"
             try:
@@ -272,7 +267,6 @@ def _print_sharded(a, rows) -> None:
 
 
 def cmd_lora(a) -> None:
-
     m = get_model(a.model)
     cfg = LoraConfig(rank=a.rank, layout=a.layout, targets=tuple(a.targets), dtype=a.dtype, include_mtp=not a.no_mtp)
     size = lora_size(m, cfg)
@@ -286,11 +280,9 @@ def cmd_lora(a) -> None:
 
 
 def _loop_config(a):
-
     fields = {f.name for f in dataclasses.fields(SimulatedLoop)} - {"decode_curve"}
     kw = {k: getattr(a, k) for k in fields if hasattr(a, k)}
     if getattr(a, "decode_curve", ""):
-
         try:
             kw["decode_curve"] = tuple((int(b), float(t)) for b, t in (p.split(":") for p in a.decode_curve.split(",")))
         except ValueError as e:
@@ -299,7 +291,6 @@ def _loop_config(a):
 
 
 def cmd_loop(a) -> None:
-
     cfg = _loop_config(a)
     curve = decode_curve_table(cfg)
     results = {mode: simulate(dataclasses.replace(cfg, mode=mode)) for mode in ("sync", "async")}
@@ -318,7 +309,6 @@ def cmd_loop(a) -> None:
 
 
 def cmd_sweep(a) -> None:
-
     pts = sweep(_loop_config(a), total_gpus=a.total_gpus, train_gpus=a.train_splits, batches=a.batches, caps=a.caps)
     rows = as_rows(pts)
     png = plot(pts, a.png) if a.png else None
@@ -332,7 +322,6 @@ def cmd_sweep(a) -> None:
 
 
 def cmd_sandboxes(a) -> None:
-
     cfg = SandboxConfig(rollouts_per_s=a.rate, actions_per_rollout=a.actions, action_latency_s=a.action_latency,
                         think_s=a.think, startup_s=a.startup, failure_rate=a.failure_rate, quantile=a.quantile)
     p = plan_sandboxes(cfg)
