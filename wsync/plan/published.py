@@ -150,7 +150,7 @@ def recomputed() -> list[Recomputed]:
             + [x for r in tables.WAN for x in wan_row_figures(r)])
 
 
-# Derived views of the tables, the planner's tests and sweeps use them as numbers.
+# The tables as numbers (catalog name, GB, seconds), for the comparisons with the model configs.
 TRANSFER_TABLE = [(r.model, float(figure(r.cells[1]).value), float(figure(r.cells[2]).value),
                    float(figure(r.cells[3]).value)) for r in tables.IN_CLUSTER if r.lora is None]
 LORA_TABLE = [(r.model, r.lora[0], r.lora[1], float(figure(r.cells[1]).value)) for r in tables.IN_CLUSTER if r.lora]
