@@ -411,8 +411,8 @@ class Trainer(Side):
     def cmd_flush(self, version: int, timeout: float) -> dict:
         self.pub.flush(timeout=timeout)
         st = self.pub.stats
-        return {"wire_bytes": st["bytes"].get(version), "encode_s": st["encode_s"].get(version),
-                "history_bytes": st.get("history_bytes"), "pcie_bytes": _pcie_since(self._pcie_at_publish, _pcie())}
+        return {"wire_bytes": st.bytes.get(version), "encode_s": st.encode_s.get(version),
+                "history_bytes": st.history_bytes, "pcie_bytes": _pcie_since(self._pcie_at_publish, _pcie())}
 
     def cmd_close(self) -> dict:
         mem = {"open": self.memory()}
@@ -504,7 +504,7 @@ class Engine(Side):
             rec = dict(self.commits[version])
         st = self.sub.stats
         err = self.sub.error
-        return rec | {"failures": st["failures"], "error": None if err is None else str(err)[:300]}
+        return rec | {"failures": st.failures, "error": None if err is None else str(err)[:300]}
 
     def cmd_close(self) -> dict:
         mem = {"open": self.memory()}

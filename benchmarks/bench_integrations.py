@@ -129,7 +129,7 @@ def _loop(sync, trainer, served, versions, gen, pub):
             times.append(dt)
     full = sum(t.nbytes for t in trainer.state_dict().values())
     pub.flush(timeout=60)  # the last version's bytes are recorded when its encoding ends, maybe after its commit
-    wire = [pub.stats["bytes"].get(v) or full for v in range(1, versions + 1)]
+    wire = [pub.stats.bytes.get(v) or full for v in range(1, versions + 1)]
     return {"s_per_version": sorted(times)[len(times) // 2], "wire_mb": sum(wire) / len(wire) / 1e6,
             "model_mb": full / 1e6}
 

@@ -110,8 +110,8 @@ class Lane:
         # the subscriber can commit a version before the encoder thread records its bytes (packed pieces
         # stream while they are written): flush() returns once that record is made
         self.pub.flush(timeout=60)
-        self.rows.append({"version": version, "bytes": self.pub.stats["bytes"][version], "seconds": dt_s,
-                          "keyframe": self.sub.stats["last"]["keyframe"]})
+        self.rows.append({"version": version, "bytes": self.pub.stats.bytes[version], "seconds": dt_s,
+                          "keyframe": self.sub.stats.last.keyframe})
 
     def close(self) -> None:
         self.sub.close()

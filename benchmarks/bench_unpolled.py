@@ -71,7 +71,7 @@ def publisher(versions: int, n: int) -> None:
 
 
 def subscriber(args) -> dict:
-    from wsync.engines.shadow import Shadow
+    from wsync.engines import Shadow
     from wsync.subscriber import Subscriber
 
     n = (args.mib << 20) // 2
@@ -109,7 +109,7 @@ def subscriber(args) -> dict:
             t0 = time.perf_counter()
             newest = sub.poll()
             poll_s = time.perf_counter() - t0
-            committed = sub.stats["versions"]
+            committed = sub.stats.versions
             exact = newest == args.versions and \
                 engine.state["w"].bits.tobytes() == state(args.versions, n)["w"].tobytes()
             child.stdin.write("done\n")
@@ -133,8 +133,8 @@ def subscriber(args) -> dict:
         "growth_per_version": growth,
         "growth_after_all_in_versions": round((after - base) / one, 3),
         "growth_peak_in_versions": round(max(growth) / one, 3),
-        "staged_at_end": stats.get("staged"),
-        "staged_bytes_at_end": stats.get("staged_bytes"),
+        "staged_at_end": stats.staged,
+        "staged_bytes_at_end": stats.staged_bytes,
         "versions_committed": committed,  # the warm-up and the newest: the ones in between were superseded
         "poll_s": poll_s,
         "exact": exact,

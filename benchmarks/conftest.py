@@ -1,4 +1,4 @@
-"""Benchmark fixtures: RL snapshots generated once and cached (see wsync.bench.snapshots).
+"""Benchmark fixtures: RL snapshots generated once and cached (see wsync_bench.snapshots).
 
     python -m pytest benchmarks/ --benchmark-only            # small model, quick
     WSYNC_BENCH_SIZE=bench python -m pytest benchmarks/ ...  # the 64M-parameter model
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 @pytest.fixture(scope="session", params=[1e-6, 1e-5], ids=lambda lr: f"lr{lr:g}")
 def snapshot_pair(request):
     """(base, new) TensorBits states one optimizer step apart, loaded into memory."""
-    from wsync.bench.snapshots import SnapshotConfig, default_cache_dir, ensure_snapshots
+    from wsync_bench.snapshots import SnapshotConfig, default_cache_dir, ensure_snapshots
     from wsync.checkpoint import read_checkpoint
     from wsync.snapshot import TensorBits
 

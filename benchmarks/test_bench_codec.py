@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import wsync
-from wsync.bench.peers import PEERS
+from wsync_bench.peers import PEERS
 
 SCHEMES = ["wsync-sparse", "wsync-packed"] + [n for n in PEERS if n != "raw"]
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import wsync
-from wsync.bench.many import make_states
-from wsync.layout import plan
+from wsync_bench.many import make_states
+from wsync.layout import layout_of
 
 TENSORS = int(os.environ.get("WSYNC_BENCH_TENSORS", "20000"))
 
@@ -33,7 +33,7 @@ def _raw(state) -> bytes:
 @pytest.mark.parametrize("shape", ["one", "many"])
 def test_encode(benchmark, states, shape):
     base, new = (wsync.bind(s) for s in states[shape])
-    members = plan(new)
+    members = layout_of(new)
     benchmark.group = f"encode packed, {TENSORS} x 1024 bf16 vs one tensor"
     p = benchmark(lambda: wsync.encode(base, new, tier="packed", members=members, inline=False))
     benchmark.extra_info.update(tensors=len(new), payload_bytes=p.nbytes, manifest_bytes=len(p.manifest.to_json()))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from wsync.bench import reshard
+from wsync_bench import reshard
 
 FULL = os.environ.get("WSYNC_BENCH_RESHARD") == "full"
 

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from wsync.bench import report
-from wsync.bench.hardware import describe, host_tag, stem
+from wsync.hardware import describe
+from wsync_bench import report
+from wsync_bench.results import host_tag, stem
+
+from bench_helpers import synthetic_run
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -39,15 +42,11 @@ def test_bench_all_quick_writes_to_the_cache_by_default_and_says_quick_is_a_smok
 
 
 def test_a_full_run_carries_no_quick_note():
-    from test_bench_all import synthetic_run
-
     assert "Note:" not in report.all_tables(synthetic_run())
     assert report.QUICK_NOTE in report.all_tables({**synthetic_run(), "quick": True})
 
 
 def test_codec_table_leaves_out_zipnn_when_it_did_not_run():
-    from test_bench_all import synthetic_run
-
     codec = synthetic_run()["suites"]["codec"]
     text = report.codec_table({**codec, "hardware": {}, "date": ""}, hardware=False)
     assert "zipnn |" not in text.splitlines()[0] and report.ZIPNN_MISSING in text
@@ -89,16 +88,17 @@ def _fake_run(cfg):
 
 
 @pytest.mark.parametrize("give_out", [True, False])
-def test_trainer_bench_writes_where_told_with_the_shared_host_tag(monkeypatch, tmp_path, give_out):
+def test_bench_loop_writes_where_told_with_the_shared_host_tag(monkeypatch, tmp_path, give_out):
     pytest.importorskip("matplotlib")
-    import trainer.bench
     import trainer.loop
+
+    from wsync import cli
 
     monkeypatch.setattr(trainer.loop, "run", _fake_run)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     before = _results_now()
     out = tmp_path / "out" if give_out else tmp_path / "home" / ".cache" / "wsync" / "results"
-    assert trainer.bench.main(["--repeats", "1", "--quiet"] + (["--out", str(out)] if give_out else [])) == 0
+    assert cli.main(["bench", "loop", "--repeats", "1", "--quiet"] + (["--out", str(out)] if give_out else [])) == 0
     name = f"{stem(describe())}-loop"  # the same tag `wsync bench all` names its files with
     assert sorted(p.name for p in out.iterdir()) == [f"{name}.json", f"{name}.png"]
     assert _results_now() == before

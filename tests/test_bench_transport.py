@@ -6,7 +6,7 @@ import json
 import pytest
 import xxhash
 
-from wsync.bench import transport as bench
+from wsync_bench import transport as bench
 from wsync.cli import main as cli
 
 

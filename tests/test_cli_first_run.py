@@ -143,8 +143,8 @@ def test_plan_loop_takes_a_gpu_in_capitals_and_a_link_rate(capsys):
 
 
 @pytest.mark.parametrize("args, extra, instead", [
-    (["bench", "codec", "--size", "tiny", "--gaps", "1", "--lr", "1e-6"], ".[bench]", "--base and --new"),
-    (["bench", "sync", "--size", "tiny", "--versions", "1"], ".[bench]", "--src"),
+    (["bench", "codec", "--size", "tiny", "--gaps", "1", "--lr", "1e-6"], "./benchmarks[all]", "--base and --new"),
+    (["bench", "sync", "--size", "tiny", "--versions", "1"], "./benchmarks[all]", "--src"),
 ])
 def test_bench_without_transformers_says_which_extra_in_one_line(tmp_path, args, extra, instead):
     r = _wsync_without(["transformers"], *args, env={"WSYNC_BENCH_DATA": str(tmp_path)})
@@ -152,6 +152,29 @@ def test_bench_without_transformers_says_which_extra_in_one_line(tmp_path, args,
     assert "needs transformers" in line and f'pip install -e "{extra}"' in line and instead in line, line
     assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr  # nothing announced or begun
     assert not list(tmp_path.iterdir())  # and nothing written
+
+
+@pytest.mark.parametrize("args", [["bench"], ["bench", "codec", "--size", "tiny"], ["bench", "all", "--quick"],
+                                  ["bench", "--quick"]])
+def test_bench_without_wsync_bench_says_how_to_install_it_in_one_line(args):
+    r = _wsync_without(["wsync_bench"], *args)
+    line = one_line_error(r, code=3)
+    assert "wsync-bench" in line and "pip install -e ./benchmarks" in line, line
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_other_commands_work_without_wsync_bench():
+    r = _wsync_without(["wsync_bench"], "--help")
+    assert r.returncode == 0 and "bench" in r.stdout and "pip install -e ./benchmarks" in r.stdout, r.stderr
+    assert _wsync_without(["wsync_bench"], "plan", "transfer", "--model", "qwen3-8b").returncode == 0
+
+
+def test_bench_lists_the_suites_of_wsync_bench_where_it_is_installed():
+    pytest.importorskip("wsync_bench")
+    r = wsync_cli("bench", "--help")
+    assert r.returncode == 0, r.stderr
+    listed = set(re.findall(r"^    (\S+)", r.stdout, flags=re.M))
+    assert {"codec", "transport", "sync", "reshard", "all", "loop"} <= listed, r.stdout
 
 
 def test_loop_without_transformers_says_which_extra_in_one_line():
@@ -178,8 +201,8 @@ def test_bench_transport_ucx_without_ucxx_is_one_line_and_exit_3():
 
 
 def test_bench_all_skips_ucx_with_the_same_line(monkeypatch):
-    from wsync.bench import all as bench_all
-    from wsync.bench import transport
+    from wsync_bench import all as bench_all
+    from wsync_bench import transport
 
     monkeypatch.setitem(sys.modules, "ucxx", None)
     why = transport.ucx_unavailable()

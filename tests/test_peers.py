@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from wsync.bench.peers import (PEERS, Peer, check_pair, entropy_bound_bits, monotone_key, run_peer,
+from wsync_bench.peers import (PEERS, Peer, check_pair, entropy_bound_bits, monotone_key, run_peer,
                                states_equal, synthetic_rl_step)
 from wsync.errors import FormatError, MismatchError, WsyncError
 

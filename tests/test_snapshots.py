@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from wsync.bench.snapshots import (
+from wsync_bench.snapshots import (
     SnapshotConfig, default_cache_dir, ensure_snapshots, monotone_key,
     snapshot_change_stats, snapshot_pairs,
 )
@@ -17,7 +17,7 @@ STEPS = 4
 
 
 def tiny_config(**overrides) -> SnapshotConfig:
-    # Few warm-up steps and a short batch keep the whole module well under 20 s.
+    # Few warm-up steps and a short batch keep the module quick enough for the default run.
     fields = dict(size="tiny", lr=1e-5, steps=STEPS, seed=0, batch=4, seq_len=32, warmup_steps=3)
     return SnapshotConfig(**(fields | overrides))
 

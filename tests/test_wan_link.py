@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from wsync.bench import wan as wanmod
-from wsync.bench.wan_bench import measure_rate, measure_rtt, transfer
+from wsync_bench import wan as wanmod
+from wsync_bench.wan_bench import measure_rate, measure_rtt, transfer
 
 WHY = wanmod.unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no WAN emulation here: {WHY}")
@@ -46,7 +46,7 @@ def test_tcp_moves_a_message_exactly_across_the_wan():
 @pytest.mark.slow
 def test_a_cut_mid_transfer_resumes_bit_exact():
     def cut(wan):
-        time.sleep(1.0)  # the transfer takes about 4 s at this rate
+        time.sleep(1.0)  # into the transfer, which lasts several seconds at this rate: the cut lands mid-way
         wan.path(False)  # the path goes away...
         cut.killed = wan.cut()  # ...and every connection on both ends dies
         time.sleep(0.7)

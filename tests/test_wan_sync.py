@@ -1,6 +1,6 @@
 """Sync across a real (emulated) WAN: publisher in one network namespace, subscriber in another.
 
-The link is rate-limited, delayed and lossy (wsync/bench/wan.py). Every check
+The link is rate-limited, delayed and lossy (benchmarks/wsync_bench/wan.py). Every check
 is on bytes: run_mode verifies the subscriber's digest of each version, and the
 pulled folders are compared with the published checkpoints.
 """
@@ -14,15 +14,16 @@ import time
 import numpy as np
 import pytest
 
-from wsync.bench import wan as wanmod
-from wsync.bench.sync import run_mode
+from wsync_bench import wan as wanmod
+from wsync_bench.sync import run_mode
 from wsync.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from wsync.serve import replica_metadata
 from wsync.snapshot import as_state, digest
 
+from helpers import TOKEN_HEX
+
 WHY = wanmod.unavailable()
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"no WAN emulation here: {WHY}"), pytest.mark.slow]
-TOKEN = "3a" * 16  # hex, as the command line takes it
 
 
 def _series(root, n, size, seed=0):
@@ -50,14 +51,13 @@ def test_full_and_delta_sync_across_the_wan_bit_exact(tmp_path):
 
 def _serve(wan, src, codec: str):
     p = wan.python("a", "-m", "wsync.cli", "serve", str(src), "--listen", f"tcp://{wan.ip_a}:47070",
-                   "--token", TOKEN, "--codec", codec, stdout=None)
-    time.sleep(2)  # the listener is up well within this; pull redials anyway
-    return p
+                   "--token", TOKEN_HEX, "--codec", codec, stdout=None)
+    return p  # not waited for: a pull redials until the listener is up
 
 
 def _pull(wan, out, **popen):
     return wan.python("b", "-m", "wsync.cli", "pull", f"tcp://{wan.ip_a}:47070", "-o", str(out),
-                      "--token", TOKEN, **popen)
+                      "--token", TOKEN_HEX, **popen)
 
 
 def _bar_drawn(p) -> None:

@@ -244,7 +244,7 @@ class Driver:
                                     f"{sorted(self.alive)}")
 
     def _finish(self) -> Result:
-        from wsync.bench.hardware import describe
+        from wsync.hardware import describe
 
         if self.cfg.progress:
             print(file=sys.stderr)

@@ -414,7 +414,7 @@ class RayDriver(Driver):
         import ray
         from ray.exceptions import RayError
 
-        from wsync.bench.hardware import describe
+        from wsync.hardware import describe
 
         if self.cfg.progress:
             print(file=sys.stderr)

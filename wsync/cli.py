@@ -3,7 +3,7 @@
     wsync delta encode BASE NEW -o OUT.wsd [--tier sparse|packed]
     wsync delta apply BASE DELTA -o OUT
     wsync inspect FILE [--json]
-    wsync bench codec [--base B --new N] [--json OUT]
+    wsync bench SUITE ...   (the suites of wsync-bench: pip install -e ./benchmarks)
     wsync backend
     wsync --version
     wsync serve SRC --listen HOST:PORT / wsync pull ADDRESS -o OUT   (serve.py)
@@ -20,6 +20,7 @@ listing wsync's files, and nothing else): wsync never empties a folder of yours.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -68,16 +69,9 @@ def _inspect(a) -> None:
         print(f"  {part:<9} {n:>14,} bytes")
 
 
-def _bench_codec(a) -> None:
-    if a.shape == "moe":
-        from .bench.many import main as bench_main
-
-        a.repeats = a.repeats or 31
-    else:
-        a.repeats = a.repeats or 3
-        from .bench.codec import main as bench_main
-
-    bench_main(a)
+def _bench_missing(a) -> None:
+    raise BackendUnavailable("wsync bench needs wsync-bench, which is not installed: "
+                             "pip install -e ./benchmarks (from a wsync checkout)")
 
 
 def _backend(a) -> None:
@@ -140,35 +134,38 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print the description as JSON on stdout instead of text")
     i.set_defaults(fn=_inspect)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="suite", title="benchmarks",
-                                                                       metavar="BENCHMARK")
-    bc = bench.add_parser("codec", help="our codec vs peer schemes on consecutive snapshots")
-    bc.add_argument("--base", type=Path, help="base checkpoint (default: generated RL snapshots)")
-    bc.add_argument("--new", type=Path, help="new checkpoint")
-    bc.add_argument("--size", default="bench", choices=["tiny", "small", "bench"], help="generated model size")
-    bc.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5],
-                    help="learning rates of the generated snapshot series (default 1e-6 1e-5)")
-    bc.add_argument("--gaps", type=int, nargs="+", default=[1, 4, 16],
-                    help="steps between the two snapshots compared (default 1 4 16)")
-    bc.add_argument("--repeats", type=int, default=None, help="timed rounds, best kept (default 3; --shape moe 31)")
-    bc.add_argument("--json", type=Path, help="also write results as JSON to this file")
-    bc.add_argument("--quiet", action="store_true", help="no progress bars (they show only on a terminal anyway)")
-    bc.add_argument("--shape", default="dense", choices=["dense", "moe"],
-                    help="moe: many small tensors vs one tensor of the same size, side by side (no snapshots)")
-    bc.add_argument("--tensors", type=int, default=20_000, help="--shape moe: how many tensors")
-    bc.add_argument("--elems", type=int, default=1024, help="--shape moe: elements per tensor")
-    bc.add_argument("--density", type=float, default=0.01, help="--shape moe: fraction of elements changed")
-    bc.set_defaults(fn=_bench_codec)
+    bench = sub.add_parser("bench", help="benchmarks (wsync-bench: pip install -e ./benchmarks)")
+    adders = _commands_of("bench")
+    if adders:
+        suites = bench.add_subparsers(dest="suite", title="benchmarks", metavar="BENCHMARK")
+        for add in adders:
+            add(suites)
+    else:  # any arguments go to the one line that says what to install
+        bench.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        bench.set_defaults(fn=_bench_missing)
 
     b = sub.add_parser("backend", help="which codec backend runs, and why")
     b.set_defaults(fn=_backend)
-    groups = {"": sub, "bench": bench}
-    for parent, mod in EXTENSIONS:
-        import importlib
-
-        importlib.import_module(mod).add_parsers(groups[parent])
+    for mod in EXTENSIONS:
+        importlib.import_module(mod).add_parsers(sub)
     _help_when_incomplete(p)
     return p
+
+
+def _commands_of(command: str) -> list:
+    """What other distributions add to `command` (entry point group `wsync.commands`, named after the command
+    they extend; each a function taking its subparsers): wsync-bench adds the suites of `wsync bench` so.
+    Empty where none is installed, or one is installed but its package does not import."""
+    from importlib.metadata import entry_points
+
+    adders = []
+    for ep in entry_points(group="wsync.commands", name=command):
+        try:
+            adders.append(ep.load())
+        except ModuleNotFoundError as e:
+            if not e.name or not (ep.module == e.name or ep.module.startswith(e.name + ".")):
+                raise  # the package is there but needs another that is not: its traceback is worth seeing
+    return adders
 
 
 def _help_when_incomplete(p: argparse.ArgumentParser) -> None:
@@ -182,39 +179,33 @@ def _help_when_incomplete(p: argparse.ArgumentParser) -> None:
                 _help_when_incomplete(child)
 
 
-# Modules that add their own subcommands with add_parsers(subparsers). They must
+# Modules that add their own commands with add_parsers(subparsers). They must
 # import nothing heavy at module level: the parser is built on every call.
-EXTENSIONS = [
-    ("", "wsync.serve"),
-    ("", "wsync.demo"),
-    ("bench", "wsync.bench.transport"),
-    ("bench", "wsync.bench.sync"),
-    ("bench", "wsync.bench.reshard"),
-    ("bench", "wsync.bench.all"),
-    ("", "wsync.plan.cli"),
-    ("", "trainer.cli"),
-]
+EXTENSIONS = ["wsync.serve", "wsync.demo", "wsync.plan.cli", "trainer.cli"]
 
 
 # Optional packages and the extra of pyproject.toml that brings each: a command that needs one that does not
 # import here says what to install (exit 3) rather than ending in a traceback.
 EXTRAS = {"torch": "torch", "transformers": "hf", "safetensors": "hf", "ucxx": "ucx", "cupy": "cuda",
-          "prometheus_client": "metrics", "matplotlib": "bench", "zipnn": "bench"}
+          "prometheus_client": "metrics"}
 
 
 def _missing_extra(e: ModuleNotFoundError, a) -> str | None:
     """`wsync loop needs transformers ...: pip install ...` for a missing optional package; None for any
     other missing module (a broken install or a bug: its traceback is worth seeing)."""
     name = (e.name or "").split(".")[0]
-    if name not in EXTRAS:
-        return None
-    extra = "bench" if a.cmd == "bench" and EXTRAS[name] in ("torch", "hf") else EXTRAS[name]
-    return f"{a.parser_of.prog} needs {name}, which does not import here ({e}): pip install -e \".[{extra}]\""
+    hint = getattr(a, "install_hint", None)  # a command of another distribution names its own extras
+    install = hint(name) if hint else None
+    if install is None:
+        if name not in EXTRAS:
+            return None
+        install = f'pip install -e ".[{EXTRAS[name]}]"'
+    return f"{a.parser_of.prog} needs {name}, which does not import here ({e}): {install}"
 
 
 def main(argv=None) -> int:
     a, extra = parser().parse_known_args(argv)
-    if extra:
+    if extra and a.fn is not _bench_missing:
         a.parser_of.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.fn is None:
         a.help_of.print_help()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import BackendUnavailable, MismatchError
+from wsync.errors import BackendUnavailable, MismatchError
 
 _TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 

@@ -1,7 +1,7 @@
 """`wsync bench sync`: publish -> live on a subscriber, end to end, full weights vs delta.
 
 The trainer side publishes consecutive RL snapshots (the realistic bf16 series
-of wsync/bench/snapshots.py, or any folder of checkpoints); a subscriber runs in
+of benchmarks/wsync_bench/snapshots.py, or any folder of checkpoints); a subscriber runs in
 its own process (inside a network namespace when the link is an emulated WAN)
 and reports the moment each version is committed. Latency of a version is
 commit time minus publish() time, both on the host's CLOCK_MONOTONIC, which
@@ -26,8 +26,8 @@ MODES = {"full": dict(codec="raw"), "delta": dict(codec="delta", tier="packed"),
 
 def subscriber_main(argv=None) -> None:
     """Child process: follow ADDRESS into a host-memory engine; print one JSON line per committed version."""
-    from .. import engines
-    from ..subscriber import Subscriber
+    from wsync import engines
+    from wsync.subscriber import Subscriber
 
     address, token, last = argv or sys.argv[1:4]
     eng = engines.Shadow()
@@ -42,18 +42,18 @@ def subscriber_main(argv=None) -> None:
     while v != int(last):
         v = sub.wait_for(v + 1, timeout=600)
         now = time.monotonic()
-        stats = sub.stats["last"]
+        last = sub.stats.last
         first, last_bucket = arrivals.get(v, [now, now])
         print(json.dumps({"version": v, "t": now, "first_bucket_t": first, "last_bucket_t": last_bucket,
-                          "bytes": stats["bytes"], "apply_s": stats["apply_s"], "digest": eng.digest()}), flush=True)
+                          "bytes": last.bytes, "apply_s": last.apply_s, "digest": eng.digest()}), flush=True)
     sub.close()
 
 
 def publisher_main(argv=None) -> None:
     """Child process: load the checkpoints, listen, then publish version N whenever N arrives on stdin."""
-    from ..checkpoint import read_checkpoint
-    from ..snapshot import digest
-    from ..sync import Publisher
+    from wsync.checkpoint import read_checkpoint
+    from wsync.snapshot import digest
+    from wsync.sync import Publisher
 
     listen, token, mode, bucket_bytes, *paths = argv or sys.argv[1:]
     states = [read_checkpoint(p).state for p in paths]
@@ -66,7 +66,7 @@ def publisher_main(argv=None) -> None:
         pub.publish(states[v], version=v)
         print(json.dumps({"published": v, "t": t0, "snapshot_s": time.monotonic() - t0}), flush=True)
         pub.flush(timeout=600)
-        print(json.dumps({"encode_s": pub.stats["encode_s"].get(v)}), flush=True)
+        print(json.dumps({"encode_s": pub.stats.encode_s.get(v)}), flush=True)
     pub.close()
 
 
@@ -106,7 +106,7 @@ def run_mode(mode: str, paths: list, *, listen: str = "tcp://127.0.0.1:0", wan=N
 
 
 def _spawn(wan, side: str, fn: str, *args: str):
-    code = f"from wsync.bench.sync import {fn}; {fn}()"
+    code = f"from wsync_bench.sync import {fn}; {fn}()"
     if wan is not None:
         return wan.python(side, "-c", code, *args, stderr=None)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
@@ -127,7 +127,7 @@ def _expect(child, key: str) -> dict:
 
 def load_paths(a) -> tuple[list, str]:
     if a.src:
-        from ..serve import find_versions
+        from wsync.serve import find_versions
 
         return [p for _, p in find_versions(a.src)][: a.versions + 1], str(a.src)
     from .snapshots import SnapshotConfig, ensure_snapshots, require_generator
@@ -139,9 +139,11 @@ def load_paths(a) -> tuple[list, str]:
 
 
 def main(a) -> None:
-    from .hardware import describe, one_line
+    from wsync.hardware import describe
 
-    from ..checkpoint import read_checkpoint
+    from .results import one_line
+
+    from wsync.checkpoint import read_checkpoint
 
     paths, source = load_paths(a)
     model_bytes = sum(tb.nbytes for tb in read_checkpoint(paths[0]).state.values())

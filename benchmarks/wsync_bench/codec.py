@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import api, progress
-from ..checkpoint import read_checkpoint
-from ..snapshot import TensorBits
-from . import hardware
+from wsync import api, progress
+from wsync.checkpoint import read_checkpoint
+from wsync.hardware import describe
+from wsync.snapshot import TensorBits
+
 from .peers import PEERS, Peer, entropy_bound_bits, run_peer
+from .results import one_line
 
 
 class WsyncPeer(Peer):
@@ -119,9 +121,9 @@ def _pairs(a) -> list[tuple[str, Path, Path]]:
 
 
 def main(a) -> None:
-    hw = hardware.describe()
+    hw = describe()
     pairs = _pairs(a)  # before the heading: a machine that cannot make the snapshots prints only why
-    print(f"# wsync bench codec on {hardware.one_line(hw)}\n")
+    print(f"# wsync bench codec on {one_line(hw)}\n")
     runs = []
     with progress.bar(len(pairs) * len(schemes({})), "bench codec", unit="scheme") as bar:
         for label, b, n in pairs:

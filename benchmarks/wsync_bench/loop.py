@@ -1,31 +1,31 @@
 """Sync vs async on long-tailed responses: the benchmark behind the reference loop's claim.
 
-    python -m trainer.bench --steps 120 --repeats 2                        # -> ~/.cache/wsync/results/
-    python -m trainer.bench --steps 120 --repeats 2 --out benchmarks/results  # a run to commit
-    python -m trainer.bench --ray --steps 40 --repeats 1                   # the same on a local Ray cluster
+    wsync bench loop --steps 120 --repeats 2                           # -> ~/.cache/wsync/results/
+    wsync bench loop --steps 120 --repeats 2 --out benchmarks/results  # a run to commit
+    wsync bench loop --ray --steps 40 --repeats 1                      # the same on a local Ray cluster
 
 Runs the same configuration (same seed, task, policy, batch) once per mode,
 alternating sync and async so that background load on a shared machine hits
 both alike, and writes one JSON with every run's summary, the per-pair ratios
 of samples/s, the rewards reached, and where each side's idle time went. The
-machine is named in the file and in its name (``wsync.bench.hardware.stem``,
+machine is named in the file and in its name (``wsync_bench.results.stem``,
 as `wsync bench all` names its results), and a PNG beside it plots reward,
 throughput and staleness of sync and async together.
 """
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
 import sys
 from pathlib import Path
 
-from .bench_configs import brief, configs
+from .loop_configs import brief, configs
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__.splitlines()[0])
+def add_parsers(bench) -> None:
+    p = bench.add_parser("loop", help="the reference loop, sync vs async on long-tailed lengths (--ray: on Ray)",
+                         description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--repeats", type=int, default=2, help="sync/async pairs, alternated")
     # AReaL's default bound; at 2 the long tail mostly ends up dropped as stale and the sampler limits async
@@ -46,20 +46,31 @@ def main(argv=None) -> int:
                    help="folder for the .json and .png (default ~/.cache/wsync/results; benchmarks/results for a run "
                         "to commit)")
     p.add_argument("--ray", action="store_true",
-                   help="also on a Ray cluster: sync and async on Ray beside the one-host loop (trainer/ray_bench.py)")
+                   help="also on a Ray cluster: sync and async on Ray beside the one-host loop (pip install -e \".[ray]\")")
     p.add_argument("--address", default=None, help="with --ray: a running Ray cluster (default: start a local one)")
     p.add_argument("--trainer-ranks", type=int, default=2, help="with --ray: FSDP2 ranks of the trainer (default 2)")
-    a = p.parse_args(argv)
+    p.set_defaults(fn=main)
+
+
+def arguments(a) -> dict:
+    """This suite's options as the results file records them: what the command line set, not wsync's own
+    bookkeeping (the function it runs, the parser)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()
+            if isinstance(v, (int, float, str, Path, type(None))) and k not in ("cmd", "suite")}
+
+
+def main(a) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # see trainer.cli: before any OpenMP pool starts
     if a.ray:
-        from .ray_bench import main as on_ray
+        from .loop_ray import main as on_ray
 
-        return on_ray(a, argv)
+        return on_ray(a)
 
-    from wsync.bench.hardware import default_results_dir, describe, one_line, stem
+    from trainer.loop import run
+    from trainer.metrics import plot_runs
+    from wsync.hardware import describe
 
-    from .loop import run
-    from .metrics import plot_runs
+    from .results import default_results_dir, one_line, stem
 
     out_dir = a.out or default_results_dir()
 
@@ -78,9 +89,9 @@ def main(argv=None) -> int:
     hw = describe()
     out = {
         "benchmark": "reference loop, sync vs async, long-tailed response lengths",
-        "command": " ".join(["python -m trainer.bench", *(sys.argv[1:] if argv is None else argv)]),
+        "command": "wsync bench loop",
         "hardware": hw, "hardware_line": one_line(hw), "load_average": os.getloadavg(),
-        "date": dt.date.today().isoformat(), "args": vars(a) | {"out": str(out_dir)},
+        "date": dt.date.today().isoformat(), "args": arguments(a) | {"out": str(out_dir)},
         "samples_per_s_ratio_async_over_sync": ratios, "tokens_per_s_ratio_async_over_sync": token_ratios,
         "reward_last": {m: [r["reward_last"] for r in runs if r["mode"] == m] for m in ("sync", "async")},
         "runs": runs,
@@ -97,8 +108,3 @@ def main(argv=None) -> int:
               f"{asy['samples_per_s']:.1f} samples/s reward {asy['reward_last']:.3f} (dropped {asy['dropped_stale']}) "
               f"| x{r:.2f} samples/s, x{rt:.2f} tokens/s")
     print(f"wrote {path}" + (f" and {png}" if png else ""))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,7 @@ adapter-only sync of a peft run). A suite that cannot run says why in the
 report instead of failing the rest. Writes `<out>/<date>-<host>.{json,md}` and
 PNG plots when matplotlib is installed (out: --out, default
 ~/.cache/wsync/results; `--out benchmarks/results` for a run to commit);
-`python -m wsync.bench.report` turns the JSON into the tables of docs/results.md.
+`python -m wsync_bench.report` turns the JSON into the tables of docs/results.md.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import progress
-from .hardware import default_results_dir, stem
+from wsync import progress
+from .results import default_results_dir, stem
 from .report import QUICK_NOTE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,14 +162,14 @@ def sync_suite(s: Sizes, wan: bool = True) -> dict:
 
 
 def _model_bytes(path) -> int:
-    from ..checkpoint import read_checkpoint
+    from wsync.checkpoint import read_checkpoint
 
     return sum(tb.nbytes for tb in read_checkpoint(path).state.values())
 
 
 def peers_suite(s: Sizes) -> dict:
     """Whole-checkpoint paths of others on version 1 of the sync suite's snapshots."""
-    from ..checkpoint import read_checkpoint
+    from wsync.checkpoint import read_checkpoint
     from .dist_peers import run_peers
 
     path = _snapshot_paths(s)[1]
@@ -210,7 +210,9 @@ def reshard_suite(s: Sizes) -> dict:
 
 def run_all(o: Options) -> dict:
     """Every suite in `o.sizes.suites`; returns the results document (also what `report` renders)."""
-    from .hardware import describe, one_line
+    from wsync.hardware import describe
+
+    from .results import one_line
 
     hw = describe()
     doc = {"kind": "wsync bench all", "date": dt.datetime.now().isoformat(timespec="seconds"), "quick": o.quick,
@@ -267,7 +269,7 @@ def _cli(a) -> None:
         print(f"note: {QUICK_NOTE}")
     errors = [f"{k}: {v['error']}" for k, v in _flat(doc["suites"]) if "error" in v]
     if errors:
-        from ..errors import WsyncError
+        from wsync.errors import WsyncError
 
         raise WsyncError("some suites failed (results written anyway): " + "; ".join(errors))
 

@@ -1,6 +1,6 @@
 """Turn saved benchmark results into the results page's tables (and the run's own .md).
 
-    python -m wsync.bench.report benchmarks/results/RUN.json --readme docs/results.md
+    python -m wsync_bench.report benchmarks/results/RUN.json --readme docs/results.md
 
 RUN.json is a `wsync bench all` run (every suite: codec, transport, sync with
 the whole-checkpoint peers beside it, LoRA, and the hardware line) or a single
@@ -22,7 +22,7 @@ def _by_name(run: dict) -> dict:
     return {r["name"]: r for r in run["schemes"] if "skipped" not in r}
 
 
-ZIPNN_MISSING = ("zipnn did not run here, so its column is left out: `pip install -e \".[bench]\"` adds it "
+ZIPNN_MISSING = ("zipnn did not run here, so its column is left out: `pip install -e \"./benchmarks[all]\"` adds it "
                  "(PyPI has only its source, so it needs a C compiler).")
 QUICK_NOTE = ("--quick runs tiny sizes (a 0.2M-parameter model, 4 MiB messages) to check that every suite works: "
               "fixed costs dominate there, so wsync can show below its baselines. They are a smoke test, not "

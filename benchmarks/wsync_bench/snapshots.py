@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import progress
-from ..codecs import delta_ref
-from ..errors import BackendUnavailable
+from wsync import progress
+from wsync.codecs import delta_ref
+from wsync.errors import BackendUnavailable
 
 # Bump when the generated data would differ for the same config (model shapes,
 # data stream, training loop), so stale caches are regenerated, not reused.
@@ -155,7 +155,7 @@ def _log(msg: str) -> None:
 
 # --- model and data ---------------------------------------------------------
 
-GENERATE_HINT = 'pip install -e ".[bench]"'  # the extra that brings transformers (and every peer of bench codec)
+GENERATE_HINT = 'pip install -e "./benchmarks[all]"'  # the extra that brings transformers (and every peer of bench codec)
 
 
 def require_generator(cfgs: list[SnapshotConfig], instead: str) -> None:

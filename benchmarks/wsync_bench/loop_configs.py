@@ -1,13 +1,13 @@
 """The benchmark's two loop configurations and the numbers it keeps of a run: one module that the one-host
-benchmark (bench.py) and its Ray variant (ray_bench.py) both build on."""
+benchmark (loop.py) and its Ray variant (loop_ray.py) both build on."""
 from __future__ import annotations
 
 
 def configs(a):
-    from .decode import DecodeConfig
-    from .grpo import GRPOConfig
-    from .loop import LoopConfig
-    from .task import TaskConfig
+    from trainer.decode import DecodeConfig
+    from trainer.grpo import GRPOConfig
+    from trainer.loop import LoopConfig
+    from trainer.task import TaskConfig
 
     task = TaskConfig(min_digits=a.digits, max_digits=a.max_digits, tail_prob=a.long_tail)
     common = dict(steps=a.steps, seed=a.seed, samplers=a.samplers, group_size=a.group_size,

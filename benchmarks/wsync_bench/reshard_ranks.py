@@ -17,7 +17,7 @@ import time
 import numpy as np
 import xxhash
 
-from ..shard.layout import Param, box_shape
+from wsync.shard.layout import Param, box_shape
 
 
 def qwen3_params(layers, hidden, inter, vocab, heads, kv_heads, head_dim) -> dict[str, Param]:
@@ -36,8 +36,8 @@ def qwen3_params(layers, hidden, inter, vocab, heads, kv_heads, head_dim) -> dic
 def make_plan(spec: dict):
     """FSDP2 Shard(0) over the trainer ranks -> one vLLM engine of tensor-parallel ranks (fused qkv and gate_up,
     row-parallel o/down, padded vocabulary), routed once."""
-    from ..shard.conventions import VllmConfig, fsdp_placements, trainer_layout_for, vllm_layout
-    from ..shard.route import route
+    from wsync.shard.conventions import VllmConfig, fsdp_placements, trainer_layout_for, vllm_layout
+    from wsync.shard.route import route
 
     d = spec["dims"]
     params = qwen3_params(**d)
@@ -82,8 +82,8 @@ def trainer_main(rank: int, spec: dict, conn, dist_port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from ..sync import Publisher
-    from ..shard.sync import ShardPublisher
+    from wsync.sync import Publisher
+    from wsync.shard.sync import ShardPublisher
 
     torch.set_num_threads(1)
     plan, m = make_plan(spec), spec["m"]
@@ -113,7 +113,7 @@ def trainer_main(rank: int, spec: dict, conn, dist_port: int) -> None:
             else:
                 conn.send((t0, _gather(plan, rank, m, shards, full, pub, cmd[1])))
         elif cmd[0] == "bytes":
-            conn.send(pub.stats()["bytes"] if path == "sharded" else pub.stats_snapshot()["bytes"] if pub else {})
+            conn.send(pub.stats()["bytes"] if path == "sharded" else pub.stats.bytes if pub else {})
         elif cmd[0] == "stop":
             if pub is not None:
                 pub.close()
@@ -164,9 +164,9 @@ def engine_main(rank: int, spec: dict, conn) -> None:
     """Commands: ("sharded", coordinator), ("gather", address), ("await", v), ("stop",), ("exit",)."""
     import torch
 
-    from ..engines.shadow import Shadow
-    from ..shard.sync import ShardSubscriber
-    from ..subscriber import Subscriber
+    from wsync.engines import Shadow
+    from wsync.shard.sync import ShardSubscriber
+    from wsync.subscriber import Subscriber
 
     torch.set_num_threads(1)
     plan = make_plan(spec)
@@ -190,7 +190,7 @@ def engine_main(rank: int, spec: dict, conn) -> None:
                     full = torch.from_numpy(tb.bits).view(torch.bfloat16).reshape(tb.shape)
                     local[nd.name][_sl(nd.dst)] = full[_sl(nd.src)]
             t = time.monotonic()
-            got = sub.received_bytes() if path == "sharded" else sub.stats_snapshot()["bytes"]
+            got = sub.received_bytes() if path == "sharded" else sub.stats.bytes
             h = xxhash.xxh3_64()
             for n in sorted(local):
                 h.update(local[n].view(torch.int16).numpy().tobytes())

@@ -1,7 +1,7 @@
 """A real (emulated) WAN between two network namespaces, for tests and benchmarks.
 
     with WanLink(rate_mbit=200, rtt_ms=40, loss=0.005) as wan:
-        wan.python("b", "-m", "wsync.bench.wan_roles", "recv", ...)   # a process in namespace b
+        wan.python("b", "-m", "wsync_bench.wan_roles", "recv", ...)   # a process in namespace b
         wan.ip_a, wan.ip_b, wan.ns_a, wan.ns_b
 
 Topology (every name unique per WanLink, so parallel uses never collide)::
@@ -35,7 +35,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from ..errors import BackendUnavailable
+from wsync.errors import BackendUnavailable
 
 PREFIX = "wsyncwan"
 

@@ -1,6 +1,6 @@
 """Measurements across a WanLink: the link itself (RTT, one plain TCP stream) and tcp:// transfers.
 
-    python -m wsync.bench.wan_bench --rate 200 --rtt 40 --loss 0.005 --size-mib 128 --streams 1 4 \\
+    python -m wsync_bench.wan_bench --rate 200 --rtt 40 --loss 0.005 --size-mib 128 --streams 1 4 \\
         [--congestion bbr cubic] [--json out.json]
 
 For each congestion control and stream count, one message of --size-mib
@@ -26,9 +26,9 @@ from .wan import WanLink
 
 def measure_rtt(wan: WanLink, n: int = 15) -> float:
     """Median round trip of one byte over a TCP connection from a to b, in seconds."""
-    srv = wan.python("b", "-m", "wsync.bench.wan_roles", "probe-server", "--host", wan.ip_b)
+    srv = wan.python("b", "-m", "wsync_bench.wan_roles", "probe-server", "--host", wan.ip_b)
     port = srv.stdout.readline().strip()
-    r = wan.exec("a", *_py(), "-m", "wsync.bench.wan_roles", "probe", "--host", wan.ip_b, "--port", port, "rtt",
+    r = wan.exec("a", *_py(), "-m", "wsync_bench.wan_roles", "probe", "--host", wan.ip_b, "--port", port, "rtt",
                  str(n))
     srv.kill()
     return json.loads(r.stdout)["rtt_s"]
@@ -36,10 +36,10 @@ def measure_rtt(wan: WanLink, n: int = 15) -> float:
 
 def measure_rate(wan: WanLink, nbytes: int, streams: int = 1, congestion: str | None = None) -> float:
     """Bits per second of plain TCP (sendall) from a to b over `streams` connections together."""
-    srv = wan.python("b", "-m", "wsync.bench.wan_roles", "probe-server", "--host", wan.ip_b)
+    srv = wan.python("b", "-m", "wsync_bench.wan_roles", "probe-server", "--host", wan.ip_b)
     port = srv.stdout.readline().strip()
     extra = ["--streams", str(streams)] + (["--congestion", congestion] if congestion else [])
-    r = wan.exec("a", *_py(), "-m", "wsync.bench.wan_roles", "probe", "--host", wan.ip_b, "--port", port, "rate",
+    r = wan.exec("a", *_py(), "-m", "wsync_bench.wan_roles", "probe", "--host", wan.ip_b, "--port", port, "rate",
                  str(nbytes), *extra, timeout=600)
     srv.kill()
     return json.loads(r.stdout)["mbit"] * 1e6
@@ -53,12 +53,12 @@ def transfer(wan: WanLink, size: int, *, seed: int = 0, opts: dict | None = None
     Returns the publisher's results merged with the subscriber's ("exact" is its byte-for-byte verdict).
     """
     o = json.dumps(opts or {})
-    pub = wan.python("a", "-m", "wsync.bench.wan_roles", "serve", "--host", wan.ip_a, "--size", str(size),
+    pub = wan.python("a", "-m", "wsync_bench.wan_roles", "serve", "--host", wan.ip_a, "--size", str(size),
                      "--seed", str(seed), "--opts", o, "--timeout", str(timeout))
     address = pub.stdout.readline().strip()
     if not address.startswith("tcp://"):
         raise RuntimeError(f"publisher did not start: {address} {pub.stderr.read()}")
-    sub = wan.python("b", "-m", "wsync.bench.wan_roles", "fetch", "--address", address, "--size", str(size),
+    sub = wan.python("b", "-m", "wsync_bench.wan_roles", "fetch", "--address", address, "--size", str(size),
                      "--seed", str(seed), "--opts", o, "--timeout", str(timeout))
     if sub.stdout.readline().strip() != "connected":
         raise RuntimeError(f"subscriber did not connect: {sub.stderr.read()}")

@@ -30,7 +30,7 @@ import socket
 import statistics
 from pathlib import Path
 
-from . import hardware
+from wsync.hardware import describe
 
 DIMS = {"layers": 4, "hidden": 768, "inter": 2048, "vocab": 16384, "heads": 12, "kv_heads": 4, "head_dim": 64}
 QUICK = {"layers": 2, "hidden": 256, "inter": 512, "vocab": 4096, "heads": 4, "kv_heads": 2, "head_dim": 64}
@@ -136,7 +136,7 @@ def run(m: int = 4, n: int = 2, dims: dict | None = None, density: float = 0.01,
     model_bytes = sum(2 * _numel(p.shape) for p in plan.trainer.params.values())
     ranks = _Ranks(spec)
     res = {"kind": "wsync bench reshard", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "hardware": hardware.describe(), "trainer_ranks": m, "engine_ranks": n, "dims": spec["dims"],
+           "hardware": describe(), "trainer_ranks": m, "engine_ranks": n, "dims": spec["dims"],
            "transport": transport,
            "density": density, "model_bytes": model_bytes, "plan_bytes_by_trainer": plan.bytes_by_trainer(),
            "plan_bytes_by_engine": plan.bytes_by_engine(), "modes": {}}

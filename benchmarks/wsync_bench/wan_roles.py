@@ -1,11 +1,11 @@
 """Processes the WAN harness runs inside its namespaces: probes of the emulated link, and tcp:// ends.
 
-    python -m wsync.bench.wan_roles probe-server --host IP            # prints its port
-    python -m wsync.bench.wan_roles probe --host IP --port P rtt 20   # prints {"rtt_s": median}
-    python -m wsync.bench.wan_roles probe --host IP --port P rate N [--streams K] [--congestion CC]
+    python -m wsync_bench.wan_roles probe-server --host IP            # prints its port
+    python -m wsync_bench.wan_roles probe --host IP --port P rtt 20   # prints {"rtt_s": median}
+    python -m wsync_bench.wan_roles probe --host IP --port P rate N [--streams K] [--congestion CC]
                                     # N bytes over K plain TCP streams (sendall, one thread each)
-    python -m wsync.bench.wan_roles serve --host IP --size N --seed S --opts JSON  # prints its address
-    python -m wsync.bench.wan_roles fetch --address A --size N --seed S --opts JSON
+    python -m wsync_bench.wan_roles serve --host IP --size N --seed S --opts JSON  # prints its address
+    python -m wsync_bench.wan_roles fetch --address A --size N --seed S --opts JSON
 
 ``serve`` sends one message of N seeded random bytes to the first subscriber;
 ``fetch`` answers "got" the moment it holds the whole message (every frame

@@ -1,7 +1,7 @@
 """`wsync bench transport`: one message of SIZE bytes through our transport, beside a raw baseline.
 
 Two worker processes (a sender and a receiver, started fresh with
-``python -m wsync.bench.transport``) run the raw baseline and our Link in
+``python -m wsync_bench.transport``) run the raw baseline and our Link in
 turns, ``repeats`` times each after a warm-up. The receiver times each move
 (from its "ready" byte on a side socket to the last byte in hand, checksum
 checks included for our Link, as a caller would see it) and checks every
@@ -38,7 +38,7 @@ def add_parsers(subparsers) -> None:
 
 
 def _cli(a) -> None:
-    from ..transports.options import parse_size
+    from wsync.transports.options import parse_size
 
     res = run(a.transport, parse_size(a.size), streams=a.streams, repeats=a.repeats, chunk=parse_size(a.chunk))
     print(report(res))
@@ -49,14 +49,14 @@ def _cli(a) -> None:
 
 def run(transport: str, size: int, *, streams: int = 1, repeats: int = 5, chunk: int = 64 << 20, timeout: float = 600) -> dict:
     """Run both workers and collect their timings; raises WsyncError if any received byte was wrong."""
-    from ..errors import TransportError
-    from . import hardware
+    from wsync.errors import TransportError
+    from wsync.hardware import describe
 
     if transport not in TRANSPORTS or size < 1 or repeats < 1 or streams < 1:
         raise ValueError(f"need --transport in {TRANSPORTS}, --size >= 1, --repeats >= 1 and --streams >= 1")
     why = nccl_unavailable() if transport == "nccl" else ucx_unavailable() if transport == "ucx" else None
     if why:
-        from ..errors import BackendUnavailable
+        from wsync.errors import BackendUnavailable
 
         raise BackendUnavailable(f"bench transport {transport} skipped, {why}")
     with tempfile.TemporaryDirectory(prefix="wsync-bench-") as tmp:
@@ -79,7 +79,7 @@ def run(transport: str, size: int, *, streams: int = 1, repeats: int = 5, chunk:
         raise TransportError(f"bench {' and '.join(failed)} worker failed. {why}")
     rows = [json.loads(line) for line in outs["recv"][0].splitlines() if line.startswith("{")]
     _check_rows(rows)
-    return _summarise(spec, rows, hardware.describe())
+    return _summarise(spec, rows, describe())
 
 
 def ucx_unavailable() -> str | None:
@@ -108,7 +108,7 @@ def nccl_unavailable() -> str | None:
 
 
 def _check_rows(rows: list[dict]) -> None:
-    from ..errors import TransportError
+    from wsync.errors import TransportError
 
     bad = [r for r in rows if not r["ok"]]
     if bad:
@@ -128,7 +128,7 @@ def _summarise(spec: dict, rows: list[dict], hw: dict) -> dict:
 
 
 def report(res: dict) -> str:
-    from .hardware import one_line
+    from .results import one_line
 
     raw, ours = res["runs"]["raw"], res["runs"]["ours"]
     extra = f", {res['streams']} streams" if res["transport"] == "tcp" else ""
@@ -147,7 +147,7 @@ def _free_port() -> int:
 
 def _spawn(role: str, spec: dict) -> subprocess.Popen:
     env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp,sm,self")} if spec["transport"] == "ucx" else None
-    return subprocess.Popen([sys.executable, "-m", "wsync.bench.transport", role, json.dumps(spec)],
+    return subprocess.Popen([sys.executable, "-m", "wsync_bench.transport", role, json.dumps(spec)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

@@ -14,7 +14,7 @@ resident tensors, as an engine updating its weights does. Throughput is GB/s
 operations interleaved round by round; every backend's output is checked
 byte for byte against the reference's.
 
-    python -m wsync.bench.kernels --backends cpu --json result.json
+    python -m wsync_bench.kernels --backends cpu --json result.json
 """
 from __future__ import annotations
 
@@ -25,12 +25,14 @@ from typing import Callable
 
 import numpy as np
 
-from .. import api, backends
-from ..codecs import delta_ref
-from ..dtypes import DTYPES
-from ..errors import BackendUnavailable
-from ..snapshot import TensorBits
-from . import hardware
+from wsync import api, backends
+from wsync.codecs import delta_ref
+from wsync.dtypes import DTYPES
+from wsync.errors import BackendUnavailable
+from wsync.hardware import describe
+from wsync.snapshot import TensorBits
+
+from .results import one_line
 
 
 def make_pair(size_bytes: int, density: float, tensors: int, seed: int = 0) -> tuple[dict, dict]:
@@ -173,7 +175,7 @@ def run_kernel_bench(size_bytes: int = 256 << 20, density: float = 0.01, *, tens
         ("numpy", "copy"): Op(lambda: [np.copyto(scratch[n], tb.bits) for n, tb in base.items()]),
         ("numpy", "copy_fresh"): Op(lambda: [tb.bits.copy() for tb in base.values()]),
     }
-    result = {"hardware": hardware.describe(), "model_bytes": model_bytes, "tensors": tensors, "density": density,
+    result = {"hardware": describe(), "model_bytes": model_bytes, "tensors": tensors, "density": density,
               "repeats": repeats, "loadavg_before": os.getloadavg(), "backends": {}}
     ref = backends.kernels("ref")
     for name in backends_:
@@ -203,7 +205,7 @@ def render(result: dict) -> str:
     cols = ["encode", "apply", "apply_inplace", "fused_encode", "fused_apply", "fused_apply_inplace", "fused_decode",
             "delta_encode", "delta_decode", "checksum", "copy_checksummed", "copy_and_scatter"]
     lines = [f"{result['model_bytes'] / 2**20:.0f} MiB bf16 in {result['tensors']} tensors, density {result['density']:.2%}; "
-             f"{hardware.one_line(result['hardware'])}",
+             f"{one_line(result['hardware'])}",
              f"numpy copy: {base:.2f} GB/s (= 1.00x); numpy copy into fresh memory: "
              f"{result['numpy_copy_fresh_gbps']:.2f} GB/s ({result['numpy_copy_fresh_gbps'] / base:.2f}x); "
              f"best of {result['repeats']} interleaved rounds; kernel threads: {_threads(result)}; "
@@ -228,7 +230,7 @@ def main(argv=None) -> None:
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(description="wsync codec kernel throughput (see wsync/bench/kernels.py)")
+    ap = argparse.ArgumentParser(description="wsync codec kernel throughput (see benchmarks/wsync_bench/kernels.py)")
     ap.add_argument("--mib", type=int, default=256, help="model size in MiB of bf16")
     ap.add_argument("--density", type=float, default=0.01, help="fraction of elements changed")
     ap.add_argument("--tensors", type=int, default=16)

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from ..codecs import delta_ref
-from ..errors import BackendUnavailable, FormatError, MismatchError
+from wsync.codecs import delta_ref
+from wsync.errors import BackendUnavailable, FormatError, MismatchError
 
 State = dict[str, np.ndarray]
 
@@ -266,7 +266,7 @@ class ZipnnPeer(Peer):
         try:
             import zipnn  # noqa: F401
         except Exception as e:  # a broken wheel raises more than ImportError
-            return (f"zipnn not importable ({type(e).__name__}: {e}); pip install -e '.[bench]' "
+            return (f"zipnn not importable ({type(e).__name__}: {e}); pip install -e './benchmarks[all]' "
                     "(zipnn builds from source: needs a C compiler)")
         return ""
 

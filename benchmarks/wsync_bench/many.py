@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import hardware
+from wsync.hardware import describe
+
+from .results import one_line
 
 
 def make_states(tensors: int, elems: int, density: float, seed: int = 0) -> dict:
@@ -67,13 +69,13 @@ class _Case:
     def __init__(self, base: dict, new: dict, backend: str | None):
         import wsync
 
-        from ..layout import plan
+        from wsync.layout import layout_of
 
         self.base, self.new, self.backend = base, new, backend
         self.b = wsync.bind(base)
         t0 = time.perf_counter()
         self.n = wsync.bind(new)  # the one step with a Python call per tensor, once per layout
-        self.members = plan(self.n)
+        self.members = layout_of(self.n)
         self.bind_s = time.perf_counter() - t0
         self.target_src = {k: v.clone() for k, v in base.items()}
         # restoring the target between rounds: one call over the list (torch's multi-tensor copy), so neither
@@ -173,7 +175,7 @@ def sync_times(base: dict, versions: list[dict], plain: bool = False) -> dict:
             held = {rename[n]: p.detach() for n, p in model.named_parameters()}
             exact = _bytes({k: held[k] for k in base}) == _bytes(versions[-1])
             pub.flush(timeout=60)  # its bytes are recorded when the encoding ends, which may follow the commit
-            nbytes = pub.stats["bytes"].get(len(versions))
+            nbytes = pub.stats.bytes.get(len(versions))
     key = "publish_live_plain_s" if plain else "publish_live_s"
     out = {key: min(times), f"{key[:-2]}_all_s": times, f"exact{'_plain' if plain else ''}": exact}
     return out if plain else {**out, "version_bytes": nbytes}
@@ -269,8 +271,8 @@ def render(res: dict) -> str:
 
 
 def main(a) -> None:
-    hw = hardware.describe()
-    print(f"# wsync bench codec --shape moe on {hardware.one_line(hw)}\n", flush=True)
+    hw = describe()
+    print(f"# wsync bench codec --shape moe on {one_line(hw)}\n", flush=True)
     res = run(a.tensors, a.elems, a.density, a.repeats)
     print(render(res))
     if a.json:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from ..transports import Message, connect, listen
+from wsync.transports import Message, connect, listen
 
 
 def make(transport: str, role: str, spec: dict):
@@ -48,7 +48,7 @@ def dial(fn, seconds: float = 120.0):
     """fn() until it connects: the other worker may not be listening yet."""
     import time
 
-    from ..errors import TransportError
+    from wsync.errors import TransportError
 
     deadline = time.monotonic() + seconds
     while True:
@@ -214,8 +214,8 @@ class UcxRaw:
     def __init__(self, role: str, host: str, port: int, size: int):
         import numpy as np
 
-        from ..transports import ucx
-        from ..transports.base import Address
+        from wsync.transports import ucx
+        from wsync.transports.base import Address
 
         cfg, addr = ucx.UcxConfig(connect_timeout=5.0), Address("ucx", host, port, "", {})
         self.role, self.lp = role, ucx._loop(cfg)

@@ -1,6 +1,6 @@
-"""`python -m trainer.bench --ray`: sync vs async on a local Ray cluster, and what Ray costs over processes.
+"""`wsync bench loop --ray`: sync vs async on a local Ray cluster, and what Ray costs over processes.
 
-    python -m trainer.bench --ray --steps 40 --repeats 1
+    wsync bench loop --ray --steps 40 --repeats 1
 
 One local cluster for the whole run (a trainer node, a node per sampler). Each
 repeat runs the same configuration four ways: sync and async on Ray (2 FSDP2
@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+from wsync.errors import BackendUnavailable
+
 
 def _where_time_goes(s: dict) -> dict:
     """Per trainer step, seconds: training, publishing (Ray: all-gather + publish), Ray's calls around a step."""
@@ -34,14 +36,19 @@ def _where_time_goes(s: dict) -> dict:
     return out
 
 
-def main(a, argv) -> int:
-    import ray
+def main(a) -> None:
+    try:
+        import ray
+    except ModuleNotFoundError as e:
+        raise BackendUnavailable(f"wsync bench loop --ray needs ray ({e}): pip install -e '.[ray]'") from None
 
-    from wsync.bench.hardware import default_results_dir, describe, one_line, stem
+    from trainer.loop import run
+    from trainer.ray_loop import RayConfig, local_cluster
+    from wsync.hardware import describe
 
-    from .bench_configs import brief, configs
-    from .loop import run
-    from .ray_loop import RayConfig, local_cluster
+    from .loop import arguments
+    from .loop_configs import brief, configs
+    from .results import default_results_dir, one_line, stem
 
     out_dir = a.out or default_results_dir()
     t0 = time.perf_counter()
@@ -74,9 +81,9 @@ def main(a, argv) -> int:
     hw = describe()
     doc = {
         "benchmark": "reference loop on a local Ray cluster vs processes on one host, sync vs async, long-tailed lengths",
-        "command": " ".join(["python -m trainer.bench", *(sys.argv[1:] if argv is None else argv)]),
+        "command": "wsync bench loop --ray",
         "hardware": hw, "hardware_line": one_line(hw), "load_average": os.getloadavg(),
-        "date": dt.date.today().isoformat(), "args": vars(a) | {"out": str(out_dir)}, "cluster_start_s": cluster_s,
+        "date": dt.date.today().isoformat(), "args": arguments(a) | {"out": str(out_dir)}, "cluster_start_s": cluster_s,
         "samples_per_s_ratio_async_over_sync": ratio, "samples_per_s_ratio_ray_over_processes": over, "runs": runs,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -94,4 +101,3 @@ def main(a, argv) -> int:
                   f"(processes publish {p['publish_s_per_step'] * 1e3:.0f}), Ray calls "
                   f"{r['ray_call_s_per_step'] * 1e3:.0f} ms")
     print(f"wrote {path} (cluster start {cluster_s:.1f}s)")
-    return 0

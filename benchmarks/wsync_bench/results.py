@@ -1,0 +1,31 @@
+"""Where benchmark results go by default, and how they are named after the machine (wsync.hardware).
+
+`bench all` and `bench loop` name their files with the same `stem()`, so one machine's results sort
+together. They write to `--out`, by default a cache folder and never the checkout: `benchmarks/results/`
+holds only the runs someone chose to commit (pass `--out benchmarks/results` for those).
+"""
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+
+def default_results_dir() -> Path:
+    """~/.cache/wsync/results, beside the generated snapshots."""
+    return Path.home() / ".cache" / "wsync" / "results"
+
+
+def host_tag(hw: dict) -> str:
+    """`<chip>-<cores>core-<gpu|nogpu>`, e.g. `xeon-2core-nogpu`, `amdepyc-2core-nogpu`."""
+    cpu = hw["cpu"].lower()
+    chip = "xeon" if "xeon" in cpu else "".join(c for c in cpu.split("(")[0] if c.isalnum())[:12] or "cpu"
+    return f"{chip}-{hw['cores']}core-{'gpu' if hw['gpu'] else 'nogpu'}"
+
+
+def stem(hw: dict, today: str | None = None) -> str:
+    """`<date>-<host tag>`: how every saved result of this machine is named."""
+    return f"{today or dt.date.today().isoformat()}-{host_tag(hw)}"
+
+
+def one_line(info: dict) -> str:
+    return f"{info['cpu']}, {info['cores']} cores, {info['gpu'] or 'no GPU'}, wsync backend {info['wsync_backend']}"
