@@ -11,8 +11,13 @@ anything from its package look circular. The cost: a child that imports names fr
 __init__ (which imports that child) is not reported; Python resolves those only when the __init__ binds
 the names first.
 
-Exit 1 and print each strongly connected component (size > 1) with its import lines as file:line; exit 0
-when there are none. An argument: the root to check instead of this checkout.
+Then the same at package granularity: every module inside a subpackage (wsync.engines.vllm_shard,
+wsync.shard.stage) counts as that subpackage (wsync.engines, wsync.shard), a module directly under a root
+counts as itself, and edges inside one subpackage drop out. Two subpackages that import each other are a
+circle even when no two modules are: neither can be understood, tested or moved without the other.
+
+Exit 1 and print each strongly connected component (size > 1), of modules or of packages, with its import
+lines as file:line; exit 0 when there are none. An argument: the root to check instead of this checkout.
 """
 from __future__ import annotations
 
@@ -78,6 +83,37 @@ def own(name: str, files: dict[str, Path]) -> str:
     return ""
 
 
+def package_of(mod: str, repo: Path) -> str:
+    """The subpackage directly under a root that holds mod (root.sub), or mod itself when it is not in one."""
+    parts = mod.split(".")
+    if len(parts) >= 2 and (repo / parts[0] / parts[1] / "__init__.py").is_file():
+        return ".".join(parts[:2])
+    return mod
+
+
+def package_edges(edges, repo: Path):
+    """edges aggregated to packages (package_of), with the import lines of each."""
+    out: dict[str, dict[str, list[tuple[Path, int]]]] = defaultdict(lambda: defaultdict(list))
+    for a, targets in edges.items():
+        pa = package_of(a, repo)
+        for b, sites in targets.items():
+            pb = package_of(b, repo)
+            if pa != pb:
+                out[pa][pb] += [s for s in sites if s not in out[pa][pb]]
+    return out
+
+
+def report(found: list[list[str]], edges, repo: Path, what: str) -> None:
+    for comp in found:
+        members = set(comp)
+        print(f"import cycle among {len(comp)} {what}: {', '.join(comp)}")
+        for a in comp:
+            for b, sites in sorted(edges.get(a, {}).items()):
+                if b in members:
+                    for path, line in sites:
+                        print(f"  {a} -> {b}  {path.relative_to(repo)}:{line}")
+
+
 def sccs(nodes: list[str], edges) -> list[list[str]]:
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -129,18 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     repo = Path(argv[0]).resolve() if argv else Path(__file__).resolve().parent.parent
     files, edges = collect(repo)
     found = sccs(sorted(files), edges)
-    for comp in found:
-        members = set(comp)
-        print(f"import cycle among {len(comp)} modules: {', '.join(comp)}")
-        for a in comp:
-            for b, sites in sorted(edges.get(a, {}).items()):
-                if b in members:
-                    for path, line in sites:
-                        print(f"  {a} -> {b}  {path.relative_to(repo)}:{line}")
-    if found:
-        print(f"{len(found)} import cycle(s)")
+    report(found, edges, repo, "modules")
+    pedges = package_edges(edges, repo)
+    packages = sorted({package_of(m, repo) for m in files})
+    found_packages = sccs(packages, pedges)
+    report(found_packages, pedges, repo, "packages")
+    if found or found_packages:
+        print(f"{len(found) + len(found_packages)} import cycle(s)")
         return 1
-    print(f"no import cycles among {len(files)} modules")
+    print(f"no import cycles among {len(files)} modules, nor among the {len(packages)} packages and top-level "
+          "modules they form")
     return 0
 
 

@@ -16,7 +16,7 @@ import pytest
 import wsync
 from wsync.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from wsync.cli import parser
-from wsync.engines.shadow import Shadow
+from wsync.shadow import Shadow
 from wsync.errors import TransportError
 from wsync.snapshot import as_state, digest
 from wsync.transports.tcp import auth

@@ -49,3 +49,24 @@ def test_a_package_importing_its_own_children_is_not_a_cycle(tmp_path):
     write(tmp_path, {"trainer/task.py": "from .loop import run\nsample = 1\n"})
     r = check(tmp_path)
     assert r.returncode == 1 and "trainer.loop, trainer.task" in r.stdout
+
+
+def test_two_subpackages_importing_each_other_are_a_cycle_though_no_two_modules_are(tmp_path):
+    write(tmp_path, {
+        "wsync/__init__.py": "",
+        "wsync/shadow.py": "x = 1\n",
+        "wsync/engines/__init__.py": "",
+        "wsync/engines/vllm_shard.py": "def f():\n    from ..shard.route import route\n",
+        "wsync/shard/__init__.py": "",
+        "wsync/shard/route.py": "route = 1\n",
+        "wsync/shard/stage.py": "from ..engines.shadow import x\n",
+        "wsync/engines/shadow.py": "x = 1\n",
+    })
+    r = check(tmp_path)
+    assert r.returncode == 1
+    assert "import cycle among 2 packages: wsync.engines, wsync.shard" in r.stdout
+    assert "wsync/engines/vllm_shard.py:2" in r.stdout and "wsync/shard/stage.py:1" in r.stdout
+    assert "among 2 modules" not in r.stdout  # no module imports one that imports it back
+    # the host-state type below both packages: the circle is gone
+    write(tmp_path, {"wsync/shard/stage.py": "from ..shadow import x\n"})
+    assert check(tmp_path).returncode == 0

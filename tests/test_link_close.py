@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tcp_helpers import Proxy
-from wsync.engines.shadow import Shadow
+from wsync.shadow import Shadow
 from wsync.errors import TransportError
 from wsync.subscriber import Subscriber
 from wsync.sync import Publisher

@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from wsync.engines.shadow import Shadow
+from wsync.shadow import Shadow
 from wsync.errors import EngineError
 from wsync.subscriber import Subscriber
 from wsync.sync import Publisher

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from wsync import api
-from wsync.engines.shadow import Shadow
+from wsync.shadow import Shadow
 from wsync.errors import TransportError
 from wsync.layout import Layout
 from wsync.snapshot import as_state

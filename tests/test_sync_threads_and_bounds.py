@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from wsync.checkpoint import Checkpoint, write_checkpoint
-from wsync.engines.shadow import Shadow
+from wsync.shadow import Shadow
 from wsync.errors import WsyncError
 from wsync.serve import serve
 from wsync.snapshot import as_state

@@ -12,7 +12,7 @@ import pytest
 import wsync
 from wsync import tokens
 from wsync.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
-from wsync.engines.shadow import Shadow
+from wsync.shadow import Shadow
 from wsync.errors import TransportError, peer_text
 from wsync.snapshot import as_state, digest
 from wsync.transports import connect, listen

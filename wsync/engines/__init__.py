@@ -6,7 +6,7 @@ lazy attributes below).
 """
 from .base import Engine
 from .hf import HF, Fused, qkv_gate_up
-from .shadow import Shadow
+from ..shadow import Shadow
 
 _LAZY = {"PEFT": ".peft", "LossyLowRank": ".lowrank", "VLLM": ".vllm", "SGLang": ".sglang"}
 

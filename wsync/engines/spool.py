@@ -20,7 +20,7 @@ import numpy as np
 
 from ..bits import State, TensorBits
 from ..fsutil import clean_stale, temp_sibling
-from .shadow import Shadow
+from ..shadow import Shadow
 
 ALIGN = 64  # each tensor starts on a cache line in the scratch file, so its view is aligned for any dtype
 

@@ -21,7 +21,7 @@ import threading
 
 from ..errors import EngineError, WsyncError
 from ..snapshot import State, TensorBits, as_state, to_torch
-from .shadow import Shadow
+from ..shadow import Shadow
 
 
 class Staged:

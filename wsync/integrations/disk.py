@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..engines.shadow import Shadow
+from ..shadow import Shadow
 
 
 class StepDirs(Shadow):

@@ -19,7 +19,7 @@ import logging
 import threading
 
 from .. import backends
-from ..engines.shadow import Shadow
+from ..shadow import Shadow
 from ..device import on_one_device
 from ..errors import MismatchError, TransportError
 from ..snapshot import to_bits, to_torch

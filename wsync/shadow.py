@@ -5,7 +5,7 @@ It holds the newest version as numpy bit patterns. A relay forwards from it,
 """
 from __future__ import annotations
 
-from ..snapshot import State, TensorBits, as_state, digest
+from .snapshot import State, TensorBits, as_state, digest
 
 
 class Shadow:
