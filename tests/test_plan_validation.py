@@ -106,7 +106,7 @@ def test_costs_move_the_prediction():
 
 
 def test_bad_results_file_says_how_to_fix():
-    with pytest.raises(PlanError, match="trainer.bench"):
+    with pytest.raises(PlanError, match="wsync bench loop"):
         from_bench_run({"mode": "sync"}, {"steps": 10})
 
 

@@ -196,7 +196,7 @@ def add_parsers(sub) -> None:
     sb.set_defaults(fn=cmd_sandboxes)
 
     va = ps.add_parser("validate", help="predict the reference loop's measured samples/s from its measured costs")
-    va.add_argument("results", nargs="?", help="a `python -m trainer.bench` JSON (default: the newest *-loop.json "
+    va.add_argument("results", nargs="?", help="a `wsync bench loop` JSON (default: the newest *-loop.json "
                                                f"run in {measured.WHERE})")
     va.add_argument("--seeds", type=int, default=3, help="simulated runs averaged per prediction")
     va.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -96,7 +96,7 @@ def gpu_sync_entry(path: Path, name: str) -> dict | None:
 
 
 def loop_entry(path: Path, name: str | None = None) -> dict | None:
-    """A `python -m trainer.bench` file: its arguments and runs, as the loop validation reads them (None: not one)."""
+    """A `wsync bench loop` file: its arguments and runs, as the loop validation reads them (None: not one)."""
     data = _read(path)
     if not isinstance(data, dict) or "runs" not in data or "args" not in data:
         return None

@@ -339,7 +339,7 @@ def cmd_validate(a) -> None:
     else:
         loop = measured.inputs().get("loop")
         if loop is None:
-            raise PlanError(f"no reference-loop run in {measured.WHERE}; run `python -m trainer.bench` or name a file")
+            raise PlanError(f"no reference-loop run in {measured.WHERE}; run `wsync bench loop` or name a file")
         name, rows = f"{loop['file']} (from {measured.WHERE})", validate_runs(loop, seeds=a.seeds)
     if a.json:
         return _json({"results": name, "tolerance": TOLERANCE, "runs": rows})

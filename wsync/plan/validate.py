@@ -1,6 +1,6 @@
 """Check the loop model against the reference loop: measured components in, predicted samples/s out.
 
-`python -m trainer.bench` runs the reference loop (trainer/) in sync and async
+`wsync bench loop` runs the reference loop (trainer/) in sync and async
 mode and records, per run, where each side's time went. From one run we take
 only per-component costs, never the throughput itself:
 
@@ -88,7 +88,7 @@ def fit_early_stop(caps, mean: float) -> float:
 
 
 def from_bench_run(run: dict, args: dict, label: str = "") -> LoopMeasurement:
-    """Read one run of a `trainer.bench` results file (its `runs[i]` and `args`)."""
+    """Read one run of a `wsync bench loop` results file (its `runs[i]` and `args`)."""
     try:
         s, t = run["samplers"], run["trainer"]
         run["sync"]  # a run without its sync clocks is not one the model can read
@@ -108,8 +108,8 @@ def from_bench_run(run: dict, args: dict, label: str = "") -> LoopMeasurement:
                            float(args.get("tail_alpha", 1.2))),
             mean_response=tokens / generated, measured_samples_per_s=run["samples_per_s"], label=label)
     except (KeyError, TypeError, ZeroDivisionError) as e:
-        raise PlanError(f"not a trainer.bench run with the recorded clocks the model needs ({e!r}); "
-                        "regenerate with `python -m trainer.bench`") from e
+        raise PlanError(f"not a `wsync bench loop` run with the recorded clocks the model needs ({e!r}); "
+                        "regenerate with `wsync bench loop`") from e
 
 
 def loop_config(m: LoopMeasurement, seed: int = 0) -> SimulatedLoop:
@@ -130,7 +130,7 @@ def predict(m: LoopMeasurement, seeds: int = 3) -> tuple[float, LoopResult]:
 
 
 def validate(path: Path | str, seeds: int = 3) -> list[dict]:
-    """One row per run of a `trainer.bench` results file: measured vs predicted samples/s and idle shares."""
+    """One row per run of a `wsync bench loop` results file: measured vs predicted samples/s and idle shares."""
     return validate_runs(json.loads(Path(path).read_text()), seeds)
 
 
