@@ -15,7 +15,7 @@ Nothing here imports vLLM until it is used. The ways in:
        pub.publish(model.state_dict(), version=v)           # trainer, as usual
        client.start_weight_update(); client.update_weights({"version": v}); client.finish_weight_update()
 
-2. **Worker extension** for the ``collective_rpc`` path (older vLLM)::
+2. **Worker extension** for the ``collective_rpc`` path (also the way in for 3 and 4)::
 
        llm = LLM(model, worker_extension_cls="wsync.engines.vllm.WsyncWorkerExtension")
        llm.collective_rpc("wsync_subscribe", args=("tcp://trainer:7070", token_id(TOKEN)))
