@@ -2,8 +2,8 @@
 
 Every other sync path in wsync is bit-exact with the trainer. This one is not:
 each 2-D weight's update D is replaced by rank-r factors B [out, r], A [r, in]
-(D ~ B @ A) from a randomized SVD, which can be 10-100x fewer bytes than the
-weights. What it does keep exact is the *engine*: the trainer holds a mirror of
+(D ~ B @ A) from a randomized SVD, far fewer bytes than the weights when r is
+small. What it does keep exact is the *engine*: the trainer holds a mirror of
 what every engine serves, merges the same factors with the same IEEE
 operations (fp32 multiply then add, one rank at a time, then one rounding to the
 weight dtype: correctly rounded on any CPU or GPU, so the mirror and the engine

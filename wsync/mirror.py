@@ -2,8 +2,8 @@
 
 A delta needs the previous version and the new one. The first publish path
 (snapshot.Copying) copies the trainer's whole state, so the trainer may move
-on, and the encoder then reads that copy and the previous one again: 128 MB
-of model cost 512 MB of memory traffic, most of a delta's time on a CPU.
+on, and the encoder then reads that copy and the previous one again: four
+passes over the model's bytes, and on a CPU memory traffic is a delta's cost.
 
 When the trainer's tensors are in host memory, publish() takes the other
 path: it makes the encoder's one pass itself, over the trainer's tensors and

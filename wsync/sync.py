@@ -532,9 +532,9 @@ class Publisher:
         """While nothing waits to be encoded, fault in a spare for the next publish() if none was recycled.
 
         A keyframe's state stays in the history, so the publish() after one
-        (and the one after that, whose base it is) found no spare and copied
-        into fresh pages: 60-150 ms for 128 MB here instead of 25 ms, on the
-        trainer's critical path. Done now, it costs the encoder's idle time.
+        (and the one after that, whose base it is) would find no spare and copy
+        into fresh pages, faulting each in on the trainer's critical path; done
+        now, that costs the encoder's idle time instead.
         """
         with self._cv:
             if self._spare is not None or not self._spare_wanted or not self._queue.empty() or self._closed \
@@ -835,8 +835,8 @@ def _identity(state: dict) -> tuple | None:
     """The names, addresses and sizes of a state's tensors, or None if they are not all torch tensors.
 
     Addresses are unique across host and GPUs (CUDA's unified addressing), so they name the memory; the
-    element counts catch a tensor of another size that landed at a freed one's address. (Shapes would cost
-    ten times as much to read, and a tensor reshaped in place keeps its bytes.)"""
+    element counts catch a tensor of another size that landed at a freed one's address. (Shapes cost a Python
+    tuple per tensor to read, and a tensor reshaped in place keeps its bytes.)"""
     torch = sys.modules.get("torch")  # no torch imported: no torch tensors to find (numpy states bind each time)
     if torch is None:
         return None

@@ -1,8 +1,8 @@
 """Many tensors as one element stream: the unit of work of a bucket.
 
 A mixture-of-experts state has tens of thousands of tensors. Paying a kernel
-call, a chunk table and three checksums per tensor made a 20,000-tensor state
-hundreds of times slower than one tensor of the same size. So the codecs work
+call, a chunk table and three checksums per tensor would make that overhead,
+not the bytes, what such a state costs. So the codecs work
 on *segments*: the tensors of one dtype in one bucket, back to back, as one
 virtual 1-D array of bit patterns. A ``Table`` is that array without the copy:
 the address and byte range of each piece, which the C++ kernels walk in one

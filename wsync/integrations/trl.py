@@ -9,7 +9,7 @@ wsync Publisher on the trainer and tells the server's ``wsync`` weight-transfer
 backend (wsync.engines.vllm_backend) where to subscribe; ``update_named_params``
 publishes the tensors as one version (a delta on the last one) and asks the
 server to apply that version. No GPU is needed on the trainer side for this, and
-the bytes cross the wire coded (about 1% of full weights at RL learning rates).
+the bytes cross the wire coded (a delta: what an RL step changed, a small part of the weights).
 
 TRL builds its client inside ``VLLMGeneration`` with no way to choose the
 class, so ``patch()`` swaps the one name it uses
