@@ -7,10 +7,13 @@ the reference backend. The reason is left in wsync/_cpu.build-error.txt, and
 place, next to the sources.
 """
 import os
+import shutil
 import sys
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 NOTE = "_cpu.build-error.txt"
 
@@ -82,6 +85,24 @@ class OptionalBuildExt(build_ext):
         return dirs
 
 
+class BuildPyWithKernels(build_py):
+    """build_py that also ships the CUDA kernel sources as wsync/_csrc: the CUDA backend compiles them with NVRTC at
+    run time, so an installed wheel needs them beside the package. An editable install reads csrc/ of the
+    checkout instead (wsync.backends.cuda.csrc_dir)."""
+
+    KERNEL_SUFFIXES = (".cu", ".cuh", ".h")
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        target = Path(self.build_lib) / "wsync" / "_csrc"
+        target.mkdir(parents=True, exist_ok=True)
+        for source in sorted(Path(__file__).resolve().parent.joinpath("csrc").iterdir()):
+            if source.suffix in self.KERNEL_SUFFIXES:
+                shutil.copyfile(source, target / source.name)
+
+
 setup(
     ext_modules=[
         Extension(
@@ -94,5 +115,5 @@ setup(
             optional=True,
         )
     ],
-    cmdclass={"build_ext": OptionalBuildExt},
+    cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithKernels},
 )
