@@ -26,22 +26,27 @@ from .loop_configs import brief, configs
 def add_parsers(bench) -> None:
     p = bench.add_parser("loop", help="the reference loop, sync vs async on long-tailed lengths (--ray: on Ray)",
                          description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--repeats", type=int, default=2, help="sync/async pairs, alternated")
+    p.add_argument("--steps", type=int, default=120, help="trainer steps of each run (default 120)")
+    p.add_argument("--repeats", type=int, default=2, help="sync/async pairs, alternated (default 2)")
     # AReaL's default bound; at 2 the long tail mostly ends up dropped as stale and the sampler limits async
-    p.add_argument("--max-staleness", type=int, default=4)
-    p.add_argument("--digits", type=int, default=3)
-    p.add_argument("--max-digits", type=int, default=24)
-    p.add_argument("--long-tail", type=float, default=0.25)
-    p.add_argument("--samplers", type=int, default=1)
-    p.add_argument("--slots", type=int, default=128, help="sequences the sampler decodes together (its batch, as max_num_seqs in vLLM)")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--batch-groups", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--refill-at", type=float, default=0.25, help="refill once this fraction of the slots is free")
-    p.add_argument("--kv-cache", choices=["keep", "recompute"], default="keep")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--max-staleness", type=int, default=4,
+                   help="async: versions a sample may lag the trainer before it is dropped (default 4)")
+    p.add_argument("--digits", type=int, default=3, help="digits of an ordinary prompt (default 3)")
+    p.add_argument("--max-digits", type=int, default=24, help="longest prompt of the long tail (default 24)")
+    p.add_argument("--long-tail", type=float, default=0.25,
+                   help="fraction of prompts drawn from the long tail (default 0.25)")
+    p.add_argument("--samplers", type=int, default=1, help="sampler processes (default 1)")
+    p.add_argument("--slots", type=int, default=128,
+                   help="sequences the sampler decodes together (its batch, as max_num_seqs in vLLM; default 128)")
+    p.add_argument("--group-size", type=int, default=8, help="samples per prompt, the GRPO group (default 8)")
+    p.add_argument("--batch-groups", type=int, default=16, help="groups per trainer step (default 16)")
+    p.add_argument("--lr", type=float, default=1e-3, help="trainer learning rate (default 1e-3)")
+    p.add_argument("--refill-at", type=float, default=0.25,
+                   help="refill once this fraction of the slots is free (default 0.25)")
+    p.add_argument("--kv-cache", choices=["keep", "recompute"], default="keep",
+                   help="in-flight sequences' KV cache after a weight update (default keep)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the model, prompts and sampling (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--out", type=Path, default=None,
                    help="folder for the .json and .png (default ~/.cache/wsync/results; benchmarks/results for a run "
                         "to commit)")
