@@ -202,7 +202,8 @@ class LocalLink:
         total = sum(len(v) for v in host)
         seg = self._out.take(total) if total else None
         host_sums = iter(copy_in(seg.mm, host, self.cfg.piece) if seg is not None else [[] for _ in host])
-        sums = [[] if i in device else next(host_sums) for i in range(len(sizes))]
+        on_device = set(device)
+        sums = [[] if i in on_device else next(host_sums) for i in range(len(sizes))]
         msg_id = None
         if cuda:
             self._next_msg += 1
