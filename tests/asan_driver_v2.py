@@ -16,7 +16,7 @@ from asan_driver import load_as_wsync_cpu
 
 def main(path: str, n_cases: int, seed: int) -> None:
     mod = load_as_wsync_cpu(path)
-    from test_codec_v2 import _pair, decodes_as_the_reference
+    from codec_helpers import decodes_as_the_reference, delta_pair
 
     from wsync import dtypes
     from wsync.backends.cpu import CpuKernels
@@ -31,7 +31,7 @@ def main(path: str, n_cases: int, seed: int) -> None:
         name = names[i % len(names)]
         dt = dtypes.DTYPES[name]
         n = int(rng.integers(40, 140_000 if dt.itemsize <= 2 else 20_000))
-        _, old, new = _pair(name, n, rng, density=float(rng.choice([0.001, 0.01, 0.1])))
+        _, old, new = delta_pair(name, n, rng, density=float(rng.choice([0.001, 0.01, 0.1])))
         sec = delta_ref.encode(old, new, dt.order)
         if delta_ref.sparse_size(n, dt.itemsize, sec.n_changed, 0) >= n * dt.itemsize:
             continue

@@ -8,8 +8,15 @@ import os
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import settings as hypothesis_settings
 
 from wsync.payload import HEADER
+
+# Property tests draw fewer examples in the default run, and their full counts where WSYNC_HYPOTHESIS=full (CI's
+# slow-tier stage); a test that names its own max_examples scales it by the profile with helpers.examples().
+hypothesis_settings.register_profile("fast", max_examples=20)
+hypothesis_settings.register_profile("full", max_examples=100)
+hypothesis_settings.load_profile(os.environ.get("WSYNC_HYPOTHESIS", "fast"))
 
 
 def bits_equal(a, b) -> bool:
@@ -42,7 +49,7 @@ def rewrite_manifest(blob: bytes, mutate) -> bytes:
     return HEADER.pack(b"\x89WSYNC\r\n", version, len(m), blen, xxhash.xxh3_64_intdigest(m)) + m + body
 
 
-HANG_S = float(os.environ.get("WSYNC_TEST_HANG_S", "900"))  # far above the slowest test here (~2 min)
+HANG_S = float(os.environ.get("WSYNC_TEST_HANG_S", "900"))  # far above what the slowest test here takes
 _STDERR: list[int] = []
 
 
@@ -53,7 +60,7 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _hang_guard():
     """A test still running after HANG_S seconds ends the run: every thread's stack goes to the terminal and the
-    process exits 1. Without it a hung thread held CI until its time limit, with nothing said of where."""
+    process exits 1, so a hung thread fails CI at once and says where it hangs."""
     faulthandler.dump_traceback_later(HANG_S, exit=True, file=_STDERR[0] if _STDERR else 2)
     yield
     faulthandler.cancel_dump_traceback_later()
@@ -64,19 +71,41 @@ def rng():
     return np.random.default_rng(1234)
 
 
-def backend_params() -> list:
-    """Every backend that loads here; the others show up as skips with their reason."""
+def backend_params(only: tuple[str, ...] | None = None) -> list:
+    """Every backend that loads here (of `only`, when given); the others show up as skips with their reason."""
     from wsync import backends
     from wsync.errors import BackendUnavailable
 
     out = []
     for name in backends.REGISTRY:
+        if only is not None and name not in only:
+            continue
         try:
             backends.kernels(name)
             out.append(name)
         except BackendUnavailable as e:
             out.append(pytest.param(name, marks=pytest.mark.skip(reason=str(e))))
     return out
+
+
+@pytest.fixture(scope="module", params=backend_params())
+def kernels(request):
+    """The delta kernels of each backend that loads here (a test narrows the list with an indirect
+    parametrize of `kernels`)."""
+    from wsync import backends
+
+    return backends.kernels(request.param)
+
+
+@pytest.fixture
+def groups():
+    """Makes shard_helpers.Group's (m trainer ranks here, n engine-rank processes) and closes each at the end."""
+    from shard_helpers import Group
+
+    made = []
+    yield lambda *a, **k: made.append(Group(*a, **k)) or made[-1]
+    for g in made:
+        g.close()
 
 
 @pytest.fixture(scope="module", params=backend_params())
@@ -91,6 +120,19 @@ def each_backend(request):
         os.environ.pop("WSYNC_BACKEND", None)
     else:
         os.environ["WSYNC_BACKEND"] = old
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    """The environment every vLLM process of a module reads: the token (its RPCs carry only the token's id), and
+    a KV cache of 1 GiB rather than a share of the machine's memory. Yields the MonkeyPatch, for a module's own."""
+    from helpers import TOKEN
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WSYNC_TOKEN", TOKEN.hex())
+    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    yield mp
+    mp.undo()
 
 
 @pytest.fixture(scope="session")

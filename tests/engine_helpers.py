@@ -5,8 +5,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-
-TOKEN = b"engine-tests-token"
+from helpers import TOKEN
 
 
 def publisher(**kw):

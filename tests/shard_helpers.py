@@ -6,15 +6,18 @@ side; vLLM's fused, padded layout or torch TP's uneven one on the engine side), 
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import queue
 import signal
 import time
 
 import numpy as np
 from wsync.shard.layout import Param, box_numel
 
+from helpers import TOKEN
+
 DT = "bfloat16"
-TOKEN = "shard-test-token"
 
 
 def qwen_params(layers: int = 2, hidden: int = 48, inter: int = 100, vocab: int = 130, heads: int = 4,
@@ -111,8 +114,11 @@ def piece_bytes(pieces) -> int:
 def engine_worker(rank: int, spec: dict, coordinator: str, out, hooks: dict) -> None:
     """One engine rank: local tensors of zeros, a ShardSubscriber, and after every outcome a byte check of every
     local tensor against the reference at the version it serves, posted to `out` as
-    (rank, event, version served, ok). hooks: die_at / stall_at = (version, trainer rank) and
+    (rank, event, version served, ok, event's version); also a "received" event once every trainer rank's
+    last bucket of a version has arrived. hooks: die_at / stall_at = (version, trainer rank) and
     corrupt_at = version, the faults the tests inject; stall_s: how long a stall lasts."""
+    import threading
+
     import torch
 
     from wsync.shard.sync import ShardSubscriber
@@ -122,11 +128,19 @@ def engine_worker(rank: int, spec: dict, coordinator: str, out, hooks: dict) -> 
     tensors = {name: torch.zeros(p.shape, dtype=torch.bfloat16) for (r, name), p in plan.engine.locals.items()
                if r == rank}
 
+    sources = {p.src_rank for p in plan.for_engine(rank)}
+    arrived, arrived_lock = {}, threading.Lock()  # version -> the trainer ranks whose last bucket of it arrived
+
     def progress(src, version, bucket, buckets, nbytes):
         if hooks.get("die_at") == (version, src):
             os.kill(os.getpid(), signal.SIGKILL)  # after this rank received a bucket of the version, never ready
         if hooks.get("stall_at") == (version, src) and bucket == 1:
             time.sleep(hooks.get("stall_s", 6.0))
+        if bucket == buckets:
+            with arrived_lock:
+                arrived.setdefault(version, set()).add(src)
+                if arrived[version] == sources:
+                    out.put((rank, "received", None, True, version))
 
     sub = ShardSubscriber(plan, rank, tensors, coordinator=coordinator, token=TOKEN, progress=progress)
     while sub.stage is None:
@@ -365,3 +379,78 @@ def _experts_by_index(rank: int, n: int, tensors: dict, ref) -> bool:
             ok &= np.array_equal(tensors[pre + mine].view(__import__("torch").uint16).numpy(),
                                  ref[pre + theirs][start:start + count])
     return bool(ok)
+
+
+class Group:
+    """m trainer ranks in this process, n engine-rank processes, the coordinator on trainer rank 0."""
+
+    def __init__(self, m: int, n: int, hooks: dict | None = None, timeout: float = 30.0, engine: str = "vllm",
+                 coordinator: str | None = None, **config):
+        from wsync.shard.sync import ShardPublisher
+
+        # a killed engine rank's links give up after 3 s, not 30: closing the Publishers waits for them
+        config.setdefault("listen_opts", {"resume_window": 3.0})
+        self.spec = {"m": m, "n": n, "engine": engine}
+        self.plan = make_plan(m, n, engine)
+        self.ref = Reference(qwen_params())
+        self.pubs = []
+        if coordinator is None:  # trainer rank 0 hosts it; else one runs at that address
+            self.pubs = [ShardPublisher(self.plan, 0, coordinator="tcp://127.0.0.1:0", host_coordinator=True,
+                                        token=TOKEN, timeout=timeout, **config)]
+            coordinator = self.pubs[0].coordinator_address
+        self.address = coordinator
+        self.pubs += [ShardPublisher(self.plan, t, coordinator=self.address, token=TOKEN, **config)
+                      for t in range(len(self.pubs), m)]
+        self.ctx = mp.get_context("spawn")
+        self.out = self.ctx.Queue()
+        self.procs = {}
+        self.log: list[tuple] = []
+        for r in range(n):
+            self.start(r, (hooks or {}).get(r, {}))
+        self.expect("joined", None, range(n))
+
+    def start(self, rank: int, hooks: dict) -> None:
+        p = self.ctx.Process(target=engine_worker, args=(rank, self.spec, self.address, self.out, hooks), daemon=True)
+        p.start()
+        self.procs[rank] = p
+
+    def publish(self, v: int) -> None:
+        state = self.ref.torch_state(v)
+        for t, pub in enumerate(self.pubs):
+            pub.publish(trainer_local(self.plan, t, state), v)
+
+    def outcome(self, v: int, timeout: float = 60.0) -> dict:
+        return self.pubs[0].wait(v, timeout=timeout)
+
+    def expect(self, kind: str, v, ranks, timeout: float = 60.0) -> dict:
+        """Each rank's (version served, bytes ok) at its `kind` event for version v."""
+        got, deadline = {}, time.monotonic() + timeout
+        while set(got) != set(ranks):
+            for rank, ev, served, ok, ev_v in self.log:
+                if ev == kind and ev_v == v and rank in ranks:
+                    got[rank] = (served, ok)
+            if set(got) == set(ranks):
+                break
+            try:
+                self.log.append(self.out.get(timeout=max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                raise AssertionError(f"no {kind} {v} from ranks {sorted(set(ranks) - set(got))}; log {self.log}")
+        return got
+
+    def close(self) -> None:
+        # the trainer's Publishers first, while their engine ranks live to say goodbye to, then the engine ranks
+        for pub in reversed(self.pubs):
+            pub.close()
+        for p in self.procs.values():
+            p.kill()
+            p.join(5)
+
+
+def commit(g: Group, v: int) -> None:
+    """Publish version v on every trainer rank; every engine rank commits it."""
+    g.publish(v)
+    res = g.outcome(v)
+    assert res["outcome"] == "committed" and res["version"] == v, res
+    assert res["digest"] == res["expected"] is not None, res  # what engine ranks hold = what trainers announced
+    got = g.expect("committed", v, range(g.spec["n"]))
+    assert all(served == v and ok for served, ok in got.values()), got

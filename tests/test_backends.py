@@ -10,6 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from wsync import backends
 from wsync.checksum import BLOCK, checksum
 from wsync.codecs import delta_ref
@@ -37,7 +39,7 @@ pairs = st.builds(
 # ---- encode and decode ----------------------------------------------------------
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=pairs)
 def test_encode_decode_match_reference(kernels, case):
     (old, new), order = case
@@ -169,7 +171,7 @@ def test_strided_input(kernels):
 # ---- bad input --------------------------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_hostile_sections_fail_like_the_reference(kernels, data):
     """Forged sections raise FormatError with the reference's message, or decode to exactly its arrays."""

@@ -36,7 +36,7 @@ def small_cpu_run(tmp_path_factory):
     return r, out
 
 
-@pytest.mark.slow  # the whole bench script at small size (~15 s)
+@pytest.mark.slow  # the whole bench script, at small size
 def test_small_size_on_cpu_runs_every_stage_bit_exact(small_cpu_run):
     r, out = small_cpu_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -75,7 +75,7 @@ def test_small_size_on_cpu_runs_every_stage_bit_exact(small_cpu_run):
     assert "cpu (" in md and "bit-exact: **True**" in md and "dense.delta_tcp" in md and "moe.raw_local" in md
 
 
-@pytest.mark.slow  # needs the bench script's run (~10 s); tests/test_plan_gpu_sync.py reads results in the fast tier
+@pytest.mark.slow  # needs the bench script's run; tests/test_plan_gpu_sync.py reads results in the fast tier
 def test_the_planner_reads_what_the_bench_writes(small_cpu_run, tmp_path, monkeypatch):
     from wsync.plan import codec_speeds as cs
     from wsync.plan.gpu_sync import e2e_speed, e2e_tensor_cost, newest_gpu_sync
@@ -114,7 +114,7 @@ def test_full_size_has_the_real_shapes():
     assert moe[-1][0].startswith("model.layers.52.")  # 128 experts x 3 per layer
 
 
-@pytest.mark.slow  # digests of 12M bf16 values, five times over (~7 s)
+@pytest.mark.slow  # digests of 12M bf16 values, five times over
 def test_the_digest_sees_one_byte():
     import torch
 

@@ -21,6 +21,7 @@ from wsync.errors import TransportError
 from wsync.snapshot import as_state, digest
 from wsync.transports.tcp import auth
 
+from helpers import free_port
 from cli_helpers import HANG, Serving, one_line_error, wsync_cli
 
 def _model(path, seed=0):
@@ -29,12 +30,6 @@ def _model(path, seed=0):
     old = time.time() - 10  # settled: serve takes a checkpoint once it stops changing
     os.utime(path, (old, old))
     return state
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- `wsync` alone, help texts ---------------------------------------------------------------
@@ -112,8 +107,8 @@ def test_serve_a_file_that_is_not_safetensors_says_so(tmp_path):
 
 
 def test_nccl_bench_says_why_in_one_line_and_bench_all_says_the_same(monkeypatch):
-    from wsync.bench import all as bench_all
-    from wsync.bench import transport
+    from wsync_bench import all as bench_all
+    from wsync_bench import transport
 
     why = transport.nccl_unavailable()
     if why is None:
@@ -150,7 +145,7 @@ def test_pull_with_a_wrong_token_retries_then_names_it(tmp_path):
 
 
 def test_pull_with_nothing_listening_names_the_refusal(tmp_path):
-    line = one_line_error(wsync_cli("pull", f"127.0.0.1:{_free_port()}", "-o", tmp_path / "out",
+    line = one_line_error(wsync_cli("pull", f"127.0.0.1:{free_port()}", "-o", tmp_path / "out",
                                     "--connect-timeout", "2"))
     assert "announced no version within 2s" in line and "cannot connect" in line
 
@@ -164,7 +159,7 @@ def test_subscriber_error_and_timeout_name_the_cause():
             assert isinstance(sub.error, TransportError) and "token" in str(sub.error)
         finally:
             sub.close()
-    sub = wsync.Subscriber(f"tcp://127.0.0.1:{_free_port()}", engine=Shadow())
+    sub = wsync.Subscriber(f"tcp://127.0.0.1:{free_port()}", engine=Shadow())
     try:
         with pytest.raises(TimeoutError, match="cannot connect"):
             sub.wait_for(0, timeout=1)

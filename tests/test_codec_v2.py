@@ -19,35 +19,10 @@ from wsync.errors import FormatError, WsyncError
 from wsync.payload import Payload
 from wsync.snapshot import TensorBits
 
+from codec_helpers import decodes_as_the_reference, delta_pair, twin_matches_reference
 from conftest import bits_equal
 
 GOLDEN = Path(__file__).parent / "golden"
-FLOATS = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
-
-
-def _pair(name: str, n: int, rng, density: float = 0.01, big_steps: bool = True):
-    """Base/new bit patterns of dtype `name`: small steps mostly, some escapes, the extremes at the ends."""
-    dt = dtypes.DTYPES[name]
-    bd = dt.bits_dtype
-    if name == "BF16":
-        old = (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    elif name in FLOATS:
-        old = (rng.standard_normal(n) * 0.02).astype(FLOATS[name]).view(bd)
-    else:
-        old = rng.integers(0, 1 << min(8 * dt.itemsize, 63), n, dtype=np.uint64).astype(bd)
-    new = old.copy()
-    idx = rng.choice(n, max(1, int(n * density)), replace=False)
-    choices = [1, -1, 2, -2, 5, -7, 8, -9, 100, -300, 70000] if big_steps else [1, -1, 2]
-    steps = rng.choice(choices, len(idx)).astype(np.int64)
-    w = 8 * dt.itemsize
-    k = delta_ref.monotone_key(old[idx], dt.order).astype(np.uint64) + steps.astype(np.uint64)  # wraps mod 2^64
-    if w < 64:
-        k &= np.uint64((1 << w) - 1)
-    new[idx] = delta_ref.unkey(k.astype(bd), dt.order)
-    if n > 2:  # the largest steps there are: +-2^(w-1)
-        new[0] = old[0] ^ bd.type(1 << (w - 1))
-        new[-1] = ~old[-1]
-    return dt, old, new
 
 
 def _roundtrip(dt, old, new):
@@ -62,7 +37,7 @@ def _roundtrip(dt, old, new):
 @pytest.mark.parametrize("name", sorted(dtypes.DTYPES))
 def test_every_dtype_round_trips_bit_exact(name, rng):
     dt = dtypes.DTYPES[name]
-    _roundtrip(*_pair(name, 70_001 if dt.itemsize <= 2 else 9_000, rng))
+    _roundtrip(*delta_pair(name, 70_001 if dt.itemsize <= 2 else 9_000, rng))
 
 
 @pytest.mark.parametrize("n,where", [(40, [39]), (40, [0]), (65536, [65535]), (65537, [65535, 65536]),
@@ -85,7 +60,7 @@ def test_special_floats_round_trip():
 
 @pytest.mark.parametrize("name", ["BF16", "F32", "I8", "U64"])
 def test_api_round_trip_in_place_and_out(name, rng):
-    dt, old, new = _pair(name, 40_000, rng, density=0.005)
+    dt, old, new = delta_pair(name, 40_000, rng, density=0.005)
     shape = (len(old),)
     base = {"w": TensorBits(dt, shape, old.copy())}
     target = {"w": TensorBits(dt, shape, new)}
@@ -218,7 +193,7 @@ def _reseal(p: Payload, parts: dict) -> bytes:
 @pytest.fixture(scope="module")
 def victim():
     rng = np.random.default_rng(7)
-    dt, old, new = _pair("BF16", 70_000, rng, density=0.004)
+    dt, old, new = delta_pair("BF16", 70_000, rng, density=0.004)
     base = {"w": TensorBits(dt, (len(old),), old)}
     p = wsync.encode(base, {"w": TensorBits(dt, (len(old),), new)}, tier="v2", backend="ref")
     return dt, old, new, p.to_bytes()
@@ -334,20 +309,8 @@ def test_v2_cpu_twin_is_byte_identical(rng):
         pytest.skip(str(e))
     for name in sorted(dtypes.DTYPES):
         dt = dtypes.DTYPES[name]
-        _, old, new = _pair(name, 70_001 if dt.itemsize <= 2 else 9_000, rng)
+        _, old, new = delta_pair(name, 70_001 if dt.itemsize <= 2 else 9_000, rng)
         twin_matches_reference(k, dt, old, new, name)
-
-
-def twin_matches_reference(k, dt, old, new, what="") -> None:
-    """Kernels k encode old -> new to the reference's v2 bytes, and decode those bytes back to v1's
-    sections byte for byte."""
-    sec = delta_ref.encode(old, new, dt.order)
-    want = v2_ref.encode(old, sec, dt)
-    got = k.v2_encode(old, sec, dt)
-    assert {p: bytes(v) for p, v in got.items()} == want, what
-    back = k.v2_decode(old, want, dt)
-    for f in ("table", "gaps", "steps", "escapes"):
-        assert getattr(back, f).tobytes() == getattr(sec, f).tobytes(), (what, f)
 
 
 def test_cpu_twin_refuses_what_the_reference_refuses(victim):
@@ -365,24 +328,6 @@ def test_cpu_twin_refuses_what_the_reference_refuses(victim):
         decodes_as_the_reference(k, old, bad, dt, what)
 
 
-def decodes_as_the_reference(k, old, parts, dt, what="") -> str:
-    """The C++ decoder refuses what the reference refuses and decodes the rest to the same sections;
-    returns "refused" or "decoded"."""
-    try:
-        want = v2_ref.decode(old, parts, dt)
-    except FormatError:
-        want = None
-    try:
-        got = k.v2_decode(old, parts, dt)
-    except FormatError:
-        got = None
-    assert (want is None) == (got is None), what
-    if want is not None:
-        for f in ("table", "gaps", "steps", "escapes"):
-            assert getattr(want, f).tobytes() == getattr(got, f).tobytes(), (what, f)
-    return "refused" if got is None else "decoded"
-
-
 @pytest.mark.parametrize("tail", [1, 2, 3, 5, 6, 9, 4099])
 def test_cpu_twin_decodes_a_short_last_chunk(tail):
     """A last chunk of 1, 2 or 5 elements leaves a quarter of it empty while an earlier one is short: the
@@ -395,7 +340,7 @@ def test_cpu_twin_decodes_a_short_last_chunk(tail):
     except BackendUnavailable as e:
         pytest.skip(str(e))
     for seed in range(3):  # the chunk before it leaves its classes in the thread's scratch
-        dt, old, new = _pair("BF16", 3 * 65536 + tail, np.random.default_rng(seed), density=0.01)
+        dt, old, new = delta_pair("BF16", 3 * 65536 + tail, np.random.default_rng(seed), density=0.01)
         new[-tail:] = old[-tail:] ^ np.uint16(1)
         twin_matches_reference(k, dt, old, new, (tail, seed))
 
@@ -407,7 +352,7 @@ def test_many_tensor_segment_round_trips(backend, rng):
     sizes = [int(x) for x in rng.integers(1, 30_000, 20)]
     base, target = {}, {}
     for i, n in enumerate(sizes):
-        _, old, new = _pair("BF16", n, rng, density=0.01)
+        _, old, new = delta_pair("BF16", n, rng, density=0.01)
         base[f"t{i}"], target[f"t{i}"] = TensorBits(dt, (n,), old), TensorBits(dt, (n,), new)
     p = wsync.encode(base, target, tier="v2", backend=backend)
     ref = wsync.encode(base, target, tier="v2", backend="ref")

@@ -1,6 +1,6 @@
 """Delta v2's C++ kernels under AddressSanitizer: mutated payloads never read or write out of bounds.
 
-The extension is rebuilt with -fsanitize=address (test_cpu_asan's build) once for this module.
+The extension is rebuilt with -fsanitize=address (asan_helpers.asan_build) once for this module.
 tests/asan_driver_v2.py runs honest and mutated cases against it in a subprocess, beside the reference; the
 seeded corpus (tests/fuzz/make_v2_corpus.py) is replayed on it through the planes and the portable code,
 and must get the answers the plain build gives (test_codec_v2_corpus.py checks those against the reference).
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from test_cpu_asan import asan_build, run_driver
+from asan_helpers import asan_build, run_driver
 
 pytestmark = pytest.mark.build  # ASan/UBSan builds: the `build` tier, not the default run
-CASES = 120  # about 25 s with the build, on 2 cores
+CASES = 120  # each case runs every width's encoder and decoder, honest and mutated
 ROOT = Path(__file__).resolve().parent.parent
 FUZZ = ROOT / "tests" / "fuzz"
 

@@ -107,7 +107,7 @@ def _disagreements(cases, answers: dict, key: str) -> list:
     return bad
 
 
-@pytest.mark.slow  # replays the whole corpus through every decoder, one process each (~15 s)
+@pytest.mark.slow  # replays the whole corpus through every decoder, one process each
 def test_every_decoder_gives_every_input_the_same_answer(corpus, replays):
     _, _, cases = corpus
     bad = _disagreements(cases, replays, "outcomes")

@@ -1,7 +1,7 @@
 """The CUDA decoder of delta v2 (csrc/ws_v2_cuda.cu), run on CPU fibers (tests/cudasim): byte for byte v2_ref.
 
 A warp per chunk counts and places, one lane reading the codes with ws_v2.cuh's decode_codes; the host part
-is the CUDA backend's own (wsync.backends.cuda._Engine.v2_decode: parsing the model and the index, batching
+is the CUDA backend's own (wsync.backends.cuda._Launcher.v2_decode: parsing the model and the index, batching
 chunks, compacting the changes and building the v1 sections), over the harness's runtime, whose fresh device memory is junk as cudaMalloc's is. Each case runs
 under the forward, reverse and random schedules; corrupt chunks must come back as FormatError, never a fault.
 """
@@ -12,44 +12,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from wsync.backends import cuda
 from wsync.codecs import delta_ref, v2_ref
 from wsync.errors import FormatError
 
 cudasim = pytest.importorskip("cudasim")
+from codec_helpers import delta_pair, gpu_decode, same_sections, v2_case  # noqa: E402
 
 C = delta_ref.CHUNK_ELEMS
-
-
-def gpu_decode(sim, old: np.ndarray, parts: dict, dt, schedule: str = "forward", runtime=None):
-    """The v1 sections the CUDA backend decodes, or FormatError naming the first failing chunk.
-    runtime: a cudasim.SimRuntime to launch through, instead of a new one over sim."""
-    rt = runtime if runtime is not None else cudasim.SimRuntime(sim, schedule, seed=11)
-    return cuda._Engine(rt).v2_decode(np.ascontiguousarray(old), parts, dt)
-
-
-def same_sections(a, b) -> bool:
-    return all(getattr(a, f).tobytes() == getattr(b, f).tobytes() and getattr(a, f).dtype == getattr(b, f).dtype
-               for f in ("table", "gaps", "steps", "escapes"))
-
-
-def _pair_of(name: str, n: int, seed: int, density: float = 0.01):
-    from test_codec_v2 import _pair
-
-    return _pair(name, n, np.random.default_rng(seed), density=density)
-
-
-def _case(name: str, n: int, seed: int, density: float = 0.01):
-    dt, old, new = _pair_of(name, n, seed, density)
-    sec = delta_ref.encode(old, new, dt.order)
-    return dt, old, v2_ref.encode(old, sec, dt)
 
 
 @pytest.mark.parametrize("name,n", [("BF16", 2 * C + 4099), ("F32", C + 1), ("I8", 5000), ("U64", 3000),
                                     ("F8_E5M2", C - 1), ("BF16", C + 2), ("BF16", C + 5)])
 @pytest.mark.parametrize("schedule", ["forward", "reverse", "random"])
 def test_kernel_decodes_what_the_reference_decodes(sim, name, n, schedule):
-    dt, old, parts = _case(name, n, seed=n)
+    dt, old, parts = v2_case(name, n, seed=n)
     assert same_sections(gpu_decode(sim, old, parts, dt, schedule), v2_ref.decode(old, parts, dt))
 
 
@@ -57,7 +36,7 @@ def test_chunks_in_several_launches(sim, monkeypatch):
     """A tensor whose scratch does not fit one launch is decoded a chunk per launch: the same sections."""
     monkeypatch.setattr(cuda, "V2_SCRATCH_BYTES", cuda.V2_CHUNK_SCRATCH)
     rt = cudasim.SimRuntime(sim, "random", seed=3)
-    dt, old, parts = _case("BF16", 3 * C + 777, seed=4)
+    dt, old, parts = v2_case("BF16", 3 * C + 777, seed=4)
     assert same_sections(gpu_decode(sim, old, parts, dt, runtime=rt), v2_ref.decode(old, parts, dt))
     assert rt.launched.count("v2_decode_2") == 4
 
@@ -70,7 +49,7 @@ def test_the_runtimes_budget_sizes_the_launches(sim):
             return 2 * cuda.V2_CHUNK_SCRATCH
 
     rt = Budgeted(sim, "random", seed=5)
-    dt, old, parts = _case("BF16", 4 * C + 9, seed=6)
+    dt, old, parts = v2_case("BF16", 4 * C + 9, seed=6)
     assert same_sections(gpu_decode(sim, old, parts, dt, runtime=rt), v2_ref.decode(old, parts, dt))
     assert rt.launched.count("v2_decode_2") == 3 and set(rt.blocks) == {cuda.V2_BLOCK}
 
@@ -99,7 +78,7 @@ def test_cuda_backend_encodes_v2_with_the_cpp_encoder(sim, monkeypatch):
     from wsync.bits import TensorBits
     from wsync.codecs import delta
 
-    dt, old, new = _pair_of("BF16", 3 * C + 4099, seed=5)
+    dt, old, new = delta_pair("BF16", 3 * C + 4099, np.random.default_rng(5))
     want = v2_ref.encode(old, delta_ref.encode(old, new, dt.order), dt)
     k = cuda._KernelsOver(cudasim.SimRuntime(sim, "random", seed=6))
     assert cuda._host_kernels() is not None, "the C++ extension is part of the install (setup.py builds it)"
@@ -117,7 +96,7 @@ def test_cuda_backend_encodes_v2_with_the_cpp_encoder(sim, monkeypatch):
 
 def test_kernel_refuses_corrupt_chunks_as_the_reference_does(sim):
     """Bit flips in the chunk streams: the kernel reports an error exactly where the reference raises."""
-    dt, old, parts = _case("BF16", C + 2000, seed=1, density=0.005)
+    dt, old, parts = v2_case("BF16", C + 2000, seed=1, density=0.005)
     rng = np.random.default_rng(2)
     for part in ("pos", "steps"):
         for _ in range(8):
@@ -137,14 +116,7 @@ def test_kernel_refuses_corrupt_chunks_as_the_reference_does(sim):
                 assert same_sections(want, got)
 
 
-def v2_round_trip(runtime) -> None:
-    """Every width's v2 kernel through a SimRuntime (tests/test_cuda_sim.py launches every kernel of csrc)."""
-    for i, name in enumerate(("U8", "BF16", "F32", "I64")):
-        dt, old, parts = _case(name, 3000 + i, seed=i)
-        assert same_sections(gpu_decode(None, old, parts, dt, runtime=runtime), v2_ref.decode(old, parts, dt)), name
-
-
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 2**40)), min_size=1, max_size=40),
        st.binary(max_size=12), st.integers(0, 3), st.sampled_from(["exact", "under", "over", "cut"]))
 def test_the_index_read_with_numpy_is_the_references(lens, junk, where, how):

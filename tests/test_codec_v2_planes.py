@@ -19,7 +19,7 @@ import pytest
 from wsync import dtypes
 from wsync.codecs import delta_ref
 
-from test_codec_v2 import _pair, twin_matches_reference as _check
+from codec_helpers import delta_pair, twin_matches_reference as _check
 
 CHUNK = 65536
 
@@ -99,7 +99,7 @@ def test_short_last_chunks(tail, rng):
     """The last word's and group's elements past the chunk get code 15, and must not be counted."""
     k = _kernels()
     for name in ("BF16", "F32", "F16"):
-        dt, old, new = _pair(name, 2 * CHUNK + tail, rng)
+        dt, old, new = delta_pair(name, 2 * CHUNK + tail, rng)
         new[-tail:] = old[-tail:] ^ dt.bits_dtype.type(1)
         _check(k, dt, old, new, (name, tail))
 
@@ -109,7 +109,7 @@ def test_every_dtype_in_process(rng):
     where the CPU has it; the others from class bytes)."""
     k = _kernels()
     for name in sorted(dtypes.DTYPES):
-        dt, old, new = _pair(name, 2 * CHUNK + 999, rng)
+        dt, old, new = delta_pair(name, 2 * CHUNK + 999, rng)
         _check(k, dt, old, new, name)
 
 
@@ -122,11 +122,11 @@ def test_every_dtype_and_case_with_a_path_turned_off(env):
         "import numpy as np, sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "from wsync import dtypes, backends\n"
-        "from test_codec_v2 import _pair, twin_matches_reference as _check\n"
+        "from codec_helpers import delta_pair, twin_matches_reference as _check\n"
         "from test_codec_v2_planes import _case\n"
         "k = backends.kernels('cpu'); rng = np.random.default_rng(7)\n"
         "for name in sorted(dtypes.DTYPES):\n"
-        "    dt, old, new = _pair(name, 2 * 65536 + 999, rng); _check(k, dt, old, new, name)\n"
+        "    dt, old, new = delta_pair(name, 2 * 65536 + 999, rng); _check(k, dt, old, new, name)\n"
         "for kind in ('gaussian', 'rest', 'huge_top', 'wide'):\n"
         "    dt, old, new, _ = _case(kind, rng); _check(k, dt, old, new, kind)\n"
         "print(*k._cpu.v2_paths())\n"

@@ -13,6 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from wsync.checksum import BLOCK, checksum
 from wsync.codecs import delta_ref
 from wsync.errors import BackendUnavailable, FormatError
@@ -25,7 +27,7 @@ SIZES = st.one_of(
     st.integers(1, 150_000),
 )
 DENSITY = st.one_of(st.sampled_from([0.0, 1.0, 1e-4]), st.floats(0.0, 1.0))
-CHECKED = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CHECKED = settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _why_no_gpu() -> str | None:
@@ -216,11 +218,11 @@ def test_public_api_round_trip_on_cuda(kern):
 @pytest.mark.parametrize("name,n", [("BF16", 3 * 65536 + 4099), ("F32", 65536 + 1), ("I8", 5000), ("U64", 3000),
                                     ("F8_E5M2", 65536 - 1)])
 def test_v2_decode_matches_reference(kern, name, n):
-    from test_codec_v2 import _pair
+    from codec_helpers import delta_pair
 
     from wsync.codecs import v2_ref
 
-    dt, old, new = _pair(name, n, np.random.default_rng(n), density=0.01)
+    dt, old, new = delta_pair(name, n, np.random.default_rng(n), density=0.01)
     parts = v2_ref.encode(old, delta_ref.encode(old, new, dt.order), dt)
     got, want = kern.v2_decode(old, parts, dt), v2_ref.decode(old, parts, dt)
     assert all(getattr(got, f).tobytes() == getattr(want, f).tobytes() for f in ("table", "gaps", "steps", "escapes"))
@@ -230,12 +232,12 @@ def test_v2_decode_matches_reference(kern, name, n):
 
 
 def test_v2_decoded_on_the_device_applies_in_place(kern, torch_cuda):
-    from test_codec_v2 import _pair
+    from codec_helpers import delta_pair
 
     from wsync.codecs import v2_ref
 
     torch = torch_cuda
-    dt, old, new = _pair("BF16", 5 * 65536 + 17, np.random.default_rng(8), density=0.005)
+    dt, old, new = delta_pair("BF16", 5 * 65536 + 17, np.random.default_rng(8), density=0.005)
     parts = v2_ref.encode(old, delta_ref.encode(old, new, dt.order), dt)
     live = to_cuda(torch, old, 2, "float")
     sec = kern.v2_decode_device(live, parts, dt)

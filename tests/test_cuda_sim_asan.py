@@ -13,12 +13,9 @@ instrumented). A planted over-read that only ASan can see must be caught.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 
 import pytest
-
-from test_cuda_sim_mutants import run_driver
 
 cudasim = pytest.importorskip("cudasim")
 from cudasim.mutants import ASAN_ONLY, apply  # noqa: E402
@@ -41,7 +38,7 @@ def _asan_env() -> dict:
 def test_every_kernel_clean_under_asan_and_ubsan():
     env = _asan_env()
     so = cudasim.build([cudasim.CSRC / "delta_cuda.cu"], sanitize=True)
-    r = run_driver(so, "--mode", "medium", env=env, timeout=1800)
+    r = cudasim.run_driver(so, "--mode", "medium", env=env, timeout=1800)
     assert "Sanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr[-6000:]
     assert r.returncode == 0 and r.stdout.startswith("ok") and "sanitized" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
@@ -50,8 +47,8 @@ def test_every_kernel_clean_under_asan_and_ubsan():
 def test_over_read_only_asan_sees_is_caught(mutant):
     env = _asan_env()
     so = cudasim.build([apply(mutant)], sanitize=True)
-    quiet = run_driver(cudasim.build([apply(mutant)]), "--mode", "quick")
+    quiet = cudasim.run_driver(cudasim.build([apply(mutant)]), "--mode", "quick")
     assert quiet.returncode == 0, "the plain harness now catches it: move it to MUTANTS\n" + quiet.stdout[-2000:]
-    r = run_driver(so, "--mode", "quick", env=env)
+    r = cudasim.run_driver(so, "--mode", "quick", env=env)
     assert r.returncode != 0 and "AddressSanitizer" in r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
     assert "heap-buffer-overflow" in r.stderr and "load_vec" in r.stderr, r.stderr[-4000:]

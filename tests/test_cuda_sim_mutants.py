@@ -9,26 +9,13 @@ the over-read that only a byte-exact bounds check can see.
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 cudasim = pytest.importorskip("cudasim")
 from cudasim.mutants import MUTANTS, apply  # noqa: E402
-
-TESTS = Path(__file__).resolve().parent
-
-
-def run_driver(so: Path, *extra: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(env or os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "cudasim.driver", str(so), *extra], capture_output=True, text=True,
-                          env=env, cwd=TESTS, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +32,14 @@ def test_the_unmutated_kernels_pass_the_same_run():
     """The control: without a planted bug the quick run is clean, so a failure below is the mutant's."""
     if cudasim.compiler() is None:
         pytest.skip("no C++ compiler on PATH")
-    r = run_driver(cudasim.build([cudasim.CSRC / "delta_cuda.cu"]), "--mode", "quick")
+    r = cudasim.run_driver(cudasim.build([cudasim.CSRC / "delta_cuda.cu"]), "--mode", "quick")
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 @pytest.mark.build
 def test_mutant_is_caught(builds, mutant):
-    r = run_driver(builds[mutant.name], "--mode", "quick")
+    r = cudasim.run_driver(builds[mutant.name], "--mode", "quick")
     assert r.returncode != 0, f"{mutant.name} ({mutant.why}) passed the harness:\n{r.stdout[-2000:]}"
     assert re.match(mutant.expect, r.stdout), f"{mutant.name}: not the failure expected:\n{r.stdout[-2000:]}{r.stderr[-3000:]}"
 

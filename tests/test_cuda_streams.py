@@ -166,11 +166,11 @@ def test_everything_runs_on_the_inputs_device_and_its_torch_stream(rt, kern):
 def test_v2_decoded_on_the_base_device_applies_on_another_stream(rt, kern):
     """A delta-v2 tensor decoded against a CUDA base (a warp per chunk, its counts read back on its own
     stream), applied from another stream: the apply waits for the decode's event, the bytes are the new ones."""
-    from test_codec_v2 import _pair
+    from codec_helpers import delta_pair
 
     from wsync.codecs import v2_ref
 
-    dt, old, new = _pair("BF16", 2 * N + 5, np.random.default_rng(4), density=0.01)
+    dt, old, new = delta_pair("BF16", 2 * N + 5, np.random.default_rng(4), density=0.01)
     parts = v2_ref.encode(old, delta_ref.encode(old, new, dt.order), dt)
     live = FakeTensor(old.copy(), 1)
     s1, s2 = rt.new_stream(1), rt.new_stream(1)

@@ -23,9 +23,9 @@ from wsync.payload import Payload
 
 cudasim = pytest.importorskip("cudasim")
 from cudasim.fakert import FakeTensor  # noqa: E402
+from helpers import TOKEN  # noqa: E402
 
 ADDR = "tcp://127.0.0.1:0"
-TOKEN = b"device-sync-tests"
 # uneven sizes: several tensors per segment, a segment alone in its bucket, one tensor across two chunks
 SHAPES = {f"layers.{i}.w": (48, 64 + 8 * i) for i in range(12)} | {"embed": (70_001,), "norm": (64,)}
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import TOKEN
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.gpu
-TOKEN = b"gpu-engine-test-token"
 
 
 def _needs(pkg: str):

@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine_helpers import TOKEN, fuse, publisher, rl_step, subscriber, tiny_qwen  # noqa: E402
+from helpers import TOKEN  # noqa: E402
+from engine_helpers import fuse, publisher, rl_step, subscriber, tiny_qwen  # noqa: E402
 from wsync import engines  # noqa: E402
 from wsync.engines.sglang import SGLang  # noqa: E402
 from wsync.engines.staged import EngineError  # noqa: E402

@@ -17,6 +17,7 @@ from wsync.errors import ChecksumError, FormatError, MismatchError, VersionError
 from wsync import api
 from wsync.payload import HEADER, Payload
 
+from helpers import clone, examples
 from conftest import rewrite_manifest, states_equal
 
 pytestmark = pytest.mark.usefixtures("each_backend")
@@ -53,16 +54,12 @@ def blob(request, pair):
     return wsync.encode(base, new, tier=request.param, version=2, base_version=1).to_bytes()
 
 
-def _clone(state):
-    return {k: v.clone() for k, v in state.items()}
-
-
 def _refused(base, blob, err, match=None):
     """Both out-of-place and in-place apply raise err, and base keeps every byte."""
-    before = _clone(base)
+    before = clone(base)
     with pytest.raises(err, match=match):
         wsync.apply(base, blob)
-    target = _clone(base)
+    target = clone(base)
     with pytest.raises(err, match=match):
         wsync.apply(target, blob, inplace=True)
     assert states_equal(target, before)
@@ -238,7 +235,7 @@ def test_wrong_result_checksum_rolls_back_every_tensor(pair):
     _refused(base, rewrite_manifest(blob, lie), ChecksumError, "norm")
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(data=st.data())
 def test_random_corruption_never_escapes_as_anything_else(data):
     base = {"w": (torch.arange(2000, dtype=torch.float32) / 7).to(torch.bfloat16), "b": torch.arange(5, dtype=torch.int32)}
@@ -250,7 +247,7 @@ def test_random_corruption_never_escapes_as_anything_else(data):
         blob[i] = data.draw(st.integers(0, 255))
     if data.draw(st.booleans()):
         blob = blob[: data.draw(st.integers(0, len(blob)))]
-    target = _clone(base)
+    target = clone(base)
     try:
         out = wsync.apply(target, bytes(blob), inplace=True)
     except WsyncError:

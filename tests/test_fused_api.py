@@ -18,6 +18,7 @@ from wsync.checksum import checksum
 from wsync.errors import ChecksumError, FormatError, VersionError
 from wsync.layout import per_tensor
 
+from helpers import clone
 from conftest import rewrite_manifest, states_equal
 
 pytestmark = pytest.mark.usefixtures("each_backend")
@@ -42,10 +43,6 @@ def _enc(base, new, **kw):
 
 def _key(payload, name):
     return payload.manifest.members.keys()[payload.manifest.members.names.index(name)]
-
-
-def _clone(state):
-    return {k: v.copy() for k, v in state.items()}
 
 
 def _corrupt_frame(blob: bytes, payload, name: str) -> bytes:
@@ -89,9 +86,9 @@ def test_wrong_base_outranks_a_corrupt_earlier_frame(inplace):
     base, new = _pair()
     p = _enc(base, new, tier="sparse")
     blob = _corrupt_frame(p.to_bytes(), p, "t0")
-    target = _clone(base)
+    target = clone(base)
     target["t2"][5] ^= 1
-    before = _clone(target)
+    before = clone(target)
     with pytest.raises(VersionError, match="t2"):
         wsync.apply(target, blob, inplace=inplace)
     assert states_equal(target, before)
@@ -110,7 +107,7 @@ def test_corrupt_frame_outranks_a_wrong_result(inplace):
 
     blob = rewrite_manifest(blob, lie)
     blob = _corrupt_frame(blob, wsync.payload.Payload.from_bytes(blob), "t2")
-    target = _clone(base)
+    target = clone(base)
     with pytest.raises(ChecksumError, match="t2: stored bytes"):
         wsync.apply(target, blob, inplace=inplace)
     assert states_equal(target, base)
@@ -120,7 +117,7 @@ def test_inplace_format_error_in_last_tensor_restores_the_first(monkeypatch):
     """t0 and t1 are written before t2's sections turn out bad: all three come back."""
     base, new = _pair()
     p = _enc(base, new, tier="sparse")
-    target = _clone(base)
+    target = clone(base)
     from wsync.codecs import delta
 
     real = delta._sparse_sections
@@ -186,7 +183,7 @@ def test_prepared_payload_applies_bit_exact_and_keeps_error_ranks(tier):
     blob = _enc(base, new, tier=tier).to_bytes()
     prepared = api.prepare(wsync.payload.Payload.from_bytes(blob))
     assert sorted(prepared.unpacked) == [_key(prepared, n) for n in ("t0", "t1", "t2")]
-    target = _clone(base)
+    target = clone(base)
     wsync.apply(target, prepared, inplace=True)
     assert all(target[n].tobytes() == new[n].tobytes() for n in new)
 
@@ -194,12 +191,12 @@ def test_prepared_payload_applies_bit_exact_and_keeps_error_ranks(tier):
     bad = _corrupt_frame(blob, prepared, "t2")
     prepared = api.prepare(wsync.payload.Payload.from_bytes(bad))
     assert sorted(prepared.unpacked) == [_key(prepared, n) for n in ("t0", "t1")]
-    target = _clone(base)
+    target = clone(base)
     with pytest.raises(ChecksumError, match="t2: stored bytes"):
         wsync.apply(target, prepared, inplace=True)
     assert states_equal(target, base)
     target["t1"][7] ^= 1
-    before = _clone(target)
+    before = clone(target)
     with pytest.raises(VersionError, match="t1"):
         wsync.apply(target, api.prepare(wsync.payload.Payload.from_bytes(bad)), inplace=True)
     assert states_equal(target, before)

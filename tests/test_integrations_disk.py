@@ -8,19 +8,18 @@ import torch
 from safetensors.torch import load_file
 
 from engine_helpers import rl_step, same_bytes, tiny_qwen
-
-TOKEN = "12" * 16
+from helpers import TOKEN_HEX
 
 
 def test_slime_update_weights_to_disk_dirs(tmp_path):
     import wsync.integrations.slime as ws
 
     trainer = tiny_qwen(0, tie=False)
-    ws._CONFIG = ws.SyncConfig(address="tcp://127.0.0.1:0", token=TOKEN)
+    ws._CONFIG = ws.SyncConfig(address="tcp://127.0.0.1:0", token=TOKEN_HEX)
     up = ws.WsyncUpdateWeight(None, [trainer], dict, model_name="qwen3", quantization_config=None,
                               hf_chunks=lambda: [list(trainer.state_dict().items())])
     up.connect_rollout_engines([], None)
-    side = ws.sidecar(up.address, tmp_path, token=TOKEN, keep=2)
+    side = ws.sidecar(up.address, tmp_path, token=TOKEN_HEX, keep=2)
     gen = torch.Generator().manual_seed(11)
     try:
         for _ in range(3):
@@ -39,9 +38,9 @@ def test_prime_rl_broadcast_to_step_dirs(tmp_path):
     import wsync.integrations.prime_rl as wp
 
     trainer = tiny_qwen(0, tie=False)
-    wp._CONFIG = wp.SyncConfig(address="tcp://127.0.0.1:0", token=TOKEN, keyframe_every=2)
+    wp._CONFIG = wp.SyncConfig(address="tcp://127.0.0.1:0", token=TOKEN_HEX, keyframe_every=2)
     bc = wp.WsyncWeightBroadcast(tmp_path / "run", hf_state=lambda m: m.state_dict())
-    side = wp.sidecar(wp._CONFIG.dial_address(bc._pub), tmp_path / "infer", token=TOKEN, keep=3)
+    side = wp.sidecar(wp._CONFIG.dial_address(bc._pub), tmp_path / "infer", token=TOKEN_HEX, keep=3)
     gen = torch.Generator().manual_seed(12)
     try:
         for step in (1, 2, 5):

@@ -34,9 +34,9 @@ import pytest
 import torch
 
 from engine_helpers import Served, rl_step, same_bytes, tiny_qwen
+from helpers import TOKEN_HEX
 
 HERE = Path(__file__).parent
-TOKEN = "ef" * 16
 INSTALL = ("pip install --no-deps openrlhf==0.11.2 ray==2.60.0 (and deepspeed==0.19.6, see .ci/run)")
 
 
@@ -70,7 +70,7 @@ wrap = _load_worker_wrap()
 def test_patch_takes_effect_inside_ray_actors(tmp_path):
     _require("ray", "deepspeed")
     tiny_qwen(0, tie=False).save_pretrained(tmp_path / "model")
-    (tmp_path / "token").write_text(TOKEN)  # WSYNC_TOKEN_FILE, named in the job's runtime_env
+    (tmp_path / "token").write_text(TOKEN_HEX)  # WSYNC_TOKEN_FILE, named in the job's runtime_env
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WSYNC_", "RAY_ADDRESS"))}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE / "openrlhf_standins")] + env.get("PYTHONPATH", "").split(os.pathsep))
     ranks, steps = 2, 3  # two DeepSpeed ranks: both walk broadcast_to_vllm, rank 0 publishes
@@ -114,7 +114,7 @@ class Handle:
 def test_broadcast_to_vllm_over_wsync(monkeypatch):
     import wsync.integrations.openrlhf as wo
 
-    monkeypatch.setenv("WSYNC_TOKEN", TOKEN)  # the vLLM worker's own environment
+    monkeypatch.setenv("WSYNC_TOKEN", TOKEN_HEX)  # the vLLM worker's own environment
     wo.patch_worker()
     try:
         trainer, served = tiny_qwen(0, tie=False), tiny_qwen(1, tie=False)
@@ -124,7 +124,7 @@ def test_broadcast_to_vllm_over_wsync(monkeypatch):
                                ds=SimpleNamespace(zero_stage=2, tensor_parallel_size=1))
         me = SimpleNamespace(strategy=SimpleNamespace(args=args), vllm_engines=[Handle(worker)],
                              actor=SimpleNamespace(model=SimpleNamespace(module=trainer)))
-        monkeypatch.setattr(wo, "_CONFIG", wo.SyncConfig(address="tcp://127.0.0.1:0", token=TOKEN, keyframe_every=3))
+        monkeypatch.setattr(wo, "_CONFIG", wo.SyncConfig(address="tcp://127.0.0.1:0", token=TOKEN_HEX, keyframe_every=3))
         wo.init_vllm_sync_group(me, "wsync")
         gen = torch.Generator().manual_seed(9)
         for v in range(4):
@@ -163,7 +163,7 @@ def test_runtime_env_carries_config_never_the_token(monkeypatch, tmp_path):
     assert env["env_vars"]["WSYNC_TOKEN_FILE"] == "/run/wsync/token"
     assert json.loads(env["env_vars"][wo.CONFIG_ENV]) == {"address": "tcp://127.0.0.1:0", "keyframe_every": 2}
     with pytest.raises(ValueError, match="dashboard"):
-        wo.runtime_env(token=TOKEN)
+        wo.runtime_env(token=TOKEN_HEX)
     with pytest.raises(TypeError):
         wo.runtime_env(adress="tcp://127.0.0.1:0")  # a misspelt field fails in the driver
     monkeypatch.setenv(wo.CONFIG_ENV, "{not json")

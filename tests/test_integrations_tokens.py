@@ -14,7 +14,7 @@ import pytest
 from wsync.errors import WsyncError
 from wsync.integrations.common import SyncConfig, check_exposure, engine_token, load_token, token_id
 
-TOKEN = "5a" * 16
+from helpers import TOKEN_HEX
 
 
 def test_default_address_is_loopback():
@@ -31,7 +31,7 @@ def test_no_token_beyond_loopback_is_refused(address, monkeypatch):
     monkeypatch.delenv("WSYNC_TOKEN_FILE", raising=False)
     with pytest.raises(ValueError, match="without a token"):
         SyncConfig(address=address).publisher()  # refused before anything binds
-    check_exposure(address, bytes.fromhex(TOKEN))  # with a token it may listen there
+    check_exposure(address, bytes.fromhex(TOKEN_HEX))  # with a token it may listen there
 
 
 @pytest.mark.parametrize("address", ["tcp://127.0.0.1:0", "tcp://localhost:0", "tcp://[::1]:0", "local://x"])
@@ -40,32 +40,32 @@ def test_loopback_and_local_need_no_token(address):
 
 
 def test_token_is_not_in_the_config_repr():
-    assert TOKEN not in repr(SyncConfig(token=TOKEN))
+    assert TOKEN_HEX not in repr(SyncConfig(token=TOKEN_HEX))
 
 
 def test_token_from_environment_or_file(monkeypatch, tmp_path):
     monkeypatch.delenv("WSYNC_TOKEN_FILE", raising=False)
-    monkeypatch.setenv("WSYNC_TOKEN", TOKEN)
-    assert SyncConfig().token_bytes() == bytes.fromhex(TOKEN)
+    monkeypatch.setenv("WSYNC_TOKEN", TOKEN_HEX)
+    assert SyncConfig().token_bytes() == bytes.fromhex(TOKEN_HEX)
     monkeypatch.delenv("WSYNC_TOKEN")
-    (tmp_path / "tok").write_text(TOKEN + "\n")
+    (tmp_path / "tok").write_text(TOKEN_HEX + "\n")
     monkeypatch.setenv("WSYNC_TOKEN_FILE", str(tmp_path / "tok"))
-    assert load_token() == bytes.fromhex(TOKEN)
+    assert load_token() == bytes.fromhex(TOKEN_HEX)
     assert SyncConfig(token="00" * 16).token_bytes() == bytes(16)  # given explicitly, it wins
 
 
 def test_engine_checks_its_token_against_the_id(monkeypatch):
     monkeypatch.delenv("WSYNC_TOKEN_FILE", raising=False)
-    tid = token_id(bytes.fromhex(TOKEN))
-    assert TOKEN not in tid and len(tid) == 16
+    tid = token_id(bytes.fromhex(TOKEN_HEX))
+    assert TOKEN_HEX not in tid and len(tid) == 16
     monkeypatch.delenv("WSYNC_TOKEN", raising=False)
     with pytest.raises(WsyncError, match="WSYNC_TOKEN"):
         engine_token(tid)
     monkeypatch.setenv("WSYNC_TOKEN", "11" * 16)
     with pytest.raises(WsyncError, match="is not the trainer's"):
         engine_token(tid)
-    monkeypatch.setenv("WSYNC_TOKEN", TOKEN)
-    assert engine_token(tid) == bytes.fromhex(TOKEN)
+    monkeypatch.setenv("WSYNC_TOKEN", TOKEN_HEX)
+    assert engine_token(tid) == bytes.fromhex(TOKEN_HEX)
     assert engine_token(None) is None
 
 
@@ -77,7 +77,7 @@ def test_openrlhf_group_name_carries_no_token(monkeypatch, caplog):
     import wsync.integrations.openrlhf as wo
 
     caplog.set_level(logging.DEBUG)
-    monkeypatch.setenv("WSYNC_TOKEN", TOKEN)  # the vLLM workers' environment (Ray runtime_env)
+    monkeypatch.setenv("WSYNC_TOKEN", TOKEN_HEX)  # the vLLM workers' environment (Ray runtime_env)
     trainer, served = tiny_qwen(0, tie=False), tiny_qwen(1, tie=False)
 
     worker = SimpleNamespace(model_runner=SimpleNamespace(model=Served(served)))
@@ -95,7 +95,7 @@ def test_openrlhf_group_name_carries_no_token(monkeypatch, caplog):
                            ds=SimpleNamespace(zero_stage=2, tensor_parallel_size=1))
     me = SimpleNamespace(strategy=SimpleNamespace(args=args), vllm_engines=[handle],
                          actor=SimpleNamespace(model=SimpleNamespace(module=trainer)))
-    monkeypatch.setattr(wo, "_CONFIG", wo.SyncConfig(token=TOKEN, keyframe_every=3))  # default address: loopback
+    monkeypatch.setattr(wo, "_CONFIG", wo.SyncConfig(token=TOKEN_HEX, keyframe_every=3))  # default address: loopback
     wo.init_vllm_sync_group(me, "wsync")
     try:
         assert me._wsync_pub.address.startswith("tcp://127.0.0.1:")
@@ -109,6 +109,6 @@ def test_openrlhf_group_name_carries_no_token(monkeypatch, caplog):
         me._wsync_pub.close()
         worker._wsync_sub.close()
     group = rpc[0][0][4]
-    assert group == "wsync:" + token_id(bytes.fromhex(TOKEN))
-    assert not any(TOKEN in repr(call) for call in rpc)
-    assert not any(TOKEN in r.getMessage() for r in caplog.records)
+    assert group == "wsync:" + token_id(bytes.fromhex(TOKEN_HEX))
+    assert not any(TOKEN_HEX in repr(call) for call in rpc)
+    assert not any(TOKEN_HEX in r.getMessage() for r in caplog.records)

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from engine_helpers import rl_step, same_bytes, tiny_qwen
+from helpers import TOKEN_HEX
 
 pytest.importorskip("trl.generation.vllm_generation", reason="pip install torch==2.13.0 --no-deps trl")
 accelerate = pytest.importorskip("accelerate")
 
-TOKEN = "cd" * 16
 # vLLM 0.32's routes that TRL's client reaches (the RL and server-info ones only with VLLM_SERVER_DEV_MODE=1)
 GET_ROUTES = {"/health", "/v1/models", "/server_info", "/get_world_size", "/weight_info"}
 POST_ROUTES = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
@@ -118,11 +118,11 @@ def test_grpo_server_sync_through_wsync(trl_cpu, monkeypatch, caplog):
     from trl.generation.vllm_generation import VLLMGeneration
 
     caplog.set_level(logging.DEBUG)
-    monkeypatch.setenv("WSYNC_TOKEN", TOKEN)  # the vLLM server's own copy of the token
+    monkeypatch.setenv("WSYNC_TOKEN", TOKEN_HEX)  # the vLLM server's own copy of the token
 
     trainer, served = tiny_qwen(0, tie=False), tiny_qwen(1, tie=False)
     server = Server(served)
-    cls = trl_cpu.patch(address="tcp://127.0.0.1:0", token=TOKEN, keyframe_every=4)
+    cls = trl_cpu.patch(address="tcp://127.0.0.1:0", token=TOKEN_HEX, keyframe_every=4)
     vgen = None
     try:
         vgen = VLLMGeneration(trainer, accelerate.Accelerator(cpu=True), None, mode="server",
@@ -140,10 +140,10 @@ def test_grpo_server_sync_through_wsync(trl_cpu, monkeypatch, caplog):
         full = sum(t.nbytes for t in trainer.state_dict().values())
         assert sizes[1] < full / 4  # deltas, not full weights
         # the token never rode the HTTP control plane (servers log it), nor any log line
-        assert server.bodies and not any(TOKEN in b for b in server.bodies)
-        assert not any(TOKEN in c for c in server.calls)
+        assert server.bodies and not any(TOKEN_HEX in b for b in server.bodies)
+        assert not any(TOKEN_HEX in c for c in server.calls)
         assert "token_id" in server.bodies[0]
-        assert not any(TOKEN in r.getMessage() for r in caplog.records)
+        assert not any(TOKEN_HEX in r.getMessage() for r in caplog.records)
     finally:
         if vgen is not None:
             vgen.vllm_client.close_communicator()
@@ -155,7 +155,7 @@ def test_a_server_without_the_wsync_backend_is_refused_at_init(trl_cpu, backend)
     from trl.generation.vllm_generation import VLLMGeneration
 
     server = Server(tiny_qwen(1, tie=False), backend=backend)
-    trl_cpu.patch(address="tcp://127.0.0.1:0", token=TOKEN)
+    trl_cpu.patch(address="tcp://127.0.0.1:0", token=TOKEN_HEX)
     try:
         with pytest.raises(RuntimeError, match="VLLM_SERVER_DEV_MODE=1.*weight-transfer-config"):
             VLLMGeneration(tiny_qwen(0, tie=False), accelerate.Accelerator(cpu=True), None, mode="server",
@@ -170,9 +170,9 @@ def test_a_failed_update_reaches_the_trainer_with_the_servers_reason(trl_cpu, mo
     # another message and bury this one: the update is posted once
     from trl.generation.vllm_generation import VLLMGeneration
 
-    monkeypatch.setenv("WSYNC_TOKEN", TOKEN)
+    monkeypatch.setenv("WSYNC_TOKEN", TOKEN_HEX)
     server = Server(tiny_qwen(1, tie=False), fail_update="EngineError: LoadWeights could not load 25 tensors")
-    trl_cpu.patch(address="tcp://127.0.0.1:0", token=TOKEN)
+    trl_cpu.patch(address="tcp://127.0.0.1:0", token=TOKEN_HEX)
     vgen = None
     try:
         vgen = VLLMGeneration(tiny_qwen(0, tie=False), accelerate.Accelerator(cpu=True), None, mode="server",
@@ -190,7 +190,7 @@ def test_unpatch_restores_trl_client(trl_cpu):
     import trl.generation.vllm_generation as vg
     from trl.generation.vllm_client import VLLMClient
 
-    trl_cpu.patch(token=TOKEN)
+    trl_cpu.patch(token=TOKEN_HEX)
     assert vg.VLLMClient is not VLLMClient and issubclass(vg.VLLMClient, VLLMClient)
     trl_cpu.unpatch()
     assert vg.VLLMClient is VLLMClient

@@ -18,13 +18,13 @@ from engine_helpers import rl_step, same_bytes, tiny_qwen
 from wsync.errors import WsyncError
 from wsync.integrations.verl import WsyncCheckpointEngineCore
 
-TOKEN = "ab" * 16
+from helpers import TOKEN_HEX
 
 
 def _engines(n_actor=2, n_rollout=2, **kw):
-    actors = [WsyncCheckpointEngineCore(1 << 16, is_master=(i == 0), address="tcp://127.0.0.1:0", token=TOKEN, **kw)
+    actors = [WsyncCheckpointEngineCore(1 << 16, is_master=(i == 0), address="tcp://127.0.0.1:0", token=TOKEN_HEX, **kw)
               for i in range(n_actor)]
-    rollouts = [WsyncCheckpointEngineCore(1 << 16, token=TOKEN, **kw) for _ in range(n_rollout)]
+    rollouts = [WsyncCheckpointEngineCore(1 << 16, token=TOKEN_HEX, **kw) for _ in range(n_rollout)]
     meta = [e.prepare() for e in actors + rollouts]
     a_kw, r_kw = WsyncCheckpointEngineCore.build_topology(n_actor, n_rollout, meta)
     for engines, kws in ((actors, a_kw), (rollouts, r_kw)):
@@ -110,5 +110,5 @@ def test_real_verl_registry():
     cls = wv.register()
     assert CheckpointEngineRegistry.get("wsync") is cls
     assert issubclass(cls, wv.engine_class()) and cls.__mro__[1] is wv.WsyncCheckpointEngineCore
-    engine = CheckpointEngineRegistry.new("wsync", bucket_size=1 << 20, is_master=False, token=TOKEN)
+    engine = CheckpointEngineRegistry.new("wsync", bucket_size=1 << 20, is_master=False, token=TOKEN_HEX)
     assert engine.prepare() == {}

@@ -13,6 +13,7 @@ from wsync.errors import ChecksumError, FormatError, MismatchError, VersionError
 from wsync.layout import Layout, bind, per_tensor, layout_of
 from wsync.payload import Payload
 
+from helpers import clone
 from conftest import rewrite_manifest, states_equal
 
 pytestmark = pytest.mark.usefixtures("each_backend")
@@ -36,10 +37,6 @@ def _many(n=3000, seed=0):
     return base, new
 
 
-def _clone(state):
-    return {k: v.copy() for k, v in state.items()}
-
-
 @pytest.mark.parametrize("tier", ["sparse", "packed"])
 def test_many_tensors_round_trip_exact(tier):
     base, new = _many()
@@ -47,10 +44,10 @@ def test_many_tensors_round_trip_exact(tier):
     assert len(p.manifest.tensors) == len(DTYPES)  # one segment per dtype, not one entry per tensor
     out = wsync.apply(base, p.to_bytes())
     assert all(out[k].tobytes() == new[k].tobytes() and out[k].shape == new[k].shape for k in new)
-    target = _clone(base)
+    target = clone(base)
     wsync.apply(target, p, inplace=True)
     assert states_equal(target, new)
-    bound_target = _clone(base)
+    bound_target = clone(base)
     bound = bind(bound_target)
     wsync.apply(bound, p, inplace=True)  # its tables are built once and written through
     assert states_equal(bound_target, new)
@@ -61,7 +58,7 @@ def test_delta_by_hash_needs_the_layout():
     members = layout_of(api.as_state(new))
     p = wsync.encode(base, new, members=members, inline=False)
     assert p.manifest.members is None and p.manifest.layout_hash == members.hash
-    target = _clone(base)
+    target = clone(base)
     with pytest.raises(MismatchError, match="keyframe"):
         wsync.apply(target, p.to_bytes(), inplace=True)
     assert states_equal(target, base)
@@ -81,7 +78,7 @@ def test_a_layout_that_does_not_fit_the_segments_is_refused():
     for s, key in zip(p.manifest.tensors, swapped.keys()):
         s.name = key
     with pytest.raises(FormatError, match="layout says"):
-        wsync.apply(_clone(base), Payload.from_bytes(p.to_bytes()), layouts={swapped.hash: swapped})
+        wsync.apply(clone(base), Payload.from_bytes(p.to_bytes()), layouts={swapped.hash: swapped})
 
 
 def _crafted(blob, mutate):
@@ -100,7 +97,7 @@ def _crafted(blob, mutate):
 def test_crafted_member_tables_get_format_errors(mutate, match):
     base, new = _many(60)
     blob = wsync.encode(base, new).to_bytes()
-    target = _clone(base)
+    target = clone(base)
     with pytest.raises(FormatError, match=match):
         wsync.apply(target, _crafted(blob, mutate), inplace=True)
     assert states_equal(target, base)
@@ -121,11 +118,11 @@ def test_corrupt_many_tensor_payload_names_the_segment_and_leaves_base():
     p = wsync.encode(base, new, tier="packed")
     blob = bytearray(p.to_bytes())
     blob[len(blob) - len(p.body) + 5] ^= 0xFF
-    target = _clone(base)
+    target = clone(base)
     with pytest.raises(ChecksumError, match=r"the \d+ U16 tensors 'model\.layers\.0"):
         wsync.apply(target, bytes(blob), inplace=True)
     assert states_equal(target, base)
-    other = _clone(base)  # a wrong base outranks the corrupt payload, as ever
+    other = clone(base)  # a wrong base outranks the corrupt payload, as ever
     first = [k for k, v in other.items() if v.size][0]
     other[first].reshape(-1)[0] += 1
     with pytest.raises(VersionError):
@@ -134,7 +131,7 @@ def test_corrupt_many_tensor_payload_names_the_segment_and_leaves_base():
 
 def test_manifest_of_a_dense_delta_is_small():
     """A 102-tensor dense model, 0.4% changed: the per-version manifest (layout by hash) is <= 2% of the payload."""
-    from wsync.bench.many import manifest_share
+    from wsync_bench.many import manifest_share
 
     got = manifest_share()
     assert got["tensors"] == 102
@@ -179,7 +176,7 @@ def test_a_consistent_lie_about_member_shapes_is_refused():
         d["layout_hash"] = h
         for j, s in enumerate(d["segments"]):
             s["name"] = f"{h}:{j}"
-    target = _clone(base)
+    target = clone(base)
     with pytest.raises(FormatError, match="layout says"):
         wsync.apply(target, rewrite_manifest(blob, lie), inplace=True)
     assert states_equal(target, base)

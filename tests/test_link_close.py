@@ -19,13 +19,10 @@ from wsync.sync import Publisher
 from wsync.transports import Message, connect, listen
 from wsync.transports.tcp.link import ConnectionLost
 
+from helpers import TOKEN, blob
+
 LOG = "wsync.transports.tcp"
-TOKEN = b"link-close-token-16"
 WINDOW = 3.0  # resume_window: shorter than linger (5 s), so lingering on a dropped link ends in "failed"
-
-
-def blob(n: int, seed: int = 0) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
 def state_of(link, want, timeout: float = 10.0) -> str:

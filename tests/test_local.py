@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 
+from helpers import random_bytes
+
 from wsync.errors import ChecksumError, TransportError
 from wsync.transports import Message, TransportTimeout, connect, listen, local_cuda
 
@@ -53,10 +55,6 @@ def _pair(**opts):
     return lst, pub, got["s"]
 
 
-def _big(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-
 @pytest.fixture
 def clean():
     """Every test must leave no memfd open in this process and nothing new in /dev/shm."""
@@ -73,7 +71,7 @@ def test_round_trips_both_ways(clean):
     lst, pub, sub = _pair(piece="64K")
     with pytest.raises(TransportTimeout):
         sub.recv(timeout=0.05)
-    blobs = [b"abc", b"", _big(1, 1_000_003), bytearray(b"x" * 100), memoryview(_big(2, 70_000)).cast("B")]
+    blobs = [b"abc", b"", random_bytes(1, 1_000_003), bytearray(b"x" * 100), memoryview(random_bytes(2, 70_000)).cast("B")]
     pub.send(Message("bucket", {"version": 3, "names": ["a", "b"]}, blobs))
     m = sub.recv(timeout=10)
     assert m.kind == "bucket" and m.meta == {"version": 3, "names": ["a", "b"]}
@@ -92,7 +90,7 @@ def test_round_trips_both_ways(clean):
 
 def test_segments_are_reused_only_once_released(clean):
     lst, pub, sub = _pair(pool_bytes="4M")
-    data = _big(3, 3 << 20)
+    data = random_bytes(3, 3 << 20)
     pub.send(Message("a", {}, [data]))
     held = sub.recv(timeout=10)  # the caller keeps this one
     sub.send(Message("ack"))
@@ -118,7 +116,7 @@ def test_segments_are_reused_only_once_released(clean):
 
 def test_corrupted_shared_memory_is_detected(clean):
     lst, pub, sub = _pair(piece="64K")
-    pub.send(Message("a", {}, [_big(4, 500_000)]))
+    pub.send(Message("a", {}, [random_bytes(4, 500_000)]))
     (seg,) = pub._out._segs.values()
     seg.mm[300_000] ^= 0x01  # changed after hashing, before the reader looked
     with pytest.raises(ChecksumError, match="piece 4"):
@@ -208,7 +206,7 @@ def test_reader_killed_while_holding_a_message(clean):
     p = ctx.Process(target=_reader_dies_holding, args=(name, done))
     p.start()
     pub = lst.accept(timeout=60)
-    pub.send(Message("big", {}, [_big(5, 8 << 20)]))
+    pub.send(Message("big", {}, [random_bytes(5, 8 << 20)]))
     assert done.wait(60)
     p.join(timeout=30)
     with pytest.raises(TransportError):

@@ -125,7 +125,7 @@ def test_bad_config_is_refused():
 
 
 def _busy_cpus(n: int):
-    """n processes that spin a core each (the load the loop met when it crashed 1 run in 4)."""
+    """n processes that spin a core each: the load under which threads switch at the worst moments."""
     import subprocess
     import sys
 

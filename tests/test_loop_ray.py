@@ -106,7 +106,7 @@ def test_sharded_step_is_the_one_process_step(cluster):
     theirs, ours, before = follower.state_dict(), local.state_dict(), build(PolicyConfig(seed=0)).state_dict()
     moved = max(float((ours[k] - before[k]).abs().max()) for k in ours)
     assert moved > 1e-3  # the step did move the weights
-    for k in ours:  # each tensor's update, to float rounding (here: relative error ~1e-6, largest difference ~5e-6)
+    for k in ours:  # each tensor's update, to float rounding (bounds well above float32's rounding of a sum)
         mine, one = theirs[k] - before[k], ours[k] - before[k]
         assert float((mine - one).norm()) <= 1e-4 * float(one.norm()) + 1e-9, k
         assert float((theirs[k] - ours[k]).abs().max()) < 1e-4, k

@@ -162,6 +162,8 @@ for _ in range(120):  # the sampler nodes join while the head starts
     if len([n for n in ray.nodes() if n["Alive"]]) >= 3:
         break
     time.sleep(0.5)
+else:
+    raise SystemExit("the sampler nodes did not join the cluster within a minute")
 at = {}
 
 

@@ -17,10 +17,11 @@ from wsync.errors import EngineError
 from wsync.subscriber import Subscriber
 from wsync.sync import Publisher
 
+from helpers import TOKEN
+
 parser = pytest.importorskip("prometheus_client.parser")
 
 ADDR = "tcp://127.0.0.1:0"
-TOKEN = b"metrics-token-16b"
 
 
 def scrape(url: str) -> dict:

@@ -7,6 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 import wsync
 from wsync.codecs import delta_ref
 from wsync.dtypes import DTYPES
@@ -60,7 +62,7 @@ shapes = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     dtype=st.sampled_from(["BF16", "F16", "F32", "F64", "F8_E4M3", "I8", "U8", "I16", "I32", "U32", "I64"]),
     shape=shapes,

@@ -17,8 +17,7 @@ from wsync.serve import replica_metadata
 from wsync.serve import find_versions, pull, read_replica, serve
 from wsync.snapshot import as_state, digest
 
-TOKEN_HEX = "5e" * 16  # the command line takes hex
-TOKEN = bytes.fromhex(TOKEN_HEX)
+from helpers import TOKEN, TOKEN_HEX, free_port
 
 
 def _series(root, n, rng, size=50_000):
@@ -57,7 +56,9 @@ def _serving(src, **kw):
     t = threading.Thread(target=serve, args=(src, "tcp://127.0.0.1:0"),
                          kwargs=dict(token=TOKEN, stop=stop.is_set, poll_s=0.2, settle_s=0.5, log=log, **kw), daemon=True)
     t.start()
+    deadline = time.monotonic() + 60  # only to turn a hang into a failure
     while "a" not in addr:
+        assert time.monotonic() < deadline and t.is_alive(), "serve never said where it listens"
         time.sleep(0.05)
     return addr["a"], stop, t
 
@@ -142,14 +143,6 @@ def test_killed_pull_leaves_last_good_version(tmp_path, rng):
 
 # -- serve --no-watch says why it served nothing; pull says what it waits for -----------------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_no_watch_with_no_valid_file_fails_naming_each_one(tmp_path, capsys):
     from wsync.cli import main as cli
 
@@ -215,7 +208,7 @@ def test_serve_no_watch_returns_once_a_subscriber_took_the_newest(tmp_path, rng)
 def test_pull_says_what_it_waits_for_every_few_seconds(tmp_path):
     from wsync.subscriber import WaitTimeout
 
-    addr = f"tcp://127.0.0.1:{_free_port()}"
+    addr = f"tcp://127.0.0.1:{free_port()}"
     said = []
     with pytest.raises(WaitTimeout, match="announced no version within 1.5s"):
         pull(addr, tmp_path / "out", connect_timeout=1.5, progress=False, say=said.append, say_every=0.4)

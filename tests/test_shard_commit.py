@@ -25,7 +25,8 @@ from wsync.shard.decisions import DecisionLog  # noqa: E402
 from wsync.shard.member import CoordinatorError, Member  # noqa: E402
 from wsync.shard.sync import ShardPublisher, ShardSubscriber  # noqa: E402
 
-TOKEN = "shard-commit-test-token-8f3a61c2"
+from helpers import TOKEN  # noqa: E402
+
 M, N = 3, 2
 WAIT = 60.0  # generous: two shared cores
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shard_helpers import TOKEN, Reference, engine_expected, make_plan, qwen_params, sl
+from helpers import TOKEN
+from shard_helpers import Reference, engine_expected, make_plan, qwen_params, sl
 
 from wsync import backends
 from wsync import errors as wsync_errors

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from helpers import free_port
 
 from wsync.dtypes import from_torch
 from wsync.shard.conventions import (QWEN3_TP_PLAN, VllmConfig, chunk, fsdp_placements, hf_tp_layout, replicas,
@@ -323,12 +324,6 @@ def test_chunk_is_torch_chunk():
             assert [b - a for a, b in got] == real[:parts], (size, parts)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dtensor_rank(rank: int, port: int, out: str) -> None:
     """One of 3 gloo ranks: uneven Shard(0) by distribute_tensor and by FSDP2's fully_shard, read back."""
     import torch
@@ -363,10 +358,10 @@ def _dtensor_rank(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # three processes import torch and form a gloo group (~30 s on 2 shared cores)
+@pytest.mark.slow  # three processes import torch and form a gloo group
 def test_held_from_real_dtensors_on_three_gloo_ranks(tmp_path):
     pytest.importorskip("torch")
-    ctx, port = mp.get_context("spawn"), _port()
+    ctx, port = mp.get_context("spawn"), free_port()
     procs = [ctx.Process(target=_dtensor_rank, args=(r, port, str(tmp_path / f"{r}.json"))) for r in range(3)]
     [p.start() for p in procs]
     try:

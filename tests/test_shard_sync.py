@@ -9,105 +9,24 @@ it serves; tcp on 127.0.0.1 only.
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
-import time
 
 import pytest
 
-from shard_helpers import TOKEN, Reference, engine_worker, make_plan, piece_bytes, qwen_params, trainer_local
+from helpers import TOKEN, free_port
+from shard_helpers import commit, make_plan, piece_bytes
 
 torch = pytest.importorskip("torch")
 
 from wsync.shard.layout import box_numel  # noqa: E402
-from wsync.shard.sync import ShardPublisher  # noqa: E402
 
 OVERHEAD = 64 << 10  # per (trainer, engine) pair and version: manifests, message headers, a layout table
-
-
-class Group:
-    """m trainer ranks in this process, n engine-rank processes, the coordinator on trainer rank 0."""
-
-    def __init__(self, m: int, n: int, hooks: dict | None = None, timeout: float = 30.0, engine: str = "vllm",
-                 coordinator: str | None = None, **config):
-        # a killed engine rank's links give up after 3 s, not 30: closing the Publishers waits for them
-        config.setdefault("listen_opts", {"resume_window": 3.0})
-        self.spec = {"m": m, "n": n, "engine": engine}
-        self.plan = make_plan(m, n, engine)
-        self.ref = Reference(qwen_params())
-        self.pubs = []
-        if coordinator is None:  # trainer rank 0 hosts it; else one runs at that address
-            self.pubs = [ShardPublisher(self.plan, 0, coordinator="tcp://127.0.0.1:0", host_coordinator=True,
-                                        token=TOKEN, timeout=timeout, **config)]
-            coordinator = self.pubs[0].coordinator_address
-        self.address = coordinator
-        self.pubs += [ShardPublisher(self.plan, t, coordinator=self.address, token=TOKEN, **config)
-                      for t in range(len(self.pubs), m)]
-        self.ctx = mp.get_context("spawn")
-        self.out = self.ctx.Queue()
-        self.procs = {}
-        self.log: list[tuple] = []
-        for r in range(n):
-            self.start(r, (hooks or {}).get(r, {}))
-        self.expect("joined", None, range(n))
-
-    def start(self, rank: int, hooks: dict) -> None:
-        p = self.ctx.Process(target=engine_worker, args=(rank, self.spec, self.address, self.out, hooks), daemon=True)
-        p.start()
-        self.procs[rank] = p
-
-    def publish(self, v: int) -> None:
-        state = self.ref.torch_state(v)
-        for t, pub in enumerate(self.pubs):
-            pub.publish(trainer_local(self.plan, t, state), v)
-
-    def outcome(self, v: int, timeout: float = 60.0) -> dict:
-        return self.pubs[0].wait(v, timeout=timeout)
-
-    def expect(self, kind: str, v, ranks, timeout: float = 60.0) -> dict:
-        """Each rank's (version served, bytes ok) at its `kind` event for version v."""
-        got, deadline = {}, time.monotonic() + timeout
-        while set(got) != set(ranks):
-            for rank, ev, served, ok, ev_v in self.log:
-                if ev == kind and ev_v == v and rank in ranks:
-                    got[rank] = (served, ok)
-            if set(got) == set(ranks):
-                break
-            try:
-                self.log.append(self.out.get(timeout=max(0.01, deadline - time.monotonic())))
-            except queue.Empty:
-                raise AssertionError(f"no {kind} {v} from ranks {sorted(set(ranks) - set(got))}; log {self.log}")
-        return got
-
-    def close(self) -> None:
-        for pub in reversed(self.pubs):  # first, while the engine ranks are there to say goodbye to
-            pub.close()
-        for p in self.procs.values():
-            p.kill()
-            p.join(5)
-
-
-@pytest.fixture
-def groups():
-    made = []
-    yield lambda *a, **k: made.append(Group(*a, **k)) or made[-1]
-    for g in made:
-        g.close()
-
-
-def _commit(g: Group, v: int) -> None:
-    g.publish(v)
-    res = g.outcome(v)
-    assert res["outcome"] == "committed" and res["version"] == v, res
-    assert res["digest"] == res["expected"] is not None, res  # what engine ranks hold = what trainers announced
-    got = g.expect("committed", v, range(g.spec["n"]))
-    assert all(served == v and ok for served, ok in got.values()), got
 
 
 @pytest.mark.parametrize("m,n,engine", [(2, 2, "vllm"), pytest.param(4, 3, "hf", marks=pytest.mark.slow)])
 def test_versions_commit_bit_exact_on_every_engine_rank(groups, m, n, engine):
     g = groups(m, n, engine=engine)
     for v in range(6):  # a keyframe, then deltas moving ~1% of the values
-        _commit(g, v)
+        commit(g, v)
     # (e) a trainer rank allocates and sends only its pieces: never a parameter it does not own
     for t, pub in enumerate(g.pubs):
         assert all(c._tables is not None for c in pub._src.values())  # copied and hashed by one call per dtype
@@ -129,21 +48,21 @@ def test_versions_commit_bit_exact_on_every_engine_rank(groups, m, n, engine):
 
 def test_corrupt_piece_on_one_rank_aborts_every_rank(groups):
     g = groups(2, 2, hooks={1: {"corrupt_at": 2}})
-    _commit(g, 0)
-    _commit(g, 1)
+    commit(g, 0)
+    commit(g, 1)
     g.publish(2)
     res = g.outcome(2)
     assert res["outcome"] == "aborted" and "engine rank 1 from trainer ranks" in res["reason"], res
     got = g.expect("aborted", 2, range(2))
     assert all(served == 1 and ok for served, ok in got.values()), got  # both still serve version 1's bytes
-    _commit(g, 3)  # the bad source took a keyframe; the group commits the next version together
+    commit(g, 3)  # the bad source took a keyframe; the group commits the next version together
 
 
 @pytest.mark.slow  # tests/test_shard_transports.py kills and rejoins a rank in the fast tier
 def test_killed_engine_rank_commits_nothing_and_catches_up(groups):
     g = groups(2, 3, hooks={1: {"die_at": (2, 0)}}, engine="hf")
-    _commit(g, 0)
-    _commit(g, 1)
+    commit(g, 0)
+    commit(g, 1)
     g.publish(2)  # rank 1 dies once a bucket of version 2 arrived, before it could be ready
     res = g.outcome(2)
     assert res["outcome"] == "aborted" and "engine rank 1 lost" in res["reason"], res
@@ -154,16 +73,15 @@ def test_killed_engine_rank_commits_nothing_and_catches_up(groups):
     g.log = [e for e in g.log if e[0] != 1]
     g.start(1, {})  # restarted with nothing: it takes a keyframe from every source
     g.expect("joined", None, [1])
-    _commit(g, 3)
+    commit(g, 3)
 
 
 @pytest.mark.slow  # a 5 s stall
 def test_rank_that_never_gets_ready_aborts_at_the_timeout(groups):
     stall = 5.0
     g = groups(2, 2, hooks={1: {"stall_at": (2, 1), "stall_s": stall}}, timeout=2.0)
-    _commit(g, 0)
-    _commit(g, 1)
-    t0 = time.monotonic()
+    commit(g, 0)
+    commit(g, 1)
     g.publish(2)
     res = g.outcome(2)
     # the round's own timeout ended it, naming only the stalled rank: rank 0 got ready (so the coordinator did
@@ -172,8 +90,8 @@ def test_rank_that_never_gets_ready_aborts_at_the_timeout(groups):
     assert res["outcome"] == "aborted" and res["reason"] == "timeout: engine ranks [1] not ready within 2s", res
     got = g.expect("aborted", 2, range(2))
     assert all(served == 1 and ok for served, ok in got.values()), got
-    time.sleep(max(0.0, stall - (time.monotonic() - t0)) + 0.3)  # the stalled source delivers version 2 late
-    _commit(g, 3)
+    g.expect("received", 2, [1], timeout=stall + 60)  # the stalled source delivers version 2 late
+    commit(g, 3)
     assert not any(e[1] == "committed" and e[4] == 2 for e in g.log), g.log  # the late delivery committed nothing
 
 
@@ -187,11 +105,11 @@ def test_a_restarted_coordinator_resumes_the_rounds(groups):
     plan = make_plan(2, 2)
     coord = Coordinator(plan, "tcp://127.0.0.1:0", token=TOKEN, timeout=30.0)
     g = groups(2, 2, coordinator=coord.address)
-    _commit(g, 0)
-    _commit(g, 1)
+    commit(g, 0)
+    commit(g, 1)
     coord.close()  # the coordinator goes away; its links drop
     g.publish(2)  # its pieces reach the engine ranks' staging, but no round runs
-    time.sleep(1.0)
+    g.expect("received", 2, range(2))
     assert not any(e[1] == "committed" and e[4] == 2 for e in g.log)
     coord = Coordinator(plan, coord.address, token=TOKEN, timeout=30.0)  # back, on the same address
     try:
@@ -200,7 +118,7 @@ def test_a_restarted_coordinator_resumes_the_rounds(groups):
         assert res["outcome"] == "committed" and res["version"] == 2 and res["digest"] == res["expected"], res
         got = g.expect("committed", 2, range(2))
         assert all(served == 2 and ok for served, ok in got.values()), got
-        _commit(g, 3)
+        commit(g, 3)
         assert [s["version"] for s in coord.settled] == [2, 3]
     finally:
         coord.close()
@@ -208,10 +126,8 @@ def test_a_restarted_coordinator_resumes_the_rounds(groups):
 
 def _headline(tmp_path, m: int, n: int, trainer, engine, *targs) -> None:
     """m trainer processes and n engine processes for 5 versions; each posts (side, rank, version, ok)."""
-    from wsync_bench.reshard import _free_port
-
     ctx, versions = mp.get_context("spawn"), 5
-    ports, out = (_free_port(), _free_port(), _free_port()), ctx.Queue()
+    ports, out = (free_port(), free_port(), free_port()), ctx.Queue()
     args = (m, n, ports, str(tmp_path), out, versions)
     procs = [ctx.Process(target=trainer, args=(r, *args, *targs)) for r in range(m)] + \
         [ctx.Process(target=engine, args=(r, *args)) for r in range(n)]
@@ -232,7 +148,7 @@ def _headline(tmp_path, m: int, n: int, trainer, engine, *targs) -> None:
                                  + [("engine", r, v, True) for r in range(n) for v in range(versions)]), got
 
 
-@pytest.mark.slow  # 4 to 7 processes import transformers and form gloo groups (~1 min on 2 shared cores)
+@pytest.mark.slow  # 4 to 7 processes import transformers and form gloo groups
 @pytest.mark.parametrize("m,n", [(2, 2), (4, 3)])
 def test_fsdp2_trainer_into_torch_tp_engine(tmp_path, m, n):
     """The main case: FSDP2 (fully_shard, gloo) training a transformers Qwen3 on m processes -> the same

@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from shard_helpers import TOKEN, make_plan, piece_bytes
+from helpers import TOKEN
+from shard_helpers import Group, commit, make_plan, piece_bytes
 
 torch = pytest.importorskip("torch")
 
-from test_shard_sync import Group, _commit  # noqa: E402
 
 from wsync.errors import TransportError  # noqa: E402
 from wsync.shard.stage import data_scheme, data_token  # noqa: E402
@@ -25,23 +25,12 @@ OVERHEAD = 64 << 10  # per pair and version, as in test_shard_sync.py
 VERSIONS = 4  # a keyframe, then deltas moving ~1% of the values
 
 
-@pytest.fixture
-def groups():
-    made = []
-    yield lambda *a, **k: made.append(Group(*a, **k)) or made[-1]
-    for g in made:
-        # Group.close's order: the trainer's Publishers first, while their engine ranks live and redial, then the
-        # engine ranks killed. Under ucx that order crashed this process at a later garbage collection until
-        # ucx.UcxListener.close kept its UCX listener alive (see there).
-        g.close()
-
-
 def _versions_over(g: Group, scheme: str) -> None:
     for pub in g.pubs:
         assert pub.transport == scheme
         assert pub.publishers and all(a.startswith(f"{scheme}://") for a in pub.addresses.values()), pub.addresses
     for v in range(VERSIONS):
-        _commit(g, v)  # committed on every engine rank, digests equal, every rank's bytes = the reference sliced
+        commit(g, v)  # committed on every engine rank, digests equal, every rank's bytes = the reference sliced
     for t, pub in enumerate(g.pubs):
         mine, stats = piece_bytes(g.plan.for_trainer(t)), pub.stats()
         pairs = len(pub.sends)
@@ -83,8 +72,8 @@ def test_killed_engine_rank_rejoins_its_publishers(groups, scheme):
     addresses and takes a keyframe. Over gloo that is a new group of two on the same address (the listener's next
     generation), the dead rank's group having failed."""
     g = groups(2, 2, hooks={1: {"die_at": (2, 0)}}, transport=scheme, listen_opts=GLOO if scheme == "gloo" else {})
-    _commit(g, 0)
-    _commit(g, 1)
+    commit(g, 0)
+    commit(g, 1)
     g.publish(2)  # rank 1 dies once a bucket of version 2 arrived from trainer rank 0
     res = g.outcome(2)
     assert res["outcome"] == "aborted" and "engine rank 1 lost" in res["reason"], res
@@ -95,8 +84,8 @@ def test_killed_engine_rank_rejoins_its_publishers(groups, scheme):
     g.log = [e for e in g.log if e[0] != 1]
     g.start(1, {})
     g.expect("joined", None, [1])
-    _commit(g, 3)
-    _commit(g, 4)
+    commit(g, 3)
+    commit(g, 4)
 
 
 def test_transport_choice_is_checked():

@@ -24,10 +24,11 @@ from wsync import subscriber as subscriber_mod
 from wsync.staging import Limits, Oversized, Received, Staging, version_bound
 from wsync.subscriber import Subscriber
 from wsync.sync import Publisher
-from wsync.transports import Message, listen
+from wsync.transports import Message, envelope, listen
 from wsync.transports.tcp import frames as tf
 
-TOKEN = b"subscriber-bounds-token-0123"
+from helpers import TOKEN
+
 ADDR = "tcp://127.0.0.1:0"
 
 
@@ -130,12 +131,12 @@ def test_a_version_larger_than_the_layout_is_refused_before_it_is_kept(rng, coun
 def test_a_message_larger_than_a_version_of_the_layout_is_refused_at_its_header(rng, monkeypatch):
     """A bucket message announcing 2 GiB to a subscriber whose engine holds 32 KiB is refused by the link at
     the message header, before a byte is allocated for it (the dialler would otherwise take up to 64 GiB)."""
-    real = tf.encode_head
+    real = envelope.pack
 
-    def forged(kind, meta, sizes, frame):  # the hostile side announces a body it will never send
-        return real(kind, meta, sizes[:1] + [2 << 30] if kind == "bucket" else sizes, frame)
+    def forged(kind, meta, sizes, **fields):  # the hostile side announces a body it will never send
+        return real(kind, meta, sizes[:1] + [2 << 30] if kind == "bucket" else sizes, **fields)
 
-    monkeypatch.setattr(tf, "encode_head", forged)
+    monkeypatch.setattr(envelope, "pack", forged)
     small = api.encode(None, {"x": np.zeros(4096, np.uint8)}, codec="raw", version=1)
     hostile = Hostile(lambda link: link.send(_bucket(0, 1, small)))
     engine = Shadow(_engine_state(rng))

@@ -17,9 +17,9 @@ from wsync.sync import Publisher
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from engine_helpers import rl_step  # noqa: E402  (an RL step's effect on bf16 weights)
+from helpers import TOKEN, free_port  # noqa: E402
 
 ADDR = "tcp://127.0.0.1:0"
-TOKEN = b"sync-test-token-16"
 
 
 def tiny_qwen(seed: int, tie: bool = True, vocab: int = 256):
@@ -93,21 +93,13 @@ def test_eight_subscribers_fifty_deltas(gen):
     assert len(deltas) == 50 and max(deltas) < raw / 5
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("scheme", ["local", "gloo", "ucx"])
 def test_two_engines_follow_over_each_transport(scheme, gen):
     """The same protocol over same-host shared memory, a gloo broadcast group (lockstep) and UCX."""
     if scheme == "ucx":
         pytest.importorskip("ucxx")
-    addr = {"local": f"local://wsync-test-{_free_port()}", "gloo": f"gloo://127.0.0.1:{_free_port()}?world_size=3",
-            "ucx": f"ucx://127.0.0.1:{_free_port()}"}[scheme]
+    addr = {"local": f"local://wsync-test-{free_port()}", "gloo": f"gloo://127.0.0.1:{free_port()}?world_size=3",
+            "ucx": f"ucx://127.0.0.1:{free_port()}"}[scheme]
     trainer, models = tiny_qwen(0), [tiny_qwen(5), tiny_qwen(6)]
     with Publisher(addr, keyframe_every=3) as pub:
         subs = [Subscriber(pub.address, engine=engines.HF(m)) for m in models]
@@ -128,10 +120,9 @@ def test_two_engines_follow_over_each_transport(scheme, gen):
 @pytest.mark.soak
 def test_gloo_groups_opened_and_closed_in_a_loop():
     """A gloo publisher and two subscribers, built, fed and closed over and over in one process: closes land
-    wherever the links' threads happen to be. A group dropped with an operation in flight blocked its last
-    holder in its destructor: this loop froze so at rounds 24 and 5 of two runs before GroupLink.close kept
-    such groups, and ran 300 rounds after (tests/conftest.py's hang guard turns such a freeze into a failure
-    with every thread's stack)."""
+    wherever the links' threads happen to be, and a group dropped with an operation in flight would block its
+    last holder in its destructor (tests/conftest.py's hang guard turns such a freeze into a failure with every
+    thread's stack)."""
     rng = np.random.default_rng(0)
     state = {f"w{i}": rng.standard_normal(256).astype(np.float32) for i in range(8)}
     for _ in range(25):

@@ -17,7 +17,7 @@ import wsync  # noqa: E402
 from wsync import engines  # noqa: E402
 from wsync.layout import bind_copying  # noqa: E402
 
-from engine_helpers import TOKEN, publisher, rl_step, same_bytes, subscriber, tiny_qwen  # noqa: E402
+from engine_helpers import publisher, rl_step, same_bytes, subscriber, tiny_qwen  # noqa: E402
 
 
 def strided(model, every: int = 2):

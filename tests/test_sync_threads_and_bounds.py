@@ -27,8 +27,9 @@ from wsync.sync import Publisher
 from wsync.transports import Message, connect
 from wsync.sender import PROTOCOL
 
+from helpers import TOKEN
+
 ADDR = "tcp://127.0.0.1:0"
-TOKEN = b"sync-bounds-token-16"
 
 
 def _state(rng, n=64 << 10):

@@ -27,10 +27,8 @@ from kernel_cases import ORDERS, WIDTHS, assert_same_sections, make_case, make_p
 C = delta_ref.CHUNK_ELEMS
 
 
-@pytest.fixture(params=[p for p in backend_params() if getattr(p, "values", (p,))[0] in ("ref", "cpu")],
-                scope="module")
-def kernels(request):
-    return backends.kernels(request.param)
+# the Table kernels are the reference's and the C++ backend's
+on_table_backends = pytest.mark.parametrize("kernels", backend_params(("ref", "cpu")), indirect=True)
 
 
 def cut(a: np.ndarray, rng, style: int = 0) -> Table:
@@ -75,6 +73,7 @@ CASES = [(w, o, n, d) for w in WIDTHS for n in sizes(w) for o, d in
 
 
 @pytest.mark.parametrize("width,order,n,density", CASES)
+@on_table_backends
 def test_tables_equal_gathered(kernels, width, order, n, density):
     seed = n * 8 + width
     rng = np.random.default_rng(seed)
@@ -145,6 +144,7 @@ def test_tables_equal_gathered(kernels, width, order, n, density):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+@on_table_backends
 def test_empty_tables(kernels, width):
     dt = np.dtype(f"<u{width}")
     empty = np.zeros(0, dt)
@@ -158,6 +158,7 @@ def test_empty_tables(kernels, width):
         kernels.put(t, np.zeros(0, np.int64), empty)
 
 
+@on_table_backends
 def test_bad_sections_leave_every_piece_unchanged(kernels):
     """Hostile sections: the table refuses exactly what the reference refuses, and an
     in-place apply that fails puts every piece back as it was."""
@@ -189,6 +190,7 @@ def test_bad_sections_leave_every_piece_unchanged(kernels):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+@on_table_backends
 def test_put_and_restore_round_trip(kernels, width):
     rng = np.random.default_rng(width)
     n = 2 * C + 333

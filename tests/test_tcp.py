@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from helpers import blob
 from tcp_helpers import Proxy, self_signed
 from wsync.errors import ChecksumError, TransportError
 from wsync.transports import Message, TransportTimeout, connect, listen
@@ -21,10 +22,6 @@ from wsync.transports.tcp.link import HASH_PIECE, ConnectionLost, recv_hashed
 from wsync.transports.tcp.outbox import LANE_STREAMS, LANE_WARMUP, Outbox, as_views, frame_size
 
 LOG = "wsync.transports.tcp"
-
-
-def blob(n: int, seed: int = 0) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
 @pytest.fixture

@@ -16,19 +16,12 @@ import time
 import numpy as np
 import pytest
 
+from helpers import blob, port_of
 from tcp_helpers import Proxy, RecordRelay
 from wsync.errors import TransportError
 from wsync.transports import Message, connect, listen
 from wsync.transports.tcp import auth
 from wsync.transports.tcp.mac import TAG
-
-
-def blob(n: int, seed: int = 0) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
-
-
-def _port(address: str) -> int:
-    return int(address.rsplit(":", 1)[1])
 
 
 # -- every byte a receiver keeps is authenticated under the token -----------------------
@@ -37,7 +30,7 @@ def _port(address: str) -> int:
 @pytest.mark.parametrize("action", ["rewrite", "drop", "repeat", "swap"])
 def test_a_relay_without_the_token_cannot_change_drop_repeat_or_reorder_records(action):
     lst = listen("tcp://127.0.0.1:0", token="relay-test-secret-16", frame_bytes=64 << 10, resume_window=2)  # 16 frames
-    relay = RecordRelay(_port(lst.address), action, tag=TAG)
+    relay = RecordRelay(port_of(lst.address), action, tag=TAG)
     cli = connect(relay.address, token="relay-test-secret-16", streams=1)
     srv = lst.accept(timeout=10)
     data = blob(1 << 20, 1)
@@ -65,7 +58,7 @@ def test_a_relay_that_only_forwards_changes_nothing_and_resumes_bit_exact():
     """The honest path with a token: several streams, many messages, and a cut that forces a resume
     (new connections, new keys, record counts from 0) all arrive bit-exact."""
     lst = listen("tcp://127.0.0.1:0", token="relay-test-secret-16", max_message=64 << 20)
-    proxy = Proxy(_port(lst.address), direction="down", cut_after=12 << 20)
+    proxy = Proxy(port_of(lst.address), direction="down", cut_after=12 << 20)
     cli = connect(proxy.address, token="relay-test-secret-16", streams=3, frame_bytes=1 << 20)
     srv = lst.accept(timeout=10)
     sent = [[blob(20 << 20, 2), blob(3, 3)], [blob(100, 4)], [], [blob(700 << 10, 5), blob(5 << 20, 6)]]
@@ -108,7 +101,7 @@ def _closed_by_peer(sock) -> bool:
 
 def test_a_trickling_handshake_is_dropped_at_one_total_deadline():
     lst = listen("tcp://127.0.0.1:0", token="wire-test-token-16", handshake_timeout=1.0)
-    s = socket.create_connection(("127.0.0.1", _port(lst.address)))
+    s = socket.create_connection(("127.0.0.1", port_of(lst.address)))
     try:
         for byte in _hello():  # one byte every 0.1 s: each read is quick, the whole hello outlasts the deadline
             try:
@@ -125,7 +118,7 @@ def test_a_trickling_handshake_is_dropped_at_one_total_deadline():
 def test_the_token_proof_is_checked_before_the_request_is_read():
     """A stranger announcing a 1 MiB request is refused at its proof: nothing is read or allocated for it."""
     lst = listen("tcp://127.0.0.1:0", token="wire-test-token-16", handshake_timeout=5.0)
-    s = socket.create_connection(("127.0.0.1", _port(lst.address)))
+    s = socket.create_connection(("127.0.0.1", port_of(lst.address)))
     try:
         s.sendall(_hello())
         s.settimeout(10)
@@ -162,7 +155,7 @@ def test_a_flood_of_tricklers_keeps_threads_bounded_and_honest_peers_get_in():
 
     try:
         for _ in range(flood):
-            s = socket.create_connection(("127.0.0.1", _port(lst.address)))
+            s = socket.create_connection(("127.0.0.1", port_of(lst.address)))
             s.send(_hello()[:1])
             socks.append(s)
         t = threading.Thread(target=trickle, daemon=True)

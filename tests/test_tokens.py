@@ -19,9 +19,7 @@ from wsync.transports import connect, listen
 from wsync.transports.tcp import auth
 
 from cli_helpers import HANG, Serving, wsync_cli
-
-HEX = "c4" * 16
-TOKEN = bytes.fromhex(HEX)
+from helpers import TOKEN, TOKEN_HEX
 
 
 # -- strength ------------------------------------------------------------------------------------------------------
@@ -44,7 +42,7 @@ def test_hex_tokens_from_text_need_sixteen_bytes(monkeypatch, tmp_path):
     monkeypatch.setenv(tokens.TOKEN_ENV, "ab" * 15)
     with pytest.raises(ValueError, match="15 bytes"):
         tokens.load()
-    monkeypatch.setenv(tokens.TOKEN_ENV, HEX)
+    monkeypatch.setenv(tokens.TOKEN_ENV, TOKEN_HEX)
     assert tokens.load() == TOKEN
     (tmp_path / "t").write_text("not hex at all")
     with pytest.raises(ValueError, match="must be hex"):
@@ -63,8 +61,8 @@ def _model(path):
 
 def test_serve_and_pull_read_the_token_from_the_environment_and_files(tmp_path):
     state = _model(tmp_path / "model.safetensors")
-    (tmp_path / "token").write_text(HEX + "\n")
-    with Serving(tmp_path / "model.safetensors", env={tokens.TOKEN_ENV: HEX}) as srv:
+    (tmp_path / "token").write_text(TOKEN_HEX + "\n")
+    with Serving(tmp_path / "model.safetensors", env={tokens.TOKEN_ENV: TOKEN_HEX}) as srv:
         # the publisher holds the token it found in WSYNC_TOKEN: a pull without one is turned away
         r = wsync_cli("pull", srv.address, "-o", tmp_path / "none", "--connect-timeout", "inf")
         assert r.returncode != 0 and "token" in r.stderr.strip().splitlines()[-1]
@@ -80,8 +78,8 @@ def test_serve_and_pull_read_the_token_from_the_environment_and_files(tmp_path):
 
 def test_a_token_on_the_command_line_works_and_says_it_is_visible(tmp_path):
     _model(tmp_path / "model.safetensors")
-    with Serving(tmp_path / "model.safetensors", "--token", HEX) as srv:
-        r = wsync_cli("pull", srv.address, "-o", tmp_path / "out", "--token", HEX)
+    with Serving(tmp_path / "model.safetensors", "--token", TOKEN_HEX) as srv:
+        r = wsync_cli("pull", srv.address, "-o", tmp_path / "out", "--token", TOKEN_HEX)
     assert r.returncode == 0, r.stderr
     assert "visible to other users" in r.stderr and "visible to other users" in srv.stderr
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import threading
 
-import numpy as np
 import pytest
 import xxhash
+
+from helpers import free_port, random_bytes
 
 torch = pytest.importorskip("torch")
 
@@ -21,16 +21,6 @@ from wsync.transports import Message, TransportTimeout, connect, listen  # noqa:
 from wsync.transports import envelope  # noqa: E402
 from wsync.transports import groupframe as gf  # noqa: E402
 from wsync.transports.options import parse_size  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _big(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 def _group(n_subs: int, **opts):
@@ -118,7 +108,7 @@ def test_bad_addresses_and_options():
     with pytest.raises(ValueError, match="expected int"):
         listen("gloo://127.0.0.1:0?world_size=two")
     with pytest.raises(TransportError, match="cannot reach"):
-        connect(f"gloo://127.0.0.1:{_port()}", join_timeout=0.5)
+        connect(f"gloo://127.0.0.1:{free_port()}", join_timeout=0.5)
 
 
 # -- groups in threads ------------------------------------------------------------------
@@ -129,7 +119,7 @@ def test_lockstep_round_trip_timeouts_and_ranks():
     assert pub.fanout == 2 and s1.fanout == 1
     with pytest.raises(TransportTimeout):  # nothing published yet; the wait stays resumable
         s1.recv(timeout=0.2)
-    blobs = [b"abc", b"", _big(1, 300_001), bytearray(b"x" * 100), memoryview(_big(2, 70_000))]
+    blobs = [b"abc", b"", random_bytes(1, 300_001), bytearray(b"x" * 100), memoryview(random_bytes(2, 70_000))]
     t1, r1 = _in_thread(s1.recv, 30)
     t2, r2 = _in_thread(s2.recv, 30)
     pub.send(Message("bucket", {"version": 3}, blobs))
@@ -140,11 +130,11 @@ def test_lockstep_round_trip_timeouts_and_ranks():
     with pytest.raises(TransportTimeout):  # no replies yet
         pub.recv(timeout=0.2)
     t1, _ = _in_thread(s1.send, Message("ack", {"ok": True}, [b"one"]))
-    t2, _ = _in_thread(s2.send, Message("ack", {"ok": False}, [_big(3, 200_000)]))
+    t2, _ = _in_thread(s2.send, Message("ack", {"ok": False}, [random_bytes(3, 200_000)]))
     first, second = pub.recv(timeout=30), pub.recv(timeout=30)
     t1.join(), t2.join()
     assert (first.meta, bytes(first.blobs[0])) == ({"ok": True, "rank": 1}, b"one")
-    assert second.meta == {"ok": False, "rank": 2} and bytes(second.blobs[0]) == _big(3, 200_000).tobytes()
+    assert second.meta == {"ok": False, "rank": 2} and bytes(second.blobs[0]) == random_bytes(3, 200_000).tobytes()
     t1, r1 = _in_thread(s1.recv, 30)
     t2, r2 = _in_thread(s2.recv, 30)
     pub.send(Message("empty"))
@@ -177,7 +167,7 @@ def test_rank_claims_and_generations():
     t3.join(), t4.join()
     assert second is not None and "#1" in second.peer and "#0" in first.peer
     # each group carries its own messages
-    pay0, pay1 = _big(1, 1000), _big(2, 3000)
+    pay0, pay1 = random_bytes(1, 1000), random_bytes(2, 3000)
     got = [_in_thread(link.recv, 30) for link in (r1["r"], r2["r"], r3["r"], r4["r"])]
     first.send(Message("bucket", {"g": 0}, [pay0]))
     second.send(Message("bucket", {"g": 1}, [pay1]))
@@ -234,7 +224,7 @@ def test_corrupt_piece_is_detected():
     lst, pub, (sub,) = _group(1, chunk="4K")
     pub.wire = FlipWire()
     t, r = _in_thread(sub.recv, 30)
-    pub.send(Message("bucket", {}, [_big(4, 20_000)]))
+    pub.send(Message("bucket", {}, [random_bytes(4, 20_000)]))
     t.join()
     assert isinstance(r["r"], ChecksumError) and "piece 1" in str(r["r"])
     pub.close(), sub.close()
@@ -293,7 +283,7 @@ def test_close_mid_message_lets_the_message_finish_and_keeps_the_group():
     lst, pub, (sub,) = _group(1, chunk="4K")
     sub.wire = CloseMidMessage()
     sub.wire.link = sub
-    blob = _big(5, 20_000)
+    blob = random_bytes(5, 20_000)
     t, r = _in_thread(sub.recv, 30)
     pub.send(Message("bucket", {"v": 1}, [blob]))
     t.join()
@@ -342,7 +332,7 @@ def test_broadcast_large_messages_to_processes():
         pub = lst.accept(timeout=120)
         assert pub is not None and pub.fanout == 2
         for i in range(2):
-            big = _big(10 + i, (9 << 20) + 12_345)  # several pieces plus a tail
+            big = random_bytes(10 + i, (9 << 20) + 12_345)  # several pieces plus a tail
             pub.send(Message("bucket", {"i": i}, [big, f"tail{i}".encode()]))
             replies = [pub.recv(timeout=60) for _ in range(2)]
             assert sorted(r.meta["rank"] for r in replies) == [1, 2]
@@ -364,7 +354,7 @@ def _trainer_rank0(address: str, port: int, q) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
         lst = listen(address)
         pub = lst.accept(timeout=120)
-        payload = _big(20, 3 << 20)
+        payload = random_bytes(20, 3 << 20)
         pub.send(Message("bucket", {}, [payload, b"reply-me"]))
         r = pub.recv(timeout=60)
         assert r.meta["digest"] == xxhash.xxh3_64_hexdigest(payload) and bytes(r.blobs[0]) == b"reply-me"
@@ -383,7 +373,7 @@ def _trainer_rank0(address: str, port: int, q) -> None:
 def test_coexists_with_a_default_process_group():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    world, ours = _port(), _port()
+    world, ours = free_port(), free_port()
     address = f"gloo://127.0.0.1:{ours}?world_size=2"
     procs = [ctx.Process(target=_trainer_rank0, args=(address, world, q)),
              ctx.Process(target=_subscriber, args=(address, 1, world, q))]
@@ -408,7 +398,7 @@ def test_dead_subscriber_is_a_transport_error():
     pub = lst.accept(timeout=120)
     p.join(timeout=60)
     with pytest.raises(TransportError):
-        pub.send(Message("bucket", {}, [_big(5, 1 << 20)]))
+        pub.send(Message("bucket", {}, [random_bytes(5, 1 << 20)]))
     with pytest.raises(TransportError, match="unusable"):
         pub.recv(timeout=1)
     pub.close()
@@ -438,7 +428,7 @@ def test_nccl_group_moves_host_bytes_through_the_gpu():
     p.start()
     try:
         pub = lst.accept(timeout=120)
-        big = _big(6, (5 << 20) + 3)
+        big = random_bytes(6, (5 << 20) + 3)
         pub.send(Message("bucket", {"v": 1}, [big, b"small"]))
         r = pub.recv(timeout=120)
         assert r.meta == {"digest": xxhash.xxh3_64_hexdigest(big), "rank": 1} and bytes(r.blobs[0]) == b"small"

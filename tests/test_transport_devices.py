@@ -29,6 +29,8 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
+from helpers import random_bytes  # noqa: E402
+
 from wsync.errors import BackendUnavailable, ChecksumError, TransportError  # noqa: E402
 from wsync.transports import Message, connect, listen  # noqa: E402
 from wsync.transports import envelope  # noqa: E402
@@ -41,10 +43,6 @@ CUDA = torch.device("cuda", 0).type  # "cuda"
 
 def dev(i: int):
     return torch.device("cuda", i)
-
-
-def _big(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 # -- stand-ins --------------------------------------------------------------------------
@@ -264,7 +262,7 @@ def test_nccl_group_is_bound_to_the_device_current_where_it_was_made(cuda, nccl)
     assert sorted((e for e in nccl if e[0] == "wire"), key=str) == [("wire", dev(3), 3), ("wire", dev(5), 5)]
 
     del nccl[:]
-    blob = _big(1, 100_000)
+    blob = random_bytes(1, 100_000)
 
     def on_fresh_thread(fn, *args):
         r = fn(*args)
@@ -360,8 +358,8 @@ class _Done:
 def test_send_and_recv_pieces_move_device_blobs_in_place():
     """Device pieces are posted as slices of the blob itself on both sides (a handed destination is received
     into directly); only host pieces are hashed."""
-    src = labelled(torch.from_numpy(_big(2, 10_000)).clone())
-    host = memoryview(_big(3, 700).tobytes())
+    src = labelled(torch.from_numpy(random_bytes(2, 10_000)).clone())
+    host = memoryview(random_bytes(3, 700).tobytes())
     views, device = [host, gf.flat(src), memoryview(b"tail")], [1]
     pieces = gf.plan_pieces([len(host), 10_000, 4], 4096, device)
     wire, wire_posts, sent = gf.HostWire(), [], []
@@ -439,9 +437,9 @@ def test_device_blobs_cross_a_gloo_group_in_place():
     wire's device (for gloo, host memory), beside host blobs that travel exactly as before."""
     lst, pub, sub = _gloo_pair(chunk="4K")
     pub.data, sub.data = _Recorder(pub.data), _Recorder(sub.data)
-    weights = labelled(torch.from_numpy(_big(4, 12_000).view(np.float32).copy()))  # 3000 floats: 3 pieces
+    weights = labelled(torch.from_numpy(random_bytes(4, 12_000).view(np.float32).copy()))  # 3000 floats: 3 pieces
     strided = labelled(torch.arange(40, dtype=torch.int16).reshape(4, 10)[:, ::2])  # copied to be contiguous
-    host = _big(5, 5_000)
+    host = random_bytes(5, 5_000)
     t, r = _in_thread(sub.recv, 30)
     pub.send(Message("bucket", {"v": 2}, [b"head", weights, host, strided, b""]))
     t.join()
@@ -478,7 +476,7 @@ def test_host_pieces_beside_device_blobs_are_still_checked():
     lst, pub, sub = _gloo_pair(chunk="4K")
     pub.wire = _FlipHost()
     t, r = _in_thread(sub.recv, 30)
-    pub.send(Message("bucket", {}, [labelled(torch.zeros(9000, dtype=torch.uint8)), _big(6, 100)]))
+    pub.send(Message("bucket", {}, [labelled(torch.zeros(9000, dtype=torch.uint8)), random_bytes(6, 100)]))
     t.join()
     assert isinstance(r["r"], ChecksumError) and "piece 0 of 1" in str(r["r"])  # one host piece in the trailer
     pub.close(), sub.close(), lst.close()

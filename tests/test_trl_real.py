@@ -27,7 +27,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from vllm_serve_helpers import ServeProcess, byte_tokenizer, free_port, serve_head
+
+from helpers import free_port
+from vllm_serve_helpers import ServeProcess, byte_tokenizer, serve_head
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 3

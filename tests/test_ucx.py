@@ -7,8 +7,9 @@ import sys
 import textwrap
 import threading
 
-import numpy as np
 import pytest
+
+from helpers import random_bytes
 
 pytest.importorskip("ucxx", reason="ucx:// needs ucxx (pip install 'wsync[ucx]')")
 # A listener needs tcp (see ../shared/MACHINE.md); GPU buffers need UCX's cuda transports where a GPU exists.
@@ -17,10 +18,6 @@ os.environ.setdefault("UCX_TLS", "tcp,sm,self" + (",cuda_copy,cuda_ipc" if os.pa
 from wsync.errors import TransportError  # noqa: E402
 from wsync.transports import Message, TransportTimeout, connect, listen  # noqa: E402
 from wsync.transports import ucx  # noqa: E402
-
-
-def _big(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 def _pair():
@@ -38,7 +35,7 @@ def test_round_trip_both_ways_with_resumable_timeout():
     lst, pub, sub = _pair()
     with pytest.raises(TransportTimeout):
         sub.recv(timeout=0.1)
-    blobs = [b"abc", b"", _big(1, (3 << 20) + 7), bytearray(b"x" * 100)]
+    blobs = [b"abc", b"", random_bytes(1, (3 << 20) + 7), bytearray(b"x" * 100)]
     pub.send(Message("bucket", {"version": 9}, blobs))
     m = sub.recv(timeout=30)  # resumes the receive the timeout left pending
     assert m.kind == "bucket" and m.meta == {"version": 9}
@@ -87,7 +84,7 @@ def test_between_processes_and_peer_exit():
     try:
         pub = lst.accept(timeout=60)
         assert pub is not None
-        big = _big(2, 8 << 20)
+        big = random_bytes(2, 8 << 20)
         pub.send(Message("bucket", {}, [big]))
         import xxhash
 
@@ -128,7 +125,7 @@ def test_send_to_a_peer_that_stopped_receiving_is_bounded():
     pub = lst.accept(timeout=30)
     t.join()
     with pytest.raises(TransportError, match="took no part"):
-        pub.send(Message("bucket", {}, [_big(2, 64 << 20)]))  # the subscriber never calls recv
+        pub.send(Message("bucket", {}, [random_bytes(2, 64 << 20)]))  # the subscriber never calls recv
     with pytest.raises(TransportError, match="unusable"):
         pub.send(Message("bye"))
     for x in (got["s"], pub, lst):

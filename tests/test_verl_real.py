@@ -61,7 +61,8 @@ from verl.workers.config import HFModelConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
-TOKEN = "5e" * 16
+from helpers import TOKEN_HEX
+
 STEPS = 3
 
 
@@ -197,7 +198,7 @@ def cluster(tmp_path_factory):
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=True, runtime_env={"env_vars": {"WSYNC_TOKEN": TOKEN, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1",
+             log_to_driver=True, runtime_env={"env_vars": {"WSYNC_TOKEN": TOKEN_HEX, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1",
                                                            "TOKENIZERS_PARALLELISM": "false", **PLATFORM_ENV}})
     try:
         path = str(tmp_path_factory.mktemp("tiny-qwen3"))
@@ -216,7 +217,7 @@ def test_registry_in_a_verl_worker(cluster):
     import wsync.integrations.verl as wv
 
     assert CheckpointEngineRegistry.get("wsync") is wv.engine_class()
-    engine = CheckpointEngineRegistry.new("wsync", bucket_size=1 << 20, is_master=False, token=TOKEN)
+    engine = CheckpointEngineRegistry.new("wsync", bucket_size=1 << 20, is_master=False, token=TOKEN_HEX)
     assert engine.prepare() == {}
 
 

@@ -36,14 +36,9 @@ import tempfile
 
 import pytest
 
-REQUIRED = os.environ.get("WSYNC_REQUIRE_VLLM") == "1"
-try:
-    import peft
-    import vllm
-except Exception as e:  # ImportError, or an install whose torchvision does not load against CPU torch
-    if REQUIRED:
-        raise RuntimeError(f"WSYNC_REQUIRE_VLLM=1 but vllm or peft does not import: {type(e).__name__}: {e}") from e
-    pytest.skip(f"vllm or peft does not import here: {type(e).__name__}: {e}", allow_module_level=True)
+from helpers import TOKEN, import_or_skip
+
+peft, vllm = import_or_skip("peft", "vllm")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -55,7 +50,6 @@ from wsync.integrations.common import token_id  # noqa: E402
 from wsync.snapshot import as_state, digest  # noqa: E402
 from wsync.sync import Publisher  # noqa: E402
 
-TOKEN = b"vllm-lora-real-test"
 EXTENSION = "wsync.engines.vllm.WsyncWorkerExtension"
 NAME, LORA_ID = "policy", 1
 R, ALPHA = 8, 16  # vLLM folds alpha / r = 2 into lora_B: exact in bf16
@@ -65,18 +59,11 @@ _g = torch.Generator().manual_seed(7)
 PROMPTS = [torch.randint(0, 512, (int(n),), generator=_g).tolist() for n in (3, 5, 8, 13, 21, 34)]
 NEW_TOKENS = 6
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _env():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("WSYNC_TOKEN", TOKEN.hex())  # the vLLM worker reads the token itself; the RPC carries token_id
-    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("vllm_env")
 
 
 def base_checkpoint(path: str):
-    """The tiny random Qwen3 of test_vllm_real.py (embedding and output scaled up), bf16, saved for vLLM."""
+    """The tiny random Qwen3 of vllm_helpers.checkpoint (embedding and output scaled up), bf16, saved for vLLM."""
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,

@@ -9,10 +9,10 @@ the version to apply. After every version:
   publisher's: a byte comparison of what was handed to vLLM's loader;
 - vLLM's greedy tokens equal those of a transformers model holding the
   publisher's weights: vLLM's own kernels computed with the new weights.
-Two kernel libraries round bf16 differently (logits differ by up to ~0.4 here),
-so the tokens are compared on the prompts whose greedy path transformers decides
-by at least MARGIN logits at every step (a few of a fixed pool, per version);
-every version changes some of those paths, so a version that did not land fails.
+Two kernel libraries round bf16 differently, so the tokens are compared on the
+prompts whose greedy path transformers decides by at least MARGIN logits at
+every step (a few of a fixed pool, per version); every version changes some of
+those paths, so a version that did not land fails.
 
 One engine per mode (in place, layerwise, worker extension, the async engine
 with its pause modes), each shared by its class. Skipped where vLLM does not
@@ -22,101 +22,26 @@ Run with the vLLM venv's python (docs/engines.md, "vLLM on a CPU machine").
 from __future__ import annotations
 
 import asyncio
-import copy
 import gc
-import os
 
 import pytest
 
-REQUIRED = os.environ.get("WSYNC_REQUIRE_VLLM") == "1"
-try:
-    import vllm
-except Exception as e:  # ImportError, or an install whose torchvision does not load against CPU torch
-    if REQUIRED:
-        raise RuntimeError(f"WSYNC_REQUIRE_VLLM=1 but vllm does not import: {type(e).__name__}: {e}") from e
-    pytest.skip(f"vllm does not import here: {type(e).__name__}: {e}", allow_module_level=True)
+from helpers import TOKEN, import_or_skip
+
+(vllm,) = import_or_skip("vllm")
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 
 from wsync import engines  # noqa: E402
 from wsync.integrations.common import token_id  # noqa: E402
 from wsync.sync import Publisher  # noqa: E402
+from vllm_helpers import POOL, checkpoint, greedy, reference, rl_version, vllm_tokens  # noqa: E402
 
-TOKEN = b"vllm-real-test-token"
+pytestmark = pytest.mark.usefixtures("vllm_env")
+
 EXTENSION = "wsync.engines.vllm.WsyncWorkerExtension"
-_g = torch.Generator().manual_seed(123)
-POOL = [torch.randint(0, 512, (int(n),), generator=_g).tolist() for n in torch.randint(2, 9, (64,), generator=_g)]
 PROMPTS = POOL[:6]  # what runs while a version lands
-NEW_TOKENS = 4
-MARGIN = 1.5  # logits; bf16 and fp32 computations of this model's logits differ by up to ~0.4
 VERSIONS = 6  # 0 is a keyframe; keyframe_every=4 makes 4 one as well; the rest are deltas
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _env():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("WSYNC_TOKEN", TOKEN.hex())  # every vLLM process reads the token itself; RPCs carry token_id
-    mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a share of the machine's memory
-    yield
-    mp.undo()
-
-
-def checkpoint(path: str, positions: int = 256):
-    """A tiny random Qwen3, saved as a checkpoint vLLM loads; returns the trainer's copy (embedding and output
-    matrices scaled up: logits spread over ~16, so most greedy steps are decided by more than MARGIN).
-    positions: its max_position_embeddings (the longest sequence vLLM will serve it)."""
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                   max_position_embeddings=positions, tie_word_embeddings=False)
-    model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0, 1.0)
-        model.lm_head.weight.normal_(0, 1.0)
-    model = model.to(torch.bfloat16).eval()
-    model.save_pretrained(path)
-    return model
-
-
-def rl_version(model, gen: torch.Generator) -> None:
-    """A new version: 5% of every tensor's elements move by a relative step of up to 30%."""
-    with torch.no_grad():
-        for p in model.parameters():
-            mask = torch.rand(p.shape, generator=gen) < 0.05
-            step = (torch.rand(p.shape, generator=gen) * 0.6 - 0.3).to(p.dtype)
-            p.add_(torch.where(mask, p * step, torch.zeros_like(p)))
-
-
-@torch.no_grad()
-def reference(model) -> tuple[dict, dict]:
-    """transformers' greedy tokens for every pool prompt, {prompt: tokens}, and the part of it decided by
-    MARGIN or more at every step (the prompts compared with vLLM).
-
-    Computed in fp32 from the model's bf16 values (a copy: the trainer's model stays as published), all
-    prompts of one length as a batch, one step at a time without a cache."""
-    ref = copy.deepcopy(model).float()
-    every, out = {}, {}
-    for n in sorted({len(p) for p in POOL}):
-        batch = [p for p in POOL if len(p) == n]
-        ids, lead = torch.tensor(batch), torch.full((len(batch),), float("inf"))
-        for _ in range(NEW_TOKENS):
-            top = ref(ids).logits[:, -1].topk(2)
-            lead = torch.minimum(lead, top.values[:, 0] - top.values[:, 1])
-            ids = torch.cat([ids, top.indices[:, :1]], dim=1)
-        every.update({tuple(p): ids[i, n:].tolist() for i, p in enumerate(batch)})
-        out.update({tuple(p): every[tuple(p)] for i, p in enumerate(batch) if lead[i] >= MARGIN})
-    assert len(out) >= 3, f"only {len(out)} prompts decided by {MARGIN} logits: the comparison would be thin"
-    return every, out
-
-
-def greedy():
-    return vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def vllm_tokens(llm, prompts) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], greedy(), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def start_llm(path: str, **kw):

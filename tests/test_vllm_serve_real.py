@@ -14,8 +14,8 @@ version), ``/start_weight_update``, ``/update_weights {"version": v}``,
 - ``/collective_rpc wsync_status``: the worker serves v, its digest equals the publisher's;
 - ``/weight_info`` names v;
 - ``/v1/completions`` greedy tokens equal transformers' on the publisher's weights, on the
-  prompts transformers decides by MARGIN logits or more (test_vllm_real.reference: two
-  bf16 kernel libraries differ by up to ~0.4 logits).
+  prompts transformers decides by MARGIN logits or more (vllm_helpers.reference: two
+  bf16 kernel libraries round differently).
 
 Skips without vllm; fails instead where WSYNC_REQUIRE_VLLM=1 (the vLLM CI stage).
 """
@@ -32,16 +32,12 @@ from pathlib import Path
 
 import pytest
 
-REQUIRED = os.environ.get("WSYNC_REQUIRE_VLLM") == "1"
-try:
-    import vllm  # noqa: F401
-except Exception as e:  # ImportError, or an install whose torchvision does not load against CPU torch
-    if REQUIRED:
-        raise RuntimeError(f"WSYNC_REQUIRE_VLLM=1 but vllm does not import: {type(e).__name__}: {e}") from e
-    pytest.skip(f"vllm does not import here: {type(e).__name__}: {e}", allow_module_level=True)
+from helpers import TOKEN, free_port, import_or_skip
 
-from vllm_serve_helpers import ServeProcess, byte_tokenizer, free_port, serve_head  # noqa: E402
-from test_vllm_real import NEW_TOKENS, checkpoint, reference, rl_version  # noqa: E402
+import_or_skip("vllm")
+
+from vllm_helpers import NEW_TOKENS, checkpoint, reference, rl_version  # noqa: E402
+from vllm_serve_helpers import ServeProcess, byte_tokenizer, serve_head  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -49,7 +45,6 @@ from wsync import engines  # noqa: E402
 from wsync.integrations.common import token_id  # noqa: E402
 from wsync.sync import Publisher  # noqa: E402
 
-TOKEN = b"vllm-serve-real-test"
 MODES = ["abort", "wait", "keep", "wait"]  # one version each; keyframe_every=3: 0 and 3 whole, 1 and 2 deltas
 # tokens of the completion that is running when each version lands: long enough that it cannot end before the
 # pause reaches the server (200 could, on a quick CPU: the abort mode then saw a finished request)

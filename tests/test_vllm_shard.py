@@ -11,7 +11,8 @@ import multiprocessing as mp
 
 import pytest
 
-from shard_helpers import TOKEN, Reference, make_plan, qwen_params, trainer_local
+from helpers import TOKEN
+from shard_helpers import Reference, make_plan, qwen_params, trainer_local
 
 torch = pytest.importorskip("torch")
 

@@ -10,7 +10,7 @@ the engine is what is new). After every version:
   the trainer's;
 - each worker's tensors are byte-identical to slicing the trainer's unsharded model the way vLLM does
   (xxh3-128 of the committed copy handed to vLLM, and of vLLM's own parameter where it is written in place);
-- vLLM's greedy tokens equal transformers' on the prompts decided by a margin (test_vllm_real's check): vLLM's
+- vLLM's greedy tokens equal transformers' on the prompts decided by a margin (vllm_helpers.reference): vLLM's
   kernels computed with the new weights, through the layers the CPU backend keeps prepacked.
 A version committed on every worker is not served until the driver's update: the workers go on with the
 previous one in between. At version 3 trainer rank 1 corrupts its piece for worker 0 after hashing it: the
@@ -24,30 +24,25 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 
-from test_vllm_real import REQUIRED, checkpoint, reference, rl_version, vllm_tokens  # noqa: F401 (skips as it)
+from helpers import TOKEN, free_port, import_or_skip
+
+(vllm,) = import_or_skip("vllm")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-import vllm  # noqa: E402
+
+from vllm_helpers import checkpoint, reference, rl_version, vllm_tokens  # noqa: E402
 
 from wsync.engines import vllm_shard  # noqa: E402
 from wsync.integrations.common import token_id  # noqa: E402
 
-TOKEN = b"vllm-shard-test-token"
 EXTENSION = "wsync.engines.vllm.WsyncWorkerExtension"
 VERSIONS = 6
 CORRUPT_AT = 3  # trainer rank 1 flips a byte of its piece for engine rank 0 after hashing it, at this version
 TRAINER = {"ranks": 2, "placements": "fsdp"}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def params_doc(model) -> dict:
@@ -101,17 +96,15 @@ def expected_digests(plan, rank: int, state: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    mpatch = pytest.MonkeyPatch()
-    mpatch.setenv("WSYNC_TOKEN", TOKEN.hex())
-    mpatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+def setup(tmp_path_factory, vllm_env):
+    mpatch = vllm_env
     # vLLM binds each CPU worker's OpenMP threads to a NUMA node and refuses 2 workers on 1 node: one core each
     cores = sorted(os.sched_getaffinity(0))
     mpatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[-1]}")
     path = str(tmp_path_factory.mktemp("qwen3"))
     model = checkpoint(path)
     ctx = mp.get_context("spawn")
-    coordinator = f"tcp://127.0.0.1:{_port()}"
+    coordinator = f"tcp://127.0.0.1:{free_port()}"
     cmds, out = [ctx.Queue(), ctx.Queue()], ctx.Queue()
     procs = []
     for r in range(2):
@@ -132,7 +125,6 @@ def setup(tmp_path_factory):
             if p.is_alive():
                 p.kill()
         llm.llm_engine.engine_core.shutdown()
-        mpatch.undo()
 
 
 def test_two_trainer_ranks_into_vllm_tp2(setup):

@@ -7,7 +7,7 @@ files unchanged after it, and this module drives the result:
 
     sim = load()                                  # build (cached by content hash) and load
     sim.launch("delta_check", grid, block, args, schedule="reverse")
-    rt = SimRuntime(sim, "random", seed=3)        # what wsync.backends.cuda._Engine runs on,
+    rt = SimRuntime(sim, "random", seed=3)        # what wsync.backends.cuda._Launcher runs on,
     kernels = cuda._KernelsOver(rt)               # in place of cupy's RawModule and memory
 
 Arguments follow cupy's rules (arrays are device pointers, numpy scalars are
@@ -25,6 +25,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +130,16 @@ class Kernel:
     index: int
     name: str
     params: tuple[Param, ...]
+
+
+def run_driver(so: Path, *extra: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Runs cudasim.driver on the harness build `so` in a subprocess (its own process, so a sanitizer's
+    preload or a crash stays there); returns what it said."""
+    env = dict(env or os.environ)
+    tests = HERE.parent
+    env["PYTHONPATH"] = os.pathsep.join([str(tests), str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "cudasim.driver", str(so), *extra], capture_output=True, text=True,
+                          env=env, cwd=tests, timeout=timeout)
 
 
 _LOADED: dict[Path, "Sim"] = {}
@@ -274,7 +285,7 @@ class JunkNumpy:
 
 
 class SimRuntime:
-    """The runtime wsync.backends.cuda._Engine drives, with wsim in place of cupy: numpy arrays
+    """The runtime wsync.backends.cuda._Launcher drives, with wsim in place of cupy: numpy arrays
     are device memory, launches run every thread of the real kernels on fibers under one schedule."""
 
     def __init__(self, sim: Sim, schedule: str = "forward", seed: int = 0):

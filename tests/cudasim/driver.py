@@ -40,10 +40,10 @@ def check_delta(kern, rng, width, order, n, density, offset=0):
     if pos.tobytes() != rpos.tobytes() or values.tobytes() != rvalues.tobytes():
         raise Failed(f"decode differs from delta_ref: width {width} {order} n={n} density={density}")
     live = np.array(old, copy=True)
-    undo = kern.engine.apply(live, got, order, undo=True)
+    undo = kern.launcher.apply(live, got, order, undo=True)
     if live.tobytes() != new.tobytes():
         raise Failed(f"apply differs from new: width {width} {order} n={n}")
-    kern.engine.restore(live, undo)
+    kern.launcher.restore(live, undo)
     if live.tobytes() != old.tobytes():
         raise Failed(f"restore differs from old: width {width} {order} n={n}")
 
@@ -62,7 +62,7 @@ def check_corrupt(kern, rng, width, order, n):
             want = str(e)
         live = old.copy()
         try:
-            kern.engine.apply(live, bad, order, undo=True)
+            kern.launcher.apply(live, bad, order, undo=True)
             got = None
         except FormatError as e:
             got = str(e)
@@ -78,7 +78,7 @@ def check_digests(kern, rng):
     sizes = [0, 1, 17, 240, 241, 1024, 1025, 4096 + 63, BLOCK - 1, BLOCK, 2 * BLOCK + 17]
     bufs = [rng.integers(0, 256, size=s, dtype=np.uint8) for s in sizes]
     bufs.append(misaligned(rng.integers(0, 256, size=5000, dtype=np.uint8), 3))
-    for b, d in zip(bufs, kern.engine.block_digests(bufs)):
+    for b, d in zip(bufs, kern.launcher.block_digests(bufs)):
         if d.tobytes() != block_digests(b).tobytes():
             raise Failed(f"xxh3 of {b.nbytes} bytes differs from wsync.checksum")
 
@@ -92,7 +92,7 @@ def check_fused(kern, rng, n):
     before = (rng.standard_normal(n) * 0.02).astype(np.float32)
     after = before + (rng.standard_normal(n) * 1e-4).astype(np.float32)
     nan = cuda.torch_bf16_nan_bits("cpu")
-    got = cuda.sections_to_host(kern.engine.encode_bf16_from_f32(before.view(np.uint32), after.view(np.uint32), nan),
+    got = cuda.sections_to_host(kern.launcher.encode_bf16_from_f32(before.view(np.uint32), after.view(np.uint32), nan),
                                 np.uint16)
     b16 = torch.from_numpy(before).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     a16 = torch.from_numpy(after).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
