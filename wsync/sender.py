@@ -25,7 +25,7 @@ class Sender:
     def __init__(self, pub, link):
         self.pub, self.link = pub, link
         self.fanout = getattr(link, "fanout", 1)
-        self.lockstep = getattr(link, "lockstep", False)  # a group link: acks are gathered, never read apart
+        self.lockstep = link.lockstep  # a group link: acks are gathered, never read apart
         self.sent: int | None = None  # newest version fully sent (or held at hello)
         self.sent_checksum: str | None = None
         self.acked: int | None = None  # newest version every member acknowledged
