@@ -46,18 +46,21 @@ def test_lora_and_skipped_wan_rows():
     assert "WAN 200" not in text
 
 
-def test_readme_block_is_replaced_between_the_markers(tmp_path):
+def test_readme_block_is_replaced_between_the_markers(tmp_path, capsys):
+    from wsync.cli import main
+
     run = tmp_path / "run.json"
     run.write_text(json.dumps(synthetic_run()))
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{report.BEGIN}\nold table\n{report.END}\noutro\n")
-    report.main([str(run), "--readme", str(readme)])
+    assert main(["bench", "report", str(run), "--readme", str(readme)]) == 0
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{report.END}\noutro\n")
     assert "old table" not in text and "shardcast HTTP (loopback)" in text
     readme.write_text("no markers here\n")
-    with pytest.raises(ValueError, match="marker"):
-        report.main([str(run), "--readme", str(readme)])
+    capsys.readouterr()
+    assert main(["bench", "report", str(run), "--readme", str(readme)]) == 2
+    assert "marker" in capsys.readouterr().err and readme.read_text() == "no markers here\n"
 
 
 def test_a_codec_only_run_still_renders_the_codec_table():

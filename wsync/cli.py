@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     # bars off with --quiet, and with a --json flag that puts JSON on stdout (a --json FILE leaves them on)
     progress.configure(quiet=getattr(a, "quiet", False) or getattr(a, "json", None) is True)
     try:
-        a.fn(a)
+        code = a.fn(a)  # None, or the exit status of a command with more outcomes than done or failed
     except BackendUnavailable as e:
         print(f"wsync: unavailable here: {e}", file=sys.stderr)
         return 3
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("wsync: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

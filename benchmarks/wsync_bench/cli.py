@@ -13,7 +13,8 @@ from pathlib import Path
 EXTRA = 'pip install -e "./benchmarks[all]"'
 PACKAGES = {"torch", "transformers", "safetensors", "matplotlib", "zipnn"}
 
-SUITES = ["wsync_bench.transport", "wsync_bench.sync", "wsync_bench.reshard", "wsync_bench.all", "wsync_bench.loop"]
+SUITES = ["wsync_bench.transport", "wsync_bench.sync", "wsync_bench.reshard", "wsync_bench.all", "wsync_bench.loop",
+          "wsync_bench.kernels", "wsync_bench.peers", "wsync_bench.wan_bench", "wsync_bench.report"]
 
 
 def install_hint(package: str) -> str | None:

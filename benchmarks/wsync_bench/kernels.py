@@ -14,7 +14,7 @@ resident tensors, as an engine updating its weights does. Throughput is GB/s
 operations interleaved round by round; every backend's output is checked
 byte for byte against the reference's.
 
-    python -m wsync_bench.kernels --backends cpu --json result.json
+    wsync bench kernels --backends cpu --json result.json
 """
 from __future__ import annotations
 
@@ -226,18 +226,21 @@ def _threads(result: dict) -> str:
     return ", ".join(f"{name} {row.get('threads', '-')}" for name, row in result["backends"].items())
 
 
-def main(argv=None) -> None:
-    import argparse
+def add_parsers(bench) -> None:
+    ap = bench.add_parser("kernels", help="codec kernel throughput: each backend end to end and kernel by kernel",
+                          description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256, help="model size in MiB of bf16 (default 256)")
+    ap.add_argument("--density", type=float, default=0.01, help="fraction of elements changed (default 0.01)")
+    ap.add_argument("--tensors", type=int, default=16, help="tensors the model is split into (default 16)")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds, best kept (default 5)")
+    ap.add_argument("--backends", default="ref,cpu", help="comma-separated backends to time (default ref,cpu)")
+    ap.add_argument("--json", help="also write the result dict here")
+    ap.set_defaults(fn=main)
+
+
+def main(args) -> None:
     import json
 
-    ap = argparse.ArgumentParser(description="wsync codec kernel throughput (see benchmarks/wsync_bench/kernels.py)")
-    ap.add_argument("--mib", type=int, default=256, help="model size in MiB of bf16")
-    ap.add_argument("--density", type=float, default=0.01, help="fraction of elements changed")
-    ap.add_argument("--tensors", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (best of)")
-    ap.add_argument("--backends", default="ref,cpu")
-    ap.add_argument("--json", help="also write the result dict here")
-    args = ap.parse_args(argv)
     result = run_kernel_bench(args.mib << 20, args.density, tensors=args.tensors, repeats=args.repeats,
                               backends_=tuple(args.backends.split(",")))
     if args.json:
@@ -245,6 +248,3 @@ def main(argv=None) -> None:
             json.dump(result, f, indent=1)
     print(render(result))
 
-
-if __name__ == "__main__":
-    main()

@@ -456,22 +456,24 @@ def _table(base: State, new: State, repeats: int) -> str:
     return head + "\n\n" + "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
+def add_parsers(bench) -> None:
+    ap = bench.add_parser("peers", help="the peer schemes side by side on a synthetic RL step (no snapshots)",
+                          description="peers side by side on a synthetic RL step")
+    ap.add_argument("--n", type=int, default=16 * 2**20, help="weights, bf16 elements (default 16Mi)")
+    ap.add_argument("--lr", type=float, default=1e-6, help="learning rate of the step (default 1e-6)")
+    ap.add_argument("--update", choices=["sign", "adam_noise"], default="sign",
+                    help="sign: every weight moves by exactly +-lr; adam_noise: lr * m/sqrt(v) of noisy gradients "
+                         "(default sign)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds, best kept (default 3)")
+    ap.set_defaults(fn=main)
+
+
+def main(args) -> None:
     import os
     import platform
 
-    ap = argparse.ArgumentParser(description="peers side by side on a synthetic RL step")
-    ap.add_argument("--n", type=int, default=16 * 2**20, help="weights (bf16 elements)")
-    ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--update", choices=["sign", "adam_noise"], default="sign")
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args(argv)
     print(f"# peers on {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"numpy {np.__version__}, zstandard {zstandard.__version__}")
     print(f"synthetic RL step: lr {args.lr:g}, update {args.update}")
     print(_table(*synthetic_rl_step(args.n, args.lr, update=args.update), args.repeats))
 
-
-if __name__ == "__main__":
-    main()

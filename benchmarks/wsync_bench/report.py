@@ -1,6 +1,6 @@
 """Turn saved benchmark results into the results page's tables (and the run's own .md).
 
-    python -m wsync_bench.report benchmarks/results/RUN.json --readme docs/results.md
+    wsync bench report benchmarks/results/RUN.json --readme docs/results.md
 
 RUN.json is a `wsync bench all` run (every suite: codec, transport, sync with
 the whole-checkpoint peers beside it, LoRA, and the hardware line) or a single
@@ -10,7 +10,6 @@ around them.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -251,16 +250,17 @@ def update_readme(readme: Path, table: str) -> None:
     readme.write_text(text)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", type=Path)
-    ap.add_argument("--readme", type=Path)
-    a = ap.parse_args(argv)
+def add_parsers(bench) -> None:
+    ap = bench.add_parser("report", help="a saved run's JSON as the results page's tables",
+                          description=__doc__.splitlines()[0])
+    ap.add_argument("json", type=Path, help="a `wsync bench all` or `wsync bench codec --json` results file")
+    ap.add_argument("--readme", type=Path, help="also write the tables between the results markers of this file")
+    ap.set_defaults(fn=main)
+
+
+def main(a) -> None:
     table = table_for(json.loads(a.json.read_text()))
     if a.readme:
         update_readme(a.readme, table)
     print(table)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Measurements across a WanLink: the link itself (RTT, one plain TCP stream) and tcp:// transfers.
 
-    python -m wsync_bench.wan_bench --rate 200 --rtt 40 --loss 0.005 --size-mib 128 --streams 1 4 \\
+    wsync bench wan --rate 200 --rtt 40 --loss 0.005 --size-mib 128 --streams 1 4 \\
         [--congestion bbr cubic] [--json out.json]
 
 For each congestion control and stream count, one message of --size-mib
@@ -93,19 +93,23 @@ def _py() -> list[str]:
     return ["env", "PYTHONPATH=" + os.pathsep.join(os.path.abspath(p or ".") for p in sys.path), sys.executable]
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parsers(bench) -> None:
+    ap = bench.add_parser("wan", help="tcp:// across an emulated WAN link beside plain sockets (root: namespaces)",
+                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", type=float, default=200.0, help="link rate, Mbit/s")
     ap.add_argument("--rtt", type=float, default=40.0, help="added round-trip time, ms")
     ap.add_argument("--loss", type=float, default=0.005, help="per-packet loss probability")
-    ap.add_argument("--size-mib", type=int, default=128)
-    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--size-mib", type=int, default=128, help="MiB of each transfer (default 128)")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4], help="stream counts to run (default 1 4)")
     ap.add_argument("--congestion", nargs="+", default=[None], help="TCP congestion control(s), e.g. bbr cubic")
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=1, help="transfers per congestion control and stream count")
     ap.add_argument("--opts", default="{}", help="more tcp:// options for both ends, as JSON")
     ap.add_argument("--no-baseline", action="store_true", help="skip the plain-socket run before each transfer")
-    ap.add_argument("--json")
-    a = ap.parse_args(argv)
+    ap.add_argument("--json", help="also write the results here")
+    ap.set_defaults(fn=main)
+
+
+def main(a) -> None:
     res = {"hardware": hardware(), "load_avg_before": os.getloadavg()[0], "rate_mbit": a.rate, "rtt_ms": a.rtt,
            "loss": a.loss, "size_bytes": a.size_mib << 20, "opts": json.loads(a.opts), "runs": []}
     with WanLink(rate_mbit=a.rate, rtt_ms=a.rtt, loss=a.loss) as wan:
@@ -137,6 +141,3 @@ def main(argv=None) -> None:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
 
-
-if __name__ == "__main__":
-    main()
