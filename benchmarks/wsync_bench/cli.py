@@ -13,8 +13,13 @@ from pathlib import Path
 EXTRA = 'pip install -e "./benchmarks[all]"'
 PACKAGES = {"torch", "transformers", "safetensors", "matplotlib", "zipnn"}
 
+SIZES_HELP = ("generated model size: tiny (seconds), small, bench (a 64M-parameter model; ~15 min the first time, "
+              "4.4 GB of snapshots); default small")
+
 SUITES = ["wsync_bench.transport", "wsync_bench.sync", "wsync_bench.reshard", "wsync_bench.all", "wsync_bench.loop",
-          "wsync_bench.kernels", "wsync_bench.peers", "wsync_bench.wan_bench", "wsync_bench.report"]
+          "wsync_bench.kernels", "wsync_bench.peers", "wsync_bench.wan_bench", "wsync_bench.report",
+          "wsync_bench.metrics_idle", "wsync_bench.xxh3", "wsync_bench.serve_memory",
+          "wsync_bench.unpolled"]
 
 
 def install_hint(package: str) -> str | None:
@@ -39,7 +44,7 @@ def add_parsers(bench) -> None:
     bc = bench.add_parser("codec", help="our codec vs peer schemes on consecutive snapshots")
     bc.add_argument("--base", type=Path, help="base checkpoint (default: generated RL snapshots)")
     bc.add_argument("--new", type=Path, help="new checkpoint")
-    bc.add_argument("--size", default="bench", choices=["tiny", "small", "bench"], help="generated model size")
+    bc.add_argument("--size", default="small", choices=["tiny", "small", "bench"], help=SIZES_HELP)
     bc.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5],
                     help="learning rates of the generated snapshot series (default 1e-6 1e-5)")
     bc.add_argument("--gaps", type=int, nargs="+", default=[1, 4, 16],

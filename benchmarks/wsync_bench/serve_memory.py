@@ -1,6 +1,6 @@
 """Resident memory of `wsync serve` and `wsync pull`, as multiples of the checkpoint they move.
 
-    python benchmarks/bench_serve_memory.py [--size-mib 1024] [--tensors 16] [--json OUT.json]
+    wsync bench serve-memory [--size-mib 1024] [--tensors 16] [--json OUT.json]
 
 One safetensors checkpoint of --size-mib (bf16-like random bits, so nothing
 compresses away) is served by a `wsync serve` child process and fetched once
@@ -15,14 +15,13 @@ by the checkpoint's size:
 
 The baseline, measured in the same run, is a Python process that only
 imports wsync (the interpreter, numpy and the codecs), so the part that
-scales with the checkpoint can be read off. Run the script from a checkout of
-another commit to measure that commit the same way. The pulled file is compared byte
+scales with the checkpoint can be read off. Run it where another commit's wsync
+is installed to measure that commit the same way. The pulled file is compared byte
 for byte with the served one; a mismatch fails the run. The CPU is named in
 what is saved (lscpu).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -33,10 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from wsync.bench.hardware import cpu_model
+from wsync.hardware import cpu_model
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", WSYNC_PROGRESS="0")
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", WSYNC_PROGRESS="0")  # the children run the wsync installed here
 
 
 def make_checkpoint(path: Path, size: int, tensors: int, seed: int = 0) -> None:
@@ -143,16 +141,22 @@ def run(size: int, tensors: int, work: Path) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-mib", type=int, default=1024)
-    ap.add_argument("--tensors", type=int, default=16)
+def add_parsers(bench) -> None:
+    ap = bench.add_parser("serve-memory", help="resident memory of wsync serve and wsync pull, per checkpoint byte",
+                          description=__doc__.splitlines()[0],
+                          epilog="Default 1024 MiB: about 1 min here (2 cores), 2 GiB of temporary disk; --size-mib "
+                                 "256 for a quicker look.")
+    ap.add_argument("--size-mib", type=int, default=1024, help="checkpoint size, MiB (default 1024)")
+    ap.add_argument("--tensors", type=int, default=16, help="tensors in the checkpoint (default 16)")
     ap.add_argument("--json", type=Path, help="write the result here")
-    a = ap.parse_args(argv)
+    ap.set_defaults(fn=main)
+
+
+def main(a) -> int:
     with tempfile.TemporaryDirectory(prefix="wsync-bench-serve-") as d:
         r = run(a.size_mib << 20, a.tensors, Path(d))
     r["cpu"] = f"{cpu_model()}, {os.cpu_count()} CPUs"
-    r["command"] = " ".join(["python", "benchmarks/bench_serve_memory.py"] + (argv or sys.argv[1:]))
+    r["command"] = f"wsync bench serve-memory --size-mib {a.size_mib} --tensors {a.tensors}"
     for k in ("baseline_x", "serve_idle_x", "serve_after_x", "serve_peak_x", "pull_peak_x"):
         print(f"{k:15s} {r[k]:.2f}")
     print(f"checkpoint {r['checkpoint_bytes'] / 1e9:.2f} GB, {r['cpu']}, pull {r['pull_seconds']:.1f}s, "
@@ -160,7 +164,3 @@ def main(argv=None) -> int:
     if a.json:
         a.json.write_text(json.dumps(r, indent=2) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """wsync's own XXH3-64 (csrc/xxh3.h) against python-xxhash, measured in the same run on one core.
 
-    python benchmarks/bench_xxh3.py [--json benchmarks/results/<date>-<cpu>-xxh3.json]
+    wsync bench xxh3 [--json benchmarks/results/<date>-<cpu>-xxh3.json]
 
 Rows: the header built three ways (AVX2, SSE2, plain C++; one-shot hash of
 one buffer), wsync._cpu's checksum (the 1 MiB block tree, one thread, the
@@ -8,11 +8,11 @@ product path), and xxhash.xxh3_64_intdigest, the baseline every ratio is
 taken against. Two sizes: 1 MiB (the checksum block: in cache, compute-bound)
 and 256 MiB (from memory). Rounds interleave the rows and the best of each is
 kept, because the machines this runs on are shared. Every row's digest is
-checked against xxhash's first.
+checked against xxhash's first. The three builds of the header come from the checkout's tests/cudasim, so
+this suite runs from a checkout.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -21,12 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-os.environ.setdefault("WSYNC_THREADS", "1")  # before wsync._cpu starts its threads
+import numpy as np
+import xxhash
 
-import numpy as np  # noqa: E402
-import xxhash  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: tests/cudasim builds the header's variants
 
 
 def cpu_name() -> str:
@@ -73,11 +71,20 @@ def measure(size: int, rounds: int) -> dict:
     return {name: {"GB/s": round(size / s / 1e9, 2), "vs python-xxhash": round(base / s, 3)} for name, s in best.items()}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_parsers(bench) -> None:
+    p = bench.add_parser("xxh3", help="wsync's XXH3-64 (csrc/xxh3.h, three builds) against python-xxhash, one core",
+                         description=__doc__.splitlines()[0],
+                         epilog="One size pair (1 MiB, 256 MiB); about 1 min here (2 cores), compiling the header "
+                                "three ways included. From a checkout (it builds tests/cudasim's probe).")
     p.add_argument("--json", type=Path, help="write the results here (the CPU is named in them)")
-    p.add_argument("--rounds", type=int, default=9)
-    args = p.parse_args(argv)
+    p.add_argument("--rounds", type=int, default=9, help="interleaved timed rounds, best kept (default 9)")
+    p.set_defaults(fn=main)
+
+
+def main(args) -> None:
+    os.environ.setdefault("WSYNC_THREADS", "1")  # before wsync._cpu starts its threads (on its first use)
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
     result = {"cpu": cpu_name(), "cores_used": 1, "date": datetime.date.today().isoformat(), "sizes": {}}
     for size in (1 << 20, 256 << 20):
         result["sizes"][f"{size >> 20} MiB"] = m = measure(size, args.rounds)
@@ -86,7 +93,3 @@ def main(argv=None) -> None:
             print(f"  {name:45s} {r['GB/s']:7.2f} GB/s  {r['vs python-xxhash']:5.2f}x python-xxhash")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()

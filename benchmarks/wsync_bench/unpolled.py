@@ -1,6 +1,6 @@
 """Resident memory of a poll-mode subscriber whose engine never polls, against the two-version bound.
 
-    python benchmarks/bench_unpolled.py [--versions 25] [--mib 16] [--json out.json]
+    wsync bench unpolled [--versions 25] [--mib 16] [--json out.json]
 
 A publisher in a child process sends raw versions of ``--mib`` MiB each (one
 uint16 tensor of random bits, new every version) over tcp:// on loopback, with
@@ -17,13 +17,12 @@ must commit the newest version, bit for bit (its bytes are compared with the
 publisher's, regenerated here from the same seed). The growth from when the
 link came up, before the warm-up, is reported too.
 
-A run from a tree without the bound (PYTHONPATH pointing at a checkout before
-it) gives the "before" figure with the same script; the hardware is named in
-what it saves (lscpu).
+A run where a wsync without the bound is installed gives the "before" figure
+with the same suite; the hardware is named in what it saves (lscpu). The
+publisher is a child process, `python -m wsync_bench.unpolled VERSIONS MIB`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -33,7 +32,7 @@ import time
 
 import numpy as np
 
-from wsync.bench.hardware import cpu_model
+from wsync.hardware import cpu_model
 
 TOKEN = b"bench-unpolled-token-0123"
 
@@ -76,8 +75,8 @@ def subscriber(args) -> dict:
 
     n = (args.mib << 20) // 2
     one = 2 * n
-    child = subprocess.Popen([sys.executable, __file__, "--publish", "--versions", str(args.versions),
-                              "--mib", str(args.mib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-m", "wsync_bench.unpolled", str(args.versions), str(args.mib)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         address = child.stdout.readline().strip()
         engine = Shadow({"w": np.zeros(n, np.uint16)})
@@ -144,16 +143,18 @@ def subscriber(args) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--versions", type=int, default=25)
-    ap.add_argument("--mib", type=int, default=16)
+def add_parsers(bench) -> None:
+    ap = bench.add_parser("unpolled", help="resident memory of a poll-mode subscriber whose engine never polls",
+                          description=__doc__.splitlines()[0],
+                          epilog="Default 25 versions of 16 MiB: about 15 s here (2 cores).")
+    ap.add_argument("--versions", type=int, default=25, help="versions sent after the warm-up one (default 25)")
+    ap.add_argument("--mib", type=int, default=16, help="MiB of each version (default 16)")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--label", default="", help="what tree this is (e.g. a commit), saved with the result")
-    ap.add_argument("--publish", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.publish:
-        return publisher(args.versions, (args.mib << 20) // 2)
+    ap.set_defaults(fn=main)
+
+
+def main(args) -> None:
     out = {"label": args.label, **subscriber(args)}
     print(json.dumps(out, indent=1))
     if args.json:
@@ -161,5 +162,5 @@ def main() -> None:
             json.dump(out, f, indent=1)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the publisher, a child process of the suite: VERSIONS MIB
+    publisher(int(sys.argv[1]), (int(sys.argv[2]) << 20) // 2)
