@@ -73,8 +73,24 @@ def test_summary_accounts_for_time_and_bytes(async_run):
     for key in ("decode_s", "no_work_s", "wait_version_s", "queue_full_s", "apply_s", "idle_pct", "slot_utilisation"):
         assert key in s["samplers"]
     assert s["sync"]["bytes_total"] > 0 and s["sync"]["versions_sent"] >= 1
+    assert s["sync"]["send_s"] > 0  # measured by the publisher: publish() until every sampler's link had a version
     assert s["hardware"]["cores"] >= 1
     json.dumps(s)  # the whole summary is plain JSON
+
+
+def test_last_sync_is_the_newest_version_on_every_link_else_the_newest_encoded():
+    from dataclasses import replace
+
+    from trainer.driver import last_sync, sync_summary
+    from wsync.sync import PublisherStats
+
+    st = PublisherStats(versions=3, bytes={0: None, 1: 100, 2: 50}, encode_s={0: 0.25, 1: 0.5, 2: 0.75},
+                        send_s={0: 2.0, 1: 1.5}, history_bytes=0)
+    assert last_sync(st) == {"version": 1, "bytes": 100, "seconds": 1.5}  # 0 was sized by nobody: a frozen keyframe
+    assert last_sync(replace(st, send_s={})) == {"version": 2, "bytes": 50, "seconds": 0.75}
+    assert last_sync(replace(st, bytes={0: None})) == {}
+    got = sync_summary(st, {0: {"apply_s": 0.5}})
+    assert (got["versions_sent"], got["bytes_total"], got["encode_s"], got["send_s"]) == (2, 150, 1.5, 3.5)
 
 
 @pytest.mark.slow
