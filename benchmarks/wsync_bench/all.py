@@ -29,11 +29,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from wsync import progress
-from .results import default_results_dir, stem
-from .report import QUICK_NOTE
 
-ROOT = Path(__file__).resolve().parents[2]
-LORA_SCRIPT = ROOT / "benchmarks" / "bench_lora_sync.py"
+from .report import QUICK_NOTE
+from .results import default_results_dir, stem
+
 
 
 @dataclass(kw_only=True)
@@ -50,7 +49,7 @@ class Sizes:
     sync_modes: tuple = ("full", "delta", "delta-sparse")
     wan: str = "200,40,0.005"  # emulated WAN: Mbit/s, RTT ms, loss
     peer_repeats: int = 3  # safetensors / shardcast rounds
-    lora_args: tuple = ()  # extra arguments of benchmarks/bench_lora_sync.py (its defaults when empty)
+    lora_args: tuple = ()  # extra arguments of wsync bench lora-sync (its defaults when empty)
     moe_tensors: int = 20_000  # many small tensors vs one tensor of the same size (x 1,024 bf16 elements each)
     moe_repeats: int = 15  # interleaved rounds of one and many tensors (best kept)
     reshard_quick: bool = False  # 4 trainer ranks -> 2 engine ranks on a tiny model instead of a 100 MB one
@@ -178,13 +177,11 @@ def peers_suite(s: Sizes) -> dict:
 
 
 def lora_suite(s: Sizes) -> dict:
-    if not LORA_SCRIPT.exists():
-        return {"skipped": f"{LORA_SCRIPT} is not here (an installed wheel has no benchmarks/)"}
     with tempfile.TemporaryDirectory(prefix="wsync-lora-") as tmp:
-        r = subprocess.run([sys.executable, str(LORA_SCRIPT), *s.lora_args, "--out", tmp], capture_output=True,
-                           text=True, timeout=1800)
+        r = subprocess.run([sys.executable, "-m", "wsync.cli", "bench", "lora-sync", *s.lora_args, "--out", tmp],
+                           capture_output=True, text=True, timeout=1800)
         if r.returncode:
-            raise RuntimeError(f"bench_lora_sync.py exited {r.returncode}: {r.stderr.strip()[-1500:]}")
+            raise RuntimeError(f"wsync bench lora-sync exited {r.returncode}: {r.stderr.strip()[-1500:]}")
         res = json.loads(next(Path(tmp).glob("*.json")).read_text())
     res.pop("hardware", None)
     for lane in res["lanes"].values():

@@ -19,7 +19,8 @@ SIZES_HELP = ("generated model size: tiny (seconds), small, bench (a 64M-paramet
 SUITES = ["wsync_bench.transport", "wsync_bench.sync", "wsync_bench.reshard", "wsync_bench.all", "wsync_bench.loop",
           "wsync_bench.kernels", "wsync_bench.peers", "wsync_bench.wan_bench", "wsync_bench.report",
           "wsync_bench.metrics_idle", "wsync_bench.xxh3", "wsync_bench.serve_memory",
-          "wsync_bench.unpolled"]
+          "wsync_bench.unpolled", "wsync_bench.integrations",
+          "wsync_bench.lora_sync"]
 
 
 def install_hint(package: str) -> str | None:
