@@ -204,10 +204,11 @@ class TrainerRank:
                 out["digest"] = digest(state)
         return out
 
-    def sync_stats(self, flush: float = 0.0) -> dict:
-        """Rank 0: the publisher's counters (bytes, encode and send seconds per version), after a flush if asked."""
+    def sync_stats(self, flush: float = 0.0):
+        """Rank 0: the publisher's PublisherStats (bytes, encode and send seconds per version), after a flush if
+        asked; None on the other ranks, which publish nothing."""
         if self.pub is None:
-            return {}
+            return None
         if flush:
             from wsync.sync import FlushTimeout
 

@@ -54,7 +54,7 @@ from .layout import Bound, Layout, bind_copying, check_covers, segments
 from .payload import Payload
 from .sender import PROTOCOL
 from .snapshot import as_state, to_torch
-from .transports import Message, TransportTimeout, connect, parse_address
+from .transports import Message, TransportTimeout, connect
 from .tokens import check as check_token
 from .transports.base import with_device, with_token
 from .transports.tcp.auth import Refused
@@ -116,7 +116,7 @@ class Subscriber:
         self.progress = progress  # called as progress(version, bucket, buckets, bytes) as buckets arrive
         self.on_commit = on_commit  # called as on_commit({version, bytes, keyframe, apply_s}) per committed version
         self.newest_seen: int | None = None  # newest version the publisher has announced
-        self._lockstep = parse_address(address).scheme in ("gloo", "nccl")
+        self._lockstep = False  # the link's own (Link.lockstep), once dialled: a group link speaks only in turn
         self._cv = threading.Condition()
         self._apply_lock = threading.RLock()  # one applier at a time: poll() may be called from several threads
         self._staged = Staging()  # versions received, not applied yet: one keyframe and the deltas after it
@@ -311,6 +311,7 @@ class Subscriber:
     def _linked(self, link) -> None:
         with self._cv:
             self._link, self._refusals, self._said, self._bye = link, 0, None, False
+            self._lockstep = link.lockstep
             self.error = self._apply_error  # the dial failure is over
             self._cv.notify_all()
 
