@@ -20,7 +20,7 @@ SUITES = ["wsync_bench.transport", "wsync_bench.sync", "wsync_bench.reshard", "w
           "wsync_bench.kernels", "wsync_bench.peers", "wsync_bench.wan_bench", "wsync_bench.report",
           "wsync_bench.metrics_idle", "wsync_bench.xxh3", "wsync_bench.serve_memory",
           "wsync_bench.unpolled", "wsync_bench.integrations",
-          "wsync_bench.lora_sync"]
+          "wsync_bench.lora_sync", "wsync_bench.make_snapshots"]
 
 
 def install_hint(package: str) -> str | None:
