@@ -10,36 +10,30 @@ Per (base, new) snapshot pair it reports, in bits per changed element:
   - the `v2` tier when it is registered, with the same split, and the C++
     encode/decode speed of both tiers (GB/s of model bytes) when --speed.
 
-    python benchmarks/bench_codec_v2.py                   # the default pairs (generated, cached)
-    python benchmarks/bench_codec_v2.py --pair BASE NEW   # any two safetensors files
-    python benchmarks/bench_codec_v2.py --json out.json --speed
+    wsync bench codec-v2                   # the default pairs (generated, cached)
+    wsync bench codec-v2 --pair BASE NEW   # any two safetensors files
+    wsync bench codec-v2 --size bench --json out.json --speed
 
 The default pairs are the bench model's snapshots at lr 3e-7 (0.3-0.6% of bf16
 values change per step: the issue's "pretrained, lr 1e-6" regime) and lr 1e-6
-(~1.2%), generated once by wsync.bench.snapshots and cached.
+(~1.2%), generated once by wsync_bench.snapshots and cached.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from wsync import api  # noqa: E402
-from wsync.checkpoint import read_checkpoint  # noqa: E402
-from wsync.codecs import delta_ref  # noqa: E402
-from wsync.payload import HEADER  # noqa: E402
+from wsync import api
+from wsync.checkpoint import read_checkpoint
+from wsync.codecs import delta_ref
+from wsync.payload import HEADER
 
 # (lr, steps generated, gaps measured): sparse pairs first, the issue's regime
 DEFAULT_SERIES = ((3e-7, 4, (1, 2, 4)), (1e-6, 16, (1,)))
@@ -146,6 +140,8 @@ def _tiers() -> list[str]:
 
 
 def _speed(base, new, tier: str, nbytes: int, repeats: int) -> dict:
+    import torch
+
     def best(fn):
         t = math.inf
         for _ in range(repeats):
@@ -206,7 +202,7 @@ def measure_pair(base_path, new_path, *, speed: bool, repeats: int) -> dict:
 
 
 def default_pairs(size: str) -> list[tuple[str, Path, Path]]:
-    from wsync.bench.snapshots import SnapshotConfig, ensure_snapshots
+    from .snapshots import SnapshotConfig, ensure_snapshots
 
     out = []
     for lr, steps, gaps in DEFAULT_SERIES:
@@ -249,16 +245,25 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pair", nargs=2, type=Path, action="append", metavar=("BASE", "NEW"))
-    ap.add_argument("--size", default="bench", help="snapshot model preset for the default pairs")
+def add_parsers(bench) -> None:
+    ap = bench.add_parser("codec-v2", help="where a delta's bits go, per tier, and how far each part is from its "
+                                           "entropy", description=__doc__.split("\n")[0],
+                          epilog="Default small: ~1 min here (2 cores) once its snapshots are cached (generating "
+                                 "them: a few minutes, 0.1 GB); --size bench: ~15 min the first time, 1.1 GB; "
+                                 "--size tiny: seconds.")
+    ap.add_argument("--pair", nargs=2, type=Path, action="append", metavar=("BASE", "NEW"),
+                    help="two safetensors files to measure instead of the generated pairs (repeatable)")
+    ap.add_argument("--size", default="small", choices=["tiny", "small", "bench"],
+                    help="snapshot model preset for the default pairs (default small)")
     ap.add_argument("--speed", action="store_true", help="also time C++ encode/decode of each tier")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args(argv)
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds with --speed, best kept (default 3)")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.set_defaults(fn=main)
+
+
+def main(a) -> None:
     pairs = [(f"{b.name} -> {n.name}", b, n) for b, n in a.pair] if a.pair else default_pairs(a.size)
-    print(f"# bench_codec_v2 on {cpu_name()}, {__import__('os').cpu_count()} cores\n")
+    print(f"# wsync bench codec-v2 on {cpu_name()}, {__import__('os').cpu_count()} cores\n")
     runs = []
     for label, b, n in pairs:
         r = measure_pair(b, n, speed=a.speed, repeats=a.repeats)
@@ -270,6 +275,3 @@ def main(argv=None) -> None:
                                       "cpu": cpu_name(), "runs": runs}, indent=1))
         print(f"wrote {a.json}")
 
-
-if __name__ == "__main__":
-    main()
