@@ -14,12 +14,13 @@
 #   3. the kernel tests under compute-sanitizer: memcheck, racecheck, synccheck
 #   4. the other tests marked gpu (tests/test_local.py, test_lowrank.py, test_torchdist.py)
 #   5. the throughput benchmark against a device-to-device copy, v2's GPU decoder against v1's apply
-#      (benchmarks/bench_cuda.py)
-#   6. end to end (benchmarks/bench_gpu_sync.py): trainer and engine processes on the GPU, publish -> live
+#      (wsync bench cuda)
+#   6. end to end (wsync bench gpu-sync): trainer and engine processes on the GPU, publish -> live
 #      through the public API (raw and delta over local://, delta over tcp://), beside a device-to-device copy
 #      of the same state, with memory and bit-exactness; in a lease it runs right after the device step
 # Everything lands in benchmarks/results/<date>-<gpu>-runbook/ (logs, bench JSON, summary.md naming the
-# device); commit that folder. Needs the dev and cuda extras: pip install -e ".[dev,cuda]" with a CUDA torch.
+# device); commit that folder. Needs the dev and cuda extras and the benchmarks: pip install -e ".[dev,cuda]"
+# -e ./benchmarks with a CUDA torch.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -31,7 +32,7 @@ for a in "$@"; do
         --quick) QUICK=1 ;;
         --lease) LEASE=1 ;;
         --dry-run) DRY=1 ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "unknown option $a (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -55,12 +56,12 @@ SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2
 # The sanitizers slow kernels 10-100x: they get the tests' small and edge cases, not the hypothesis sweeps.
 SAN_TESTS="tests/test_cuda_kernels.py"
 SAN_K="bad_sections or digests or fused_detector or public_api or v2"
-BENCH_ARGS=""
+BENCH_ARGS="--size full"
 if [ "$QUICK" = 1 ] || [ "$LEASE" = 1 ]; then
     SAN_K="bad_sections or digests or v2_decode_matches"
 fi
-[ "$QUICK" = 1 ] && BENCH_ARGS="--quick"
-[ "$LEASE" = 1 ] && BENCH_ARGS="--repeat 5 --warmup 2"  # full sizes, fewer repeats
+[ "$QUICK" = 1 ] && BENCH_ARGS="--size small"
+[ "$LEASE" = 1 ] && BENCH_ARGS="--size full --repeat 5 --warmup 2"  # full sizes, fewer repeats
 # end to end: the real shapes (quick: scaled down); in a lease its own limit sits inside the step's, so it
 # writes its results before the step is killed
 SYNC_ARGS="--size full --time-limit 900"
@@ -123,11 +124,11 @@ wait_build() {  # once: a second wait on the same pid is an error in bash
 }
 throughput() {
     wait_build
-    step throughput bench.log "$PY" benchmarks/bench_cuda.py $BENCH_ARGS --json "$OUT/bench_cuda.json"
+    step throughput bench.log "$PY" -m wsync.cli bench cuda $BENCH_ARGS --json "$OUT/bench_cuda.json"
 }
 end_to_end() {  # the publisher's host paths use the C++ backend: measured without it they would time Python
     wait_build
-    step gpu-sync gpu-sync.log "$PY" benchmarks/bench_gpu_sync.py $SYNC_ARGS --out "$OUT"
+    step gpu-sync gpu-sync.log "$PY" -m wsync.cli bench gpu-sync $SYNC_ARGS --out "$OUT"
 }
 
 if [ "$LEASE" = 1 ] && [ "$DRY" = 0 ]; then  # the C++ twin: the v2 stage encodes with it; built beside the first steps

@@ -1,6 +1,6 @@
-"""benchmarks/bench_gpu_sync.py: the end-to-end GPU benchmark, its logic run on a CPU.
+"""wsync bench gpu-sync: the end-to-end GPU benchmark, its logic run on a CPU.
 
-The script's small size on --device cpu goes through everything a GPU run
+The suite's small size on --device cpu goes through everything a GPU run
 does: a trainer process and an engine process, real Publisher and Subscriber
 over local:// and tcp loopback, every stage, the JSON and the summary, and a
 byte-for-byte comparison of the engine's parameters with the trainer's at the
@@ -8,7 +8,6 @@ end of each sync stage.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,27 +15,21 @@ from pathlib import Path
 
 import pytest
 
+from wsync_bench import gpu_sync as mod
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_gpu_sync.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("bench_gpu_sync", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def small_cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-sync")
-    r = subprocess.run([sys.executable, str(SCRIPT), "--size", "small", "--device", "cpu", "--versions", "2",
-                        "--time-limit", "150", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                       timeout=240)
+    r = subprocess.run([sys.executable, "-m", "wsync.cli", "bench", "gpu-sync", "--size", "small", "--device", "cpu",
+                        "--versions", "2", "--time-limit", "150", "--out", str(out)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=240)
     return r, out
 
 
-@pytest.mark.slow  # the whole bench script, at small size
+@pytest.mark.slow  # the whole suite, at small size
 def test_small_size_on_cpu_runs_every_stage_bit_exact(small_cpu_run):
     r, out = small_cpu_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -75,17 +68,18 @@ def test_small_size_on_cpu_runs_every_stage_bit_exact(small_cpu_run):
     assert "cpu (" in md and "bit-exact: **True**" in md and "dense.delta_tcp" in md and "moe.raw_local" in md
 
 
-@pytest.mark.slow  # needs the bench script's run; tests/test_plan_gpu_sync.py reads results in the fast tier
+@pytest.mark.slow  # needs the suite's run; tests/test_plan_gpu_sync.py reads results in the fast tier
 def test_the_planner_reads_what_the_bench_writes(small_cpu_run, tmp_path, monkeypatch):
-    from wsync.plan import codec_speeds as cs
+    from wsync.plan import measured
     from wsync.plan.gpu_sync import e2e_speed, e2e_tensor_cost, newest_gpu_sync
 
     _, out = small_cpu_run
     data = json.loads((out / "gpu_sync.json").read_text())
-    monkeypatch.setattr(cs, "RESULTS_DIR", tmp_path)
+    packaged = measured.inputs()  # the planner's inputs, with this folder's runs as scripts/planner_inputs.py adds them
+    monkeypatch.setattr(measured, "inputs", lambda: {**packaged, "gpu_sync": measured.extract(tmp_path)["gpu_sync"]})
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "gpu_sync.json").write_text(json.dumps(data))
-    assert newest_gpu_sync() is None  # a CPU run of the script is no GPU measurement
+    assert newest_gpu_sync() is None  # a CPU run of the suite is no GPU measurement
     data["size"], data["machine"]["device"], data["machine"]["gpu"] = "full", "cuda:0", "NVIDIA H100 80GB HBM3"
     (tmp_path / "run" / "gpu_sync.json").write_text(json.dumps(data))
     run = newest_gpu_sync()
@@ -97,7 +91,6 @@ def test_the_planner_reads_what_the_bench_writes(small_cpu_run, tmp_path, monkey
 
 
 def test_full_size_has_the_real_shapes():
-    mod = _module()
     cfg, dense = mod.dense_shapes("full")
     d = mod.describe_shapes(dense)
     assert d["tensors"] == 36 * 11 + 3 and d["params"] == 8_190_735_360 and d["bytes"] == 16_381_470_720
@@ -118,7 +111,6 @@ def test_full_size_has_the_real_shapes():
 def test_the_digest_sees_one_byte():
     import torch
 
-    mod = _module()
     side = mod.Side("cpu")
     g = torch.Generator().manual_seed(0)
     side.named = {"big": torch.randn(3 << 22, generator=g).to(torch.bfloat16),  # over one digest chunk

@@ -44,16 +44,18 @@ def test_dry_run_lists_every_step(mode):
         assert steps == ["device", "kernels-on-gpu", "harness-suites", "other-gpu-tests", *sanitizers, "throughput",
                          "gpu-sync"]
         assert "timeout" not in r.stdout
-    assert "tests/test_cuda_kernels.py" in r.stdout and "benchmarks/bench_cuda.py" in r.stdout
+    assert "tests/test_cuda_kernels.py" in r.stdout and "-m wsync.cli bench cuda" in r.stdout
     assert "--json benchmarks/results/" in r.stdout
-    assert ("--quick" in r.stdout.split("[throughput]")[1]) == (mode == ["--quick"])
+    throughput = r.stdout.split("[throughput]")[1].splitlines()[0]
+    quick = mode == ["--quick"]
+    assert ("--size small" in throughput) == quick and ("--size full" in throughput) != quick
 
 
 @pytest.mark.parametrize("mode", [[], ["--quick"], ["--lease"]])
 def test_the_end_to_end_step_writes_into_the_books_folder(mode):
     r = run("--dry-run", *mode)
     line = next(x for x in r.stdout.splitlines() if x.startswith("[gpu-sync]"))
-    assert "benchmarks/bench_gpu_sync.py" in line and "--out benchmarks/results/" in line
+    assert "-m wsync.cli bench gpu-sync" in line and "--out benchmarks/results/" in line
     assert re.search(r"--out benchmarks/results/[^ ]*-runbook$", line)  # beside the other steps' results
     assert ("--size small" in line) == (mode == ["--quick"]) and ("--size full" in line) != (mode == ["--quick"])
     own = float(re.search(r"--time-limit (\d+)", line).group(1))

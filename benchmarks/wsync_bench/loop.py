@@ -57,13 +57,6 @@ def add_parsers(bench) -> None:
     p.set_defaults(fn=main)
 
 
-def arguments(a) -> dict:
-    """This suite's options as the results file records them: what the command line set, not wsync's own
-    bookkeeping (the function it runs, the parser)."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()
-            if isinstance(v, (int, float, str, Path, type(None))) and k not in ("cmd", "suite")}
-
-
 def main(a) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # see trainer.cli: before any OpenMP pool starts
     if a.ray:
@@ -75,7 +68,7 @@ def main(a) -> None:
     from trainer.metrics import plot_runs
     from wsync.hardware import describe
 
-    from .results import default_results_dir, one_line, stem
+    from .results import default_results_dir, one_line, options, stem
 
     out_dir = a.out or default_results_dir()
 
@@ -96,7 +89,7 @@ def main(a) -> None:
         "benchmark": "reference loop, sync vs async, long-tailed response lengths",
         "command": "wsync bench loop",
         "hardware": hw, "hardware_line": one_line(hw), "load_average": os.getloadavg(),
-        "date": dt.date.today().isoformat(), "args": arguments(a) | {"out": str(out_dir)},
+        "date": dt.date.today().isoformat(), "args": options(a) | {"out": str(out_dir)},
         "samples_per_s_ratio_async_over_sync": ratios, "tokens_per_s_ratio_async_over_sync": token_ratios,
         "reward_last": {m: [r["reward_last"] for r in runs if r["mode"] == m] for m in ("sync", "async")},
         "runs": runs,

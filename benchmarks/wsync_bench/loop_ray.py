@@ -46,9 +46,8 @@ def main(a) -> None:
     from trainer.ray_loop import RayConfig, local_cluster
     from wsync.hardware import describe
 
-    from .loop import arguments
     from .loop_configs import brief, configs
-    from .results import default_results_dir, one_line, stem
+    from .results import default_results_dir, one_line, options, stem
 
     out_dir = a.out or default_results_dir()
     t0 = time.perf_counter()
@@ -83,7 +82,7 @@ def main(a) -> None:
         "benchmark": "reference loop on a local Ray cluster vs processes on one host, sync vs async, long-tailed lengths",
         "command": "wsync bench loop --ray",
         "hardware": hw, "hardware_line": one_line(hw), "load_average": os.getloadavg(),
-        "date": dt.date.today().isoformat(), "args": arguments(a) | {"out": str(out_dir)}, "cluster_start_s": cluster_s,
+        "date": dt.date.today().isoformat(), "args": options(a) | {"out": str(out_dir)}, "cluster_start_s": cluster_s,
         "samples_per_s_ratio_async_over_sync": ratio, "samples_per_s_ratio_ray_over_processes": over, "runs": runs,
     }
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -27,5 +27,12 @@ def stem(hw: dict, today: str | None = None) -> str:
     return f"{today or dt.date.today().isoformat()}-{host_tag(hw)}"
 
 
+def options(a) -> dict:
+    """A suite's options as its results file records them: what the command line set, not wsync's own
+    bookkeeping (the function it runs, the parser, the command's name)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()
+            if isinstance(v, (int, float, str, list, tuple, Path, type(None))) and k not in ("cmd", "suite")}
+
+
 def one_line(info: dict) -> str:
     return f"{info['cpu']}, {info['cores']} cores, {info['gpu'] or 'no GPU'}, wsync backend {info['wsync_backend']}"

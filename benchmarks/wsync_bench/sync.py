@@ -42,10 +42,11 @@ def subscriber_main(argv=None) -> None:
     while v != int(last):
         v = sub.wait_for(v + 1, timeout=600)
         now = time.monotonic()
-        last = sub.stats.last
+        committed = sub.stats.last
         first, last_bucket = arrivals.get(v, [now, now])
         print(json.dumps({"version": v, "t": now, "first_bucket_t": first, "last_bucket_t": last_bucket,
-                          "bytes": last.bytes, "apply_s": last.apply_s, "digest": eng.digest()}), flush=True)
+                          "bytes": committed.bytes, "apply_s": committed.apply_s, "digest": eng.digest()}),
+              flush=True)
     sub.close()
 
 

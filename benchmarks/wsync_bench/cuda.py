@@ -1,7 +1,7 @@
 """GPU throughput of the CUDA backend, each figure beside a baseline measured in the same run.
 
-    python benchmarks/bench_cuda.py --json benchmarks/results/<date>-h100-cuda.json
-    python benchmarks/bench_cuda.py --quick          # small sizes, a smoke run
+    wsync bench cuda --size full --json benchmarks/results/<date>-h100-cuda.json
+    wsync bench cuda                 # small sizes (the default), a smoke run
 
 What it measures, and the targets of the issue "Fast codec backends":
   encode   GB/s of bf16 model bytes through encode_device, against torch's
@@ -23,35 +23,45 @@ torch's stream, after warm-up; the median of the repeats is reported.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
 from pathlib import Path
 
-# Runs from a checkout without `pip install -e .`.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 GIB = 1 << 30
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_parsers(bench) -> None:
+    p = bench.add_parser("cuda", help="GPU throughput of the CUDA backend beside a device-to-device copy (a GPU)",
+                         description=__doc__.splitlines()[0],
+                         epilog="Default small (0.25 GiB encodes, 2.5e8 parameters applied; numbers not "
+                                "comparable): a minute or two on an H100; --size full (4 GiB, 8e9): several minutes. "
+                                "Without a CUDA GPU it says so and exits 3.")
+    p.add_argument("--size", choices=["small", "full"], default="small",
+                   help="small: a smoke run; full: the sizes the targets are stated at (default small); the "
+                        "size options below override either")
     p.add_argument("--json", metavar="OUT", type=Path, help="write the results (with the device name) here")
-    p.add_argument("--encode-gib", type=float, default=4.0, help="bf16 bytes per encode call, GiB (default 4)")
-    p.add_argument("--apply-params", type=float, default=8e9, help="bf16 parameters the delta is applied to")
+    p.add_argument("--encode-gib", type=float, help="bf16 bytes per encode call, GiB (full 4, small 0.25)")
+    p.add_argument("--apply-params", type=float, help="bf16 parameters the delta is applied to (full 8e9, small 2.5e8)")
     p.add_argument("--density", type=float, default=0.01, help="fraction of elements that change (default 0.01)")
-    p.add_argument("--adamw-params", type=float, default=1e9, help="fp32 parameters of the AdamW comparison")
-    p.add_argument("--tensor-mib", type=float, default=64.0, help="size of each AdamW parameter tensor, MiB")
-    p.add_argument("--v2-mib", type=float, default=512.0, help="bf16 MiB of the v2 stage's tensor (default 512)")
+    p.add_argument("--adamw-params", type=float, help="fp32 parameters of the AdamW comparison (full 1e9, small 5e7)")
+    p.add_argument("--tensor-mib", type=float, default=64.0, help="size of each AdamW parameter tensor, MiB (default 64)")
+    p.add_argument("--v2-mib", type=float, help="bf16 MiB of the v2 stage's tensor (full 512, small 64)")
     p.add_argument("--stages", default="encode,apply,fused,v2", help="comma-separated stages to run (default all)")
-    p.add_argument("--repeat", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="small sizes for a smoke run (numbers not comparable)")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.encode_gib, args.apply_params, args.adamw_params, args.repeat = 0.25, 2.5e8, 5e7, 3
-        args.v2_mib = 64.0
+    p.add_argument("--repeat", type=int, help="timed runs per figure, median kept (full 10, small 3)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
+    p.set_defaults(fn=main)
+
+
+SIZES = {"full": dict(encode_gib=4.0, apply_params=8e9, adamw_params=1e9, v2_mib=512.0, repeat=10),
+         "small": dict(encode_gib=0.25, apply_params=2.5e8, adamw_params=5e7, v2_mib=64.0, repeat=3)}
+
+
+def sized(args):
+    """The options the size leaves open, filled in from it."""
+    for k, v in SIZES[args.size].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     return args
 
 
@@ -268,9 +278,13 @@ def bench_v2(torch, k, args, timer) -> dict:
             "host_threads": getattr(host, "threads", None)}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    result = {"date": datetime.date.today().isoformat(), "args": {k: str(v) for k, v in vars(args).items()}}
+OPTIONS = ("size", "json", "encode_gib", "apply_params", "density", "adamw_params", "tensor_mib", "v2_mib", "stages",
+           "repeat", "warmup")
+
+
+def main(args) -> int:
+    args = sized(args)
+    result = {"date": datetime.date.today().isoformat(), "args": {k: str(getattr(args, k)) for k in OPTIONS}}
     try:
         import torch
     except ImportError as e:
@@ -278,7 +292,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         return finish(args, result, skipped="needs a CUDA GPU and a CUDA build of torch")
     from wsync.backends.cuda import CudaKernels
-    from wsync.bench.hardware import describe
+    from wsync.hardware import describe
     from wsync.errors import BackendUnavailable
 
     try:
@@ -321,14 +335,10 @@ def main(argv=None) -> int:
 def finish(args, result: dict, skipped: str | None = None) -> int:
     if skipped:
         result["skipped"] = skipped
-        print(f"bench_cuda: skipped: {skipped}", file=sys.stderr)
+        print(f"wsync bench cuda: skipped: {skipped}", file=sys.stderr)
     text = json.dumps(result, indent=2)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text + "\n")
     print(text)
-    return 2 if skipped else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return 3 if skipped else 0

@@ -1,8 +1,8 @@
 """publish -> live on one device, end to end through the public API: a trainer process and an engine process.
 
-    python benchmarks/bench_gpu_sync.py                      # full size on cuda:0, into benchmarks/results/
-    python benchmarks/bench_gpu_sync.py --time-limit 225 --out benchmarks/results/<date>-<gpu>-runbook
-    python benchmarks/bench_gpu_sync.py --size small --device cpu --out /tmp/gpu-sync   # the logic, on a CPU
+    wsync bench gpu-sync --size full           # full size on cuda:0, into benchmarks/results/
+    wsync bench gpu-sync --size full --time-limit 225 --out benchmarks/results/<date>-<gpu>-runbook
+    wsync bench gpu-sync --device cpu --out /tmp/gpu-sync   # the logic at the small size, on a CPU
 
 Two processes share the device. The trainer holds a state of bf16 tensors and
 publishes it with wsync.Publisher; the engine holds an nn.Module whose
@@ -40,7 +40,6 @@ after every stage, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import json
@@ -50,15 +49,14 @@ import resource
 import signal
 import statistics
 import subprocess
-import sys
 import time
 import traceback
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# Runs from a checkout without `pip install -e .` (the spawned workers re-run this line too).
-sys.path.insert(0, str(ROOT))
+from .results import options
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its benchmarks/results is the default --out
 
 BENCH = "gpu_sync"  # the marker `wsync plan transfer --backend cuda` looks for
 SCHEMA = 1
@@ -75,10 +73,14 @@ QWEN3_8B = dict(layers=36, hidden=4096, intermediate=12288, q_heads=32, kv_heads
 QWEN3_30B_A3B = dict(hidden=2048, moe_intermediate=768, experts=128, layers=48)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", choices=["full", "small"], default="full",
-                   help="full: the real shapes (16.4 GB dense state); small: the same structure scaled down")
+def add_parsers(bench) -> None:
+    p = bench.add_parser("gpu-sync", help="publish -> live on one device through the public API, trainer and engine "
+                                          "processes", description=__doc__.splitlines()[0],
+                         epilog="Default small (the same structure scaled down): about 2 min; --size full (16.4 GB "
+                                "dense state): up to its --time-limit, 900 s. --device cpu runs the logic on a CPU.")
+    p.add_argument("--size", choices=["full", "small"], default="small",
+                   help="full: the real shapes (16.4 GB dense state); small: the same structure scaled down "
+                        "(default small)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu: the script's logic, small sizes)")
     p.add_argument("--out", type=Path, help="folder for gpu_sync.json and gpu_sync.md "
                    "(default benchmarks/results/<date>-<device>-gpu-sync)")
@@ -92,7 +94,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-intermediate", type=int,
                    help="the moe state's expert intermediate size (real: 768; default 48; small 16)")
     p.add_argument("--time-limit", type=float, help="seconds for the whole run (default 900; small 120)")
-    a = p.parse_args(argv)
+    p.set_defaults(fn=main)
+
+
+def settle(a):
+    """The options the size leaves open, filled in from it; ValueError for options that cannot run."""
     small = a.size == "small"
     a.versions = a.versions if a.versions is not None else (3 if small else 5)
     a.moe_tensors = a.moe_tensors or (600 if small else 20_000)
@@ -100,11 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.time_limit = a.time_limit or (120.0 if small else 900.0)
     a.states = [s for s in a.states.split(",") if s]
     if not set(a.states) <= set(STATES) or not a.states:
-        p.error(f"--states takes {', '.join(STATES)}")
+        raise ValueError(f"--states takes {', '.join(STATES)}")
     if a.versions < 1 or not 0 < a.density < 1:
-        p.error("--versions must be >= 1 and --density in (0, 1)")
+        raise ValueError("--versions must be >= 1 and --density in (0, 1)")
     if not (a.device == "cpu" or a.device.startswith("cuda")):
-        p.error("--device is cuda, cuda:N or cpu")
+        raise ValueError("--device is cuda, cuda:N or cpu")
     return a
 
 
@@ -191,7 +197,7 @@ class Side:
 
     def cmd_info(self) -> dict:
         torch = self.torch
-        from wsync.bench.hardware import describe
+        from wsync.hardware import describe
 
         import wsync
 
@@ -807,8 +813,7 @@ class Run:
         plan = self.plan()
         r = self.result
         r.update(bench=BENCH, schema=SCHEMA, created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                 date=datetime.date.today().isoformat(), args={k: (str(v) if isinstance(v, Path) else v)
-                                                             for k, v in vars(args).items()},
+                 date=datetime.date.today().isoformat(), args=options(args),
                  size=args.size, device=args.device, commit=_commit(),
                  states={s: {"config": c, **describe_shapes(sh)} for s, (c, sh) in self.shapes.items()},
                  stage_names=[n for n, _ in plan], stages={})
@@ -981,15 +986,11 @@ def _terminated(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through the stage loop: the JSON is written, the workers stopped
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(args) -> int:
+    args = settle(args)
     signal.signal(signal.SIGTERM, _terminated)
     run = Run(args)
     r = run.main()
     print(f"wrote {run.out_dir() / 'gpu_sync.json'} and gpu_sync.md; exact {r.get('exact')}, "
           f"complete {r.get('complete')}", flush=True)
     return 0 if r.get("complete") and r.get("exact") else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
