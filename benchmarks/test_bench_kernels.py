@@ -1,13 +1,13 @@
 """pytest-benchmark suite for the codec backends: end to end and kernel by kernel, beside a numpy copy.
 
-    python -m pytest benchmarks/bench_cpu_kernels.py --benchmark-only --benchmark-group-by=group
-    WSYNC_BENCH_KERNEL_MB=256 python -m pytest benchmarks/bench_cpu_kernels.py --benchmark-only
+    python -m pytest benchmarks/test_bench_kernels.py --benchmark-only --benchmark-group-by=group
+    WSYNC_BENCH_KERNEL_MB=256 python -m pytest benchmarks/test_bench_kernels.py --benchmark-only
 
-The data is wsync.bench.kernels.make_pair: bf16, 1% of elements changed,
+The data is wsync_bench.kernels.make_pair: bf16, 1% of elements changed,
 mostly by ±1 representable value. Every benchmark checks its result against
 the reference and records GB/s of model bytes (best round) in extra_info;
 compare those only as ratios against the copy baseline of the same run. The
-same numbers as one dict: `wsync.bench.kernels.run_kernel_bench()`.
+same numbers in one run and one table: `wsync bench kernels`.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import pytest
 
 import wsync
 from wsync import backends
-from wsync.bench.kernels import make_pair
 from wsync.errors import BackendUnavailable
+from wsync_bench.kernels import make_pair
 
 MB = int(os.environ.get("WSYNC_BENCH_KERNEL_MB", "64"))
 BACKENDS = ["ref", "cpu"]

@@ -1,7 +1,6 @@
 """tcp:// against a plain-socket baseline measured in the same run, sender and receiver in two processes.
 
-    python benchmarks/bench_tcp.py [--size-mib 1024] [--streams 1 4] [--repeat 3] [--host 127.0.0.1]
-                                   [--auth plain mac tls]
+    wsync bench tcp [--size-mib 256] [--streams 1 4] [--repeat 3] [--host 127.0.0.1] [--auth plain mac tls]
 
 ``--auth`` names the link kinds measured side by side: ``plain`` (no token: the
 unauthenticated link), ``mac`` (a token: every record carries a keyed-BLAKE3
@@ -22,8 +21,8 @@ run receives into new pages, whose first touch costs more CPU here than the
 copy itself (0.2-0.8 s per GiB measured on the 2-core Xeon, against 0.1 s to
 overwrite a buffer already mapped). Runs alternate (baseline, ours, baseline, ...)
 so background load hits both alike; the best of --repeat is kept for each.
-The receiver is a child process (optionally in a network namespace, see
-``--netns``) and checks every run byte for byte by comparing the xxh3-128 of
+The receiver is a child process, ``python -m wsync_bench.tcp`` (optionally in a
+network namespace, see ``--netns``), and checks every run byte for byte by comparing the xxh3-128 of
 what it got with that of what was sent.
 
 With two or more cores the sender is pinned to core 0 and the receiver to
@@ -36,7 +35,6 @@ the next, unpinned; 0.9-1.09 in every launch, pinned).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -142,7 +140,7 @@ def _run(size_mib, streams, repeat, host, netns, opts, fresh, pin, auth, cert) -
         opts.setdefault("pool_bytes", max(size_mib << 20, 256 << 20))  # recycle the message buffer, as a sync does
     data = memoryview(np.random.default_rng(0).integers(0, 255, size_mib << 20, dtype=np.uint8))
     want = xxhash.xxh3_128_hexdigest(data)
-    cmd = [sys.executable, os.path.abspath(__file__), "--role", "recv", "--size-mib", str(size_mib), "--host", host,
+    cmd = [sys.executable, "-m", "wsync_bench.tcp", "--size-mib", str(size_mib), "--host", host,
            "--opts", json.dumps(opts), "--auth", *auth] + (["--pin-recv"] if pin else []) + (["--cert", cert] if cert else [])
     if netns:
         cmd = ["ip", "netns", "exec", netns] + cmd
@@ -163,7 +161,9 @@ def _run(size_mib, streams, repeat, host, netns, opts, fresh, pin, auth, cert) -
 
         from wsync.transports import connect
 
-        from wsync.bench.hardware import describe, one_line
+        from wsync.hardware import describe
+
+        from .results import one_line
 
         hw = describe()
         res = {"hardware": one_line(hw), "hardware_info": hw, "load_avg_before": os.getloadavg()[0],
@@ -201,27 +201,32 @@ def _key(mode: str, n: int, what: str = "gbps") -> str:
     return f"tcp_streams{n}_{what}" if mode == "plain" else f"tcp_{mode}_streams{n}_{what}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--role", default="send", choices=["send", "recv"])
-    ap.add_argument("--size-mib", type=int, default=1024)
-    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--repeat", type=int, default=3)
+AUTH = ["plain", "mac", "tls", "tls+mac"]
+
+
+def add_parsers(bench) -> None:
+    ap = bench.add_parser("tcp", help="tcp:// (plain, MAC, TLS) against plain sockets, sender and receiver in two "
+                                      "processes", description=__doc__.splitlines()[0],
+                          epilog="Default 256 MiB, 1 and 4 streams, 3 repeats: about 30 s here (2 cores); "
+                                 "--size-mib 1024 for the 1 GiB messages of the committed runs. wsync bench "
+                                 "transport measures the same link as one row of bench all.")
+    ap.add_argument("--size-mib", type=int, default=256, help="message size, MiB (default 256)")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4], help="stream counts to run (default 1 4)")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved timed runs, best kept (default 3)")
     ap.add_argument("--host", default="127.0.0.1", help="where the receiver listens")
     ap.add_argument("--netns", help="run the receiver inside this network namespace")
     ap.add_argument("--opts", default="{}", help="tcp options for both ends, as JSON")
-    ap.add_argument("--auth", nargs="+", default=["plain"], choices=["plain", "mac", "tls", "tls+mac"],
+    ap.add_argument("--auth", nargs="+", default=["plain"], choices=AUTH,
                     help="kinds of link to measure side by side (default: plain)")
-    ap.add_argument("--cert", help=argparse.SUPPRESS)  # the receiver child: the TLS certificate
     ap.add_argument("--fresh-buffers", action="store_true",
                     help="keep the default receive pool (256 MiB): larger messages land in new pages every run")
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="leave both processes to the scheduler (default: sender on core 0, receiver on core 1)")
-    ap.add_argument("--pin-recv", action="store_true", help=argparse.SUPPRESS)  # the receiver child: core 1
     ap.add_argument("--json", help="write results here")
-    a = ap.parse_args()
-    if a.role == "recv":
-        return _recv_main(a)
+    ap.set_defaults(fn=main)
+
+
+def main(a) -> None:
     res = run(a.size_mib, a.streams, a.repeat, a.host, a.netns, json.loads(a.opts), a.fresh_buffers, a.pin,
               tuple(a.auth))
     print(json.dumps(res, indent=1))
@@ -230,5 +235,14 @@ def main() -> None:
             json.dump(res, f, indent=1)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the receiver, a child process of the suite
+    import argparse
+
+    child = argparse.ArgumentParser()
+    child.add_argument("--size-mib", type=int, required=True)
+    child.add_argument("--host", required=True)
+    child.add_argument("--opts", required=True)
+    child.add_argument("--auth", nargs="+", choices=AUTH, required=True)
+    child.add_argument("--cert")  # the TLS certificate
+    child.add_argument("--pin-recv", action="store_true")  # core 1
+    _recv_main(child.parse_args())
