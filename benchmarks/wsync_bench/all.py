@@ -279,7 +279,10 @@ def _flat(suites: dict):
 
 
 def add_parsers(bench) -> None:
-    p = bench.add_parser("all", help="every benchmark suite and peer, one report (--quick: a couple of minutes)")
+    p = bench.add_parser("all", help="every benchmark suite and peer, one report (--quick: about a minute)",
+                         epilog="Sizes (2 cores here): --quick, tiny sizes, about 1 min (a smoke test); the "
+                                "default, the bench sizes the committed runs used, about 7 min once the bench "
+                                "snapshots are cached, plus ~15 min and 4.4 GB to generate them the first time.")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes, a couple of minutes: a smoke test of every suite, not numbers to compare")
     p.add_argument("--out", type=Path, default=None,

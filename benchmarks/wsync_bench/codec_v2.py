@@ -248,9 +248,9 @@ def cpu_name() -> str:
 def add_parsers(bench) -> None:
     ap = bench.add_parser("codec-v2", help="where a delta's bits go, per tier, and how far each part is from its "
                                            "entropy", description=__doc__.split("\n")[0],
-                          epilog="Default small: ~1 min here (2 cores) once its snapshots are cached (generating "
-                                 "them: a few minutes, 0.1 GB); --size bench: ~15 min the first time, 1.1 GB; "
-                                 "--size tiny: seconds.")
+                          epilog="Default small: about 30 s here (2 cores) where bench codec's small snapshots are "
+                                 "cached, a few minutes from nothing (0.3 GB); --size bench: ~15 min the first time, "
+                                 "2.8 GB; --size tiny: seconds.")
     ap.add_argument("--pair", nargs=2, type=Path, action="append", metavar=("BASE", "NEW"),
                     help="two safetensors files to measure instead of the generated pairs (repeatable)")
     ap.add_argument("--size", default="small", choices=["tiny", "small", "bench"],

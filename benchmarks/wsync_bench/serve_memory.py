@@ -144,7 +144,7 @@ def run(size: int, tensors: int, work: Path) -> dict:
 def add_parsers(bench) -> None:
     ap = bench.add_parser("serve-memory", help="resident memory of wsync serve and wsync pull, per checkpoint byte",
                           description=__doc__.splitlines()[0],
-                          epilog="Default 1024 MiB: about 1 min here (2 cores), 2 GiB of temporary disk; --size-mib "
+                          epilog="Default 1024 MiB: about 20 s here (2 cores), 2 GiB of temporary disk; --size-mib "
                                  "256 for a quicker look.")
     ap.add_argument("--size-mib", type=int, default=1024, help="checkpoint size, MiB (default 1024)")
     ap.add_argument("--tensors", type=int, default=16, help="tensors in the checkpoint (default 16)")

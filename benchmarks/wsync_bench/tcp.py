@@ -207,7 +207,7 @@ AUTH = ["plain", "mac", "tls", "tls+mac"]
 def add_parsers(bench) -> None:
     ap = bench.add_parser("tcp", help="tcp:// (plain, MAC, TLS) against plain sockets, sender and receiver in two "
                                       "processes", description=__doc__.splitlines()[0],
-                          epilog="Default 256 MiB, 1 and 4 streams, 3 repeats: about 30 s here (2 cores); "
+                          epilog="Default 256 MiB, 1 and 4 streams, 3 repeats: about 5 s here (2 cores); "
                                  "--size-mib 1024 for the 1 GiB messages of the committed runs. wsync bench "
                                  "transport measures the same link as one row of bench all.")
     ap.add_argument("--size-mib", type=int, default=256, help="message size, MiB (default 256)")

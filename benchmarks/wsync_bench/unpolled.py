@@ -146,7 +146,7 @@ def subscriber(args) -> dict:
 def add_parsers(bench) -> None:
     ap = bench.add_parser("unpolled", help="resident memory of a poll-mode subscriber whose engine never polls",
                           description=__doc__.splitlines()[0],
-                          epilog="Default 25 versions of 16 MiB: about 15 s here (2 cores).")
+                          epilog="Default 25 versions of 16 MiB: a few seconds here (2 cores).")
     ap.add_argument("--versions", type=int, default=25, help="versions sent after the warm-up one (default 25)")
     ap.add_argument("--mib", type=int, default=16, help="MiB of each version (default 16)")
     ap.add_argument("--json", help="write the result here")
