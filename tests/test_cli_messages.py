@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -21,14 +20,13 @@ from wsync.errors import TransportError
 from wsync.snapshot import as_state, digest
 from wsync.transports.tcp import auth
 
-from helpers import free_port
+from helpers import free_port, settle
 from cli_helpers import HANG, Serving, one_line_error, wsync_cli
 
 def _model(path, seed=0):
     state = {"w": np.random.default_rng(seed).standard_normal(1000).astype(np.float32)}
     write_checkpoint(path, Checkpoint(as_state(state), None, {}))
-    old = time.time() - 10  # settled: serve takes a checkpoint once it stops changing
-    os.utime(path, (old, old))
+    settle(path)
     return state
 
 

@@ -1,7 +1,6 @@
 """Prometheus metrics of the sync, scraped over HTTP on loopback after real publishes and commits."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ from wsync.errors import EngineError
 from wsync.subscriber import Subscriber
 from wsync.sync import Publisher
 
-from helpers import TOKEN
+from helpers import TOKEN, settle
 
 parser = pytest.importorskip("prometheus_client.parser")
 
@@ -129,9 +128,7 @@ def test_serve_metrics_port(tmp_path, rng):
 
     for i, st in enumerate(_states(rng, 2)):
         write_checkpoint(tmp_path / f"step_{i}", Checkpoint(as_state(st), None, {}))
-    old = time.time() - 10
-    for f in tmp_path.rglob("*"):
-        os.utime(f, (old, old))
+    settle(tmp_path)
     lines, stop = [], threading.Event()
     t = threading.Thread(target=serve, args=(tmp_path, ADDR), daemon=True,
                          kwargs=dict(token=TOKEN, stop=stop.is_set, poll_s=0.1, settle_s=0.5, log=lines.append,

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from wsync.errors import FormatError
 from wsync.snapshot import as_state
 
 from conftest import rewrite_manifest
+from helpers import settle
 
 ENV = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
 
@@ -275,12 +275,6 @@ def test_writing_safetensors_refuses_reserved_names(tmp_path):
 
 # -- serve does not follow symlinks out of its folder ------------------------------------------
 
-def _aged(root: Path) -> None:
-    old = time.time() - 60  # settled: serve only takes checkpoints that stopped changing
-    for f in root.rglob("*"):
-        os.utime(f, (old, old), follow_symlinks=False)
-
-
 def test_serve_refuses_symlinks_out_of_the_served_folder(tmp_path, rng, capsys):
     base, new = _states(rng)
     src, outside = tmp_path / "src", tmp_path / "outside"
@@ -291,8 +285,8 @@ def test_serve_refuses_symlinks_out_of_the_served_folder(tmp_path, rng, capsys):
     (src / "step_0002").symlink_to(outside / "secret")
     (src / "step_0003").mkdir()  # a link that stays inside the folder is fine
     (src / "step_0003" / "model.safetensors").symlink_to(src / "step_0000" / "model.safetensors")
-    _aged(src)
-    _aged(outside)
+    settle(src)
+    settle(outside)
     nobody = ["--no-watch", "--flush-timeout", "0.1"]  # nobody pulls here: serve says so and exits 2
     assert cli(["serve", str(src), "--listen", "127.0.0.1:0", *nobody]) == 2
     lines = capsys.readouterr().out

@@ -17,7 +17,7 @@ from wsync.serve import replica_metadata
 from wsync.serve import find_versions, pull, read_replica, serve
 from wsync.snapshot import as_state, digest
 
-from helpers import TOKEN, TOKEN_HEX, free_port
+from helpers import TOKEN, TOKEN_HEX, free_port, settle
 
 
 def _series(root, n, rng, size=50_000):
@@ -33,9 +33,7 @@ def _series(root, n, rng, size=50_000):
             state = {"w": w, "b": state["b"] + np.float32(i)}
         write_checkpoint(root / f"step_{i:04d}", Checkpoint(as_state(state), None, {}))
         states.append(state)
-    old = time.time() - 10  # settled: serve takes a checkpoint once it stops changing
-    for f in root.rglob("*"):
-        os.utime(f, (old, old))
+    settle(root)
     return states
 
 
@@ -151,9 +149,7 @@ def test_serve_no_watch_with_no_valid_file_fails_naming_each_one(tmp_path, capsy
     (src / "model.bin").write_bytes(b"\0" * 64)
     (src / "step_0001.safetensors").write_bytes(b"\xff" * 64)  # a header length that does not fit the file
     (src / "step_0002").mkdir()
-    old = time.time() - 10
-    for f in [src, *src.iterdir()]:
-        os.utime(f, (old, old))
+    settle(src)
     assert cli(["serve", str(src), "--listen", "127.0.0.1:0", "--no-watch", "--flush-timeout", "30"]) == 2
     err = capsys.readouterr().err
     assert "nothing to serve" in err

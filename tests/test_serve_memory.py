@@ -23,6 +23,8 @@ from wsync.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from wsync.serve import pull, serve
 from wsync.snapshot import as_state
 
+from helpers import settle
+
 TENSORS, PER = 32, 1 << 20  # 32 tensors of 1 Mi bf16-like elements: 64 MiB
 BUCKET = 1 << 20  # many buckets, so streaming them one at a time shows
 ENV = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), WSYNC_PROGRESS="0")
@@ -41,9 +43,7 @@ def _state(rng, step=0, base=None):
 
 def _write(path: Path, state) -> int:
     write_checkpoint(path, Checkpoint(as_state(state), None, {}))
-    old = time.time() - 10  # settled: serve takes a checkpoint once it stops changing
-    for f in [path, *path.rglob("*")]:
-        os.utime(f, (old, old))
+    settle(path)
     return sum(v.nbytes for v in state.values())
 
 

@@ -10,7 +10,6 @@ import ast
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import FrozenInstanceError
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from wsync.sync import Publisher
 from wsync.transports import Message, connect
 from wsync.sender import PROTOCOL
 
-from helpers import TOKEN
+from helpers import TOKEN, settle
 
 ADDR = "tcp://127.0.0.1:0"
 
@@ -194,13 +193,9 @@ def test_history_bytes_must_be_positive():
 # -- serve --no-watch does not wait forever on a frozen subscriber -------------------------
 
 def test_serve_no_watch_names_the_frozen_subscriber(tmp_path, rng):
-    import os
-
     src = tmp_path / "ckpts"
     write_checkpoint(src / "step_0003", Checkpoint(as_state(_state(rng, 4096)), None, {}))
-    old = time.time() - 10
-    for f in src.rglob("*"):
-        os.utime(f, (old, old))
+    settle(src)
     frozen = {}
 
     def log(line):

@@ -7,9 +7,7 @@ pulled folders are compared with the published checkpoints.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -20,7 +18,7 @@ from wsync.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from wsync.serve import replica_metadata
 from wsync.snapshot import as_state, digest
 
-from helpers import TOKEN_HEX
+from helpers import TOKEN_HEX, settle
 
 WHY = wanmod.unavailable()
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"no WAN emulation here: {WHY}"), pytest.mark.slow]
@@ -76,9 +74,7 @@ def test_pull_killed_mid_transfer_comes_back_at_last_good_version(tmp_path, monk
     paths = _series(src, 2, 8 << 20)  # 16 MB per version: seconds at 50 Mbit/s
     base = read_checkpoint(paths[0]).state
     write_checkpoint(out, Checkpoint(base, None, replica_metadata(base, 0)))
-    old = time.time() - 10
-    for f in src.rglob("*"):
-        os.utime(f, (old, old))  # settled: serve takes a checkpoint once it stops changing
+    settle(src)
     with wanmod.WanLink(rate_mbit=50, rtt_ms=40, loss=0.005) as wan:
         server = _serve(wan, src, "raw")
         try:
