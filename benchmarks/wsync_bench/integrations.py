@@ -141,8 +141,8 @@ def _loop(sync, trainer, served, versions, gen, pub):
 def add_parsers(bench) -> None:
     ap = bench.add_parser("integrations", help="an integration's sync per version, delta vs raw (verl, OpenRLHF, "
                                                "prime-rl/slime)", description=__doc__.splitlines()[0],
-                          epilog="Default 4 versions of a 512-wide, 4-layer model: about 1 min here (2 cores) with "
-                                 "the frameworks installed; a framework that is not installed is skipped.")
+                          epilog="Default 4 versions of a 512-wide, 4-layer model: about 15 s here (2 cores); a "
+                                 "framework that is not installed is skipped.")
     ap.add_argument("--versions", type=int, default=4, help="versions synced per path and codec (default 4)")
     ap.add_argument("--hidden", type=int, default=512, help="hidden size of the model (default 512)")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the model (default 4)")

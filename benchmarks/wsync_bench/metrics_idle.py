@@ -13,7 +13,7 @@ import urllib.request
 def add_parsers(bench) -> None:
     p = bench.add_parser("metrics-idle", help="threads of a metrics endpoint holding idle connections, and a scrape",
                          description=__doc__.splitlines()[0],
-                         epilog="One size; about 5 s here (2 cores). Needs prometheus_client (pip install -e "
+                         epilog="One size: about 10 s here (2 cores). Needs prometheus_client (pip install -e "
                                 "\".[metrics]\").")
     p.add_argument("--connections", type=int, default=1000, help="idle connections held open (default 1000)")
     p.set_defaults(fn=main)

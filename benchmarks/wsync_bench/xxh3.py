@@ -74,8 +74,9 @@ def measure(size: int, rounds: int) -> dict:
 def add_parsers(bench) -> None:
     p = bench.add_parser("xxh3", help="wsync's XXH3-64 (csrc/xxh3.h, three builds) against python-xxhash, one core",
                          description=__doc__.splitlines()[0],
-                         epilog="One size pair (1 MiB, 256 MiB); about 1 min here (2 cores), compiling the header "
-                                "three ways included. From a checkout (it builds tests/cudasim's probe).")
+                         epilog="One size pair (1 MiB, 256 MiB): a few seconds here (2 cores), plus compiling the "
+                                "header three ways the first time. From a checkout (it builds tests/cudasim's "
+                                "probe).")
     p.add_argument("--json", type=Path, help="write the results here (the CPU is named in them)")
     p.add_argument("--rounds", type=int, default=9, help="interleaved timed rounds, best kept (default 9)")
     p.set_defaults(fn=main)
