@@ -141,7 +141,7 @@ def test_a_flood_of_tricklers_keeps_threads_bounded_and_honest_peers_get_in():
     cap, flood = 16, 300
     base = threading.active_count()
     lst = listen("tcp://127.0.0.1:0", token="wire-test-token-16", max_handshakes=cap, handshake_timeout=30.0)
-    socks, stop = [], threading.Event()
+    socks, stop, rounds = [], threading.Event(), []
 
     def trickle():  # one byte of hello per socket every 0.5 s: alive as far as any per-read timeout sees
         for k in range(1, 30):
@@ -150,6 +150,7 @@ def test_a_flood_of_tricklers_keeps_threads_bounded_and_honest_peers_get_in():
                     s.send(_hello()[k: k + 1])
                 except OSError:
                     pass
+            rounds.append(k)
             if stop.wait(0.5):
                 return
 
@@ -160,10 +161,11 @@ def test_a_flood_of_tricklers_keeps_threads_bounded_and_honest_peers_get_in():
             socks.append(s)
         t = threading.Thread(target=trickle, daemon=True)
         t.start()
-        most = 0
-        for _ in range(10):
-            time.sleep(0.1)
+        most, deadline = 0, time.monotonic() + 60  # the deadline only turns a stalled trickler into a failure
+        while len(rounds) < 3:  # the thread count, sampled while every stranger trickles in two more bytes
+            assert time.monotonic() < deadline and t.is_alive(), rounds
             most = max(most, threading.active_count() - base)
+            time.sleep(0.02)
         # the listener's accept loop and door watchdog, this test's trickler, and at most cap admitting threads
         assert most <= cap + 4, f"{most} threads for {flood} strangers (cap {cap})"
         cli = connect(lst.address, token="wire-test-token-16", streams=2, timeout=20)
