@@ -163,6 +163,17 @@ def test_bench_without_wsync_bench_says_how_to_install_it_in_one_line(args):
     assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_bench_where_no_distribution_adds_suites_says_how_to_install_them(monkeypatch, capsys):
+    import importlib.metadata
+
+    from wsync.cli import main
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])  # as where wsync-bench never was
+    assert main(["bench", "codec"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install -e ./benchmarks" in err[0], err
+
+
 def test_the_other_commands_work_without_wsync_bench():
     r = _wsync_without(["wsync_bench"], "--help")
     assert r.returncode == 0 and "bench" in r.stdout and "pip install -e ./benchmarks" in r.stdout, r.stderr
