@@ -182,7 +182,7 @@ def test_a_folder_named_like_a_replica_but_without_a_marker_is_refused(pair, rng
     assert _tree(out) == before
 
 
-def test_an_empty_folder_or_a_file_in_the_way(pair, capsys):
+def test_an_empty_folder_is_written_and_a_file_in_the_way_is_refused(pair, capsys):
     root, _ = pair
     (root / "empty").mkdir()
     assert cli(["delta", "apply", str(root / "base"), str(root / "d.wsd"), "-o", str(root / "empty")]) == 0

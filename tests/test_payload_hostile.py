@@ -235,7 +235,7 @@ def test_a_shape_of_many_huge_dims_is_refused_before_its_product_is_taken():
 @pytest.mark.parametrize("shape, ok", [([], True), ([1] * 64, True), ([1] * 65, False), ([1 << 50], True),
                                        ([(1 << 50) + 1], False), ([1 << 25, 1 << 25], True), ([1 << 25, 1 << 26], False),
                                        ([0, 1 << 50, 1 << 50], True), ([-1], False), ([True], False), ("3", False)])
-def test_shape_numel_bounds(shape, ok):
+def test_shape_numel_takes_shapes_within_its_bounds_and_refuses_the_rest(shape, ok):
     from wsync.layout import shape_numel
 
     if ok:

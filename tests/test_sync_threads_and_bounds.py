@@ -225,7 +225,7 @@ def test_serve_no_watch_names_the_frozen_subscriber(tmp_path, rng):
         frozen["link"].close()
 
 
-def test_serve_cli_has_flush_timeout():
+def test_serve_takes_a_flush_timeout_with_a_positive_default():
     from wsync.cli import parser
 
     a = parser().parse_args(["serve", "x", "--listen", "127.0.0.1:0", "--no-watch", "--flush-timeout", "5"])
