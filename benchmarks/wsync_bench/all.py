@@ -1,7 +1,7 @@
 """`wsync bench all`: every suite and every peer that installs here, in one run, one report.
 
-    wsync bench all            # the full suite (tens of minutes on 2 cores)
-    wsync bench all --quick    # small sizes, a couple of minutes: a smoke test, not numbers to compare
+    wsync bench all            # the full suite (its --help says how long)
+    wsync bench all --quick    # tiny sizes: a smoke test, not numbers to compare
 
 Suites: codec (our delta tiers vs XOR+zstd-1, PULSE, zipnn on consecutive RL
 snapshots), transport (tcp, gloo = torch.distributed broadcast, local, ucx where
@@ -13,7 +13,7 @@ adapter-only sync of a peft run). A suite that cannot run says why in the
 report instead of failing the rest. Writes `<out>/<date>-<host>.{json,md}` and
 PNG plots when matplotlib is installed (out: --out, default
 ~/.cache/wsync/results; `--out benchmarks/results` for a run to commit);
-`python -m wsync_bench.report` turns the JSON into the tables of docs/results.md.
+`wsync bench report` turns the JSON into the tables of docs/results.md.
 """
 from __future__ import annotations
 
