@@ -158,8 +158,11 @@ def _commands_of(command: str) -> list:
     Empty where none is installed, or one is installed but its package does not import."""
     from importlib.metadata import entry_points
 
-    adders = []
+    adders, seen = [], set()
     for ep in entry_points(group="wsync.commands", name=command):
+        if ep.value in seen:  # the same distribution found twice on sys.path (a checkout and a build of it)
+            continue
+        seen.add(ep.value)
         try:
             adders.append(ep.load())
         except ModuleNotFoundError as e:
