@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fail when our own modules (wsync/, trainer/) import each other in a circle.
+"""Fail when our own modules (wsync/, trainer/, benchmarks/wsync_bench/) import each other in a circle.
 
 Every import counts, at module level or inside a function: a deferred import still means the two modules
 depend on each other, it only hides the circle from the interpreter. The graph is at module granularity;
@@ -26,11 +26,14 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOTS = ("wsync", "trainer")
+# Our top-level packages, each with the folder (relative to the checkout) that holds it: the benchmark harness
+# is a distribution of its own under benchmarks/.
+ROOTS = {"wsync": ".", "trainer": ".", "wsync_bench": "benchmarks"}
 
 
-def module_name(path: Path, repo: Path) -> str:
-    parts = list(path.relative_to(repo).with_suffix("").parts)
+def module_name(path: Path, parent: Path) -> str:
+    """The dotted name of a module file under `parent`, the folder that holds its top-level package."""
+    parts = list(path.relative_to(parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -38,11 +41,11 @@ def module_name(path: Path, repo: Path) -> str:
 
 def collect(repo: Path) -> tuple[dict[str, Path], dict[str, dict[str, list[tuple[Path, int]]]]]:
     files: dict[str, Path] = {}
-    for root in ROOTS:
-        if not (repo / root).is_dir():
+    for root, parent in ROOTS.items():
+        if not (repo / parent / root).is_dir():
             continue
-        for p in sorted((repo / root).rglob("*.py")):
-            files[module_name(p, repo)] = p
+        for p in sorted((repo / parent / root).rglob("*.py")):
+            files[module_name(p, repo / parent)] = p
     edges: dict[str, dict[str, list[tuple[Path, int]]]] = defaultdict(lambda: defaultdict(list))
     for mod, path in files.items():
         is_pkg = path.name == "__init__.py"
@@ -86,7 +89,7 @@ def own(name: str, files: dict[str, Path]) -> str:
 def package_of(mod: str, repo: Path) -> str:
     """The subpackage directly under a root that holds mod (root.sub), or mod itself when it is not in one."""
     parts = mod.split(".")
-    if len(parts) >= 2 and (repo / parts[0] / parts[1] / "__init__.py").is_file():
+    if len(parts) >= 2 and (repo / ROOTS.get(parts[0], ".") / parts[0] / parts[1] / "__init__.py").is_file():
         return ".".join(parts[:2])
     return mod
 

@@ -1,4 +1,4 @@
-"""`wsync plan transfer --backend cuda` reads whole syncs measured on a GPU (benchmarks/bench_gpu_sync.py's
+"""`wsync plan transfer --backend cuda` reads whole syncs measured on a GPU (`wsync bench gpu-sync`'s
 JSON, carried into the measured inputs) before kernel figures, and says so when there is none yet."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _stage(codec: str, p2l: float, apply_s: float, wire: float, *, exact=True, k
 
 def _run(path, *, gpu="NVIDIA H100 80GB HBM3", device="cuda:0", size="full", created="2026-12-01T10:00:00+00:00",
          raw=(2.0, 0.5), delta=(1.0, 0.25), delta_exact=True):
-    """A bench_gpu_sync result: per stage publish -> live and the engine's apply (seconds)."""
+    """A `wsync bench gpu-sync` result: per stage publish -> live and the engine's apply (seconds)."""
     # the moe stages: the dense stages' per-byte time for 4 GB, plus 1e-5 s (encode) and 2e-6 s (apply) per tensor
     def moe(p2l, apply_s):
         enc, app = (p2l - apply_s) * MOE / DENSE + TENSORS * 1e-5, apply_s * MOE / DENSE + TENSORS * 2e-6

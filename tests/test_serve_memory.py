@@ -3,7 +3,7 @@
 These check structure, not timings: serve's keyframe is a view of the file's mapping and nothing encoded is
 kept; the heap (tracemalloc, which sees numpy's arrays but not file mappings) grows by a few buckets while
 serving, and by about one model while pulling (the received payloads), not two or three.
-benchmarks/bench_serve_memory.py measures the resident sizes of the real commands.
+`wsync bench serve-memory` measures the resident sizes of the real commands.
 """
 from __future__ import annotations
 

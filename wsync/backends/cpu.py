@@ -156,7 +156,7 @@ class CpuKernels(Composed):
         return torch.from_numpy(y)
 
     # The fused operations of the Kernels protocol, each one pass over the
-    # tensor where Composed's take two or three (wsync/bench/kernels.py
+    # tensor where Composed's take two or three (benchmarks/wsync_bench/kernels.py
     # measures what that is worth end to end).
 
     def delta_encode_checksummed(self, old: np.ndarray, new: np.ndarray, order: str,

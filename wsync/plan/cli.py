@@ -124,7 +124,7 @@ def add_parsers(sub) -> None:
     t.add_argument("--dtype", help="count every weight in this dtype (default: the checkpoint as published)")
     t.add_argument("--backend", default="fastest",
                    help="codec speeds to price with: fastest (the fastest measured backend), ref, cpu, cuda[:GPU] "
-                        "(the newest whole sync measured on a GPU by benchmarks/bench_gpu_sync.py, that GPU's if "
+                        "(the newest whole sync measured on a GPU by `wsync bench gpu-sync`, that GPU's if "
                         "named; else a measured cuda codec run, else the GPU's bandwidth bound, h100 unless named; "
                         "the output says which), or "
                         "gpu-bound:GPU (h100, h200, b200, a100: HBM bandwidth over the bytes moved, not a measurement)")

@@ -12,7 +12,7 @@ one a user runs: the reference backend is the spec, not the product. Every file
 is a candidate; for a delta, the run whose measured saving is nearest to the one
 assumed, so speed and density belong together; the fastest encode wins, and the
 speed's `source` names its file, backend and hardware, and the others it beat.
-`python -m wsync.bench.kernels` files (`*-kernels.json`) add each backend's
+`wsync bench kernels --json` files (`*-kernels.json`) add each backend's
 sparse-tier kernels; the packed tier's zstd stage, which they do not time, is
 taken from a codec run as its packed-minus-sparse time, since every backend
 hands that stage to the same zstd library.

@@ -3,7 +3,7 @@
 Most measured inputs come from CPU machines. A trainer on GPUs encodes where its
 weights already are, with wsync's CUDA kernels (wsync.backends.cuda), so a plan
 for a GPU cluster wants their speed. A whole sync measured on a GPU
-(benchmarks/bench_gpu_sync.py, read by gpu_sync.py) is used first; else a
+(`wsync bench gpu-sync`, read by gpu_sync.py) is used first; else a
 measured `cuda` codec run; until someone runs either on
 a GPU, the honest figure is an upper bound: the bytes each kernel must move
 through HBM, over the GPU's HBM bandwidth. A bound is labelled as one wherever

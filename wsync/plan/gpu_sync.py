@@ -1,9 +1,9 @@
-"""Whole syncs measured on a GPU (benchmarks/bench_gpu_sync.py), as `wsync plan transfer --backend cuda` reads them.
+"""Whole syncs measured on a GPU (`wsync bench gpu-sync`), as `wsync plan transfer --backend cuda` reads them.
 
 The codec speeds the planner otherwise uses for a GPU are kernel figures (a
 `cuda` codec run) or HBM bounds: they leave out what a sync does around the
 kernels (copies to and from the host, checksums, the transport, the engine's
-load). bench_gpu_sync times the whole thing, publish() on a trainer process to
+load). wsync bench gpu-sync times the whole thing, publish() on a trainer process to
 the version live in an engine process's CUDA parameters, so where such a run
 exists it prices the device path:
 
@@ -28,7 +28,7 @@ from . import measured
 from .codec_speeds import CodecSpeed, TensorCost
 
 STAGE = {"full": "raw_local", "lora": "raw_local", "delta": "delta_local"}
-NO_RUN = ("no end-to-end GPU run in the measured inputs yet (benchmarks/bench_gpu_sync.py on a GPU, or the "
+NO_RUN = ("no end-to-end GPU run in the measured inputs yet (`wsync bench gpu-sync --size full` on a GPU, or the "
           "runbook's gpu-sync step, then scripts/planner_inputs.py)")
 
 
@@ -60,7 +60,7 @@ class GpuSyncRun:
 
 
 def gpu_sync_files() -> list[GpuSyncRun]:
-    """Every bench_gpu_sync result in the measured inputs, any device or size."""
+    """Every `wsync bench gpu-sync` result in the measured inputs, any device or size."""
     return [GpuSyncRun(e["file"], e) for e in measured.inputs().get("gpu_sync") or []]
 
 

@@ -59,7 +59,7 @@ def codec_entry(path: Path, name: str | None = None) -> dict | None:
 
 
 def kernels_entry(path: Path, name: str | None = None) -> dict:
-    """A `wsync.bench.kernels` file: each backend's sparse-tier kernel speeds."""
+    """A `wsync bench kernels --json` file: each backend's sparse-tier kernel speeds."""
     data = _read(path)
     try:
         backends = {b: {k: v[k] for k in _KERNEL_KEYS if k in v} for b, v in data["backends"].items()}
@@ -81,7 +81,7 @@ def moe_entry(path: Path, name: str | None = None) -> dict:
 
 
 def gpu_sync_entry(path: Path, name: str) -> dict | None:
-    """A benchmarks/bench_gpu_sync.py result, its stages cut to what the planner prices from."""
+    """A `wsync bench gpu-sync` result, its stages cut to what the planner prices from."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
