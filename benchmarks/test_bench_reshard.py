@@ -3,7 +3,8 @@
     python -m pytest benchmarks/test_bench_reshard.py --benchmark-only -s
 
 One run of `wsync bench reshard` (4 trainer ranks -> 2 engine ranks, both paths, full and delta versions, in
-spawned processes over tcp loopback): a tiny model by default, the 100 MB one with WSYNC_BENCH_RESHARD=full.
+spawned processes over tcp loopback): its small model by default, the 100 MB bench one with
+WSYNC_BENCH_RESHARD=full.
 It checks what does not depend on the machine (both paths leave the same bytes on every engine rank; the
 busiest rank's share of the bytes and the delta's share of a full version meet the issue's targets) and
 records the time ratios in extra_info: read them, never assert them.
@@ -19,7 +20,7 @@ FULL = os.environ.get("WSYNC_BENCH_RESHARD") == "full"
 
 def test_reshard_point_to_point_vs_gather(benchmark):
     benchmark.group = "reshard 4 -> 2, publish -> committed on every engine rank"
-    kw = {} if FULL else {"dims": reshard.QUICK, "full_versions": 2, "delta_versions": 3}
+    kw = {} if FULL else {"dims": reshard.SIZES["small"], "full_versions": 2, "delta_versions": 3}
     res = benchmark.pedantic(lambda: reshard.run(**kw), rounds=1, iterations=1)
     print("\n" + reshard.render(res))
     modes = res["modes"]

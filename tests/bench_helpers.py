@@ -25,7 +25,7 @@ def synthetic_run() -> dict:
                              "packed_over_bound": 0.103, "sparse_ratio": 55.5, "all_exact": True}}
     sync = lambda mode, s, mb: {"mode": mode, "mean_latency_s": s, "mean_bytes": mb * 1e6, "exact": True}  # noqa: E731
     return {
-        "kind": "wsync bench all", "date": "2026-11-21T20:00:00", "quick": False, "command": "wsync bench all",
+        "kind": "wsync bench all", "date": "2026-11-21T20:00:00", "size": "bench", "command": "wsync bench all --size bench",
         "hardware": HW, "hardware_line": "Xeon, 2 cores", "load_average_before": [1.0, 1.0, 1.0],
         "load_average_after": [2.0, 2.0, 2.0],
         "suites": {

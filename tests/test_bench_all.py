@@ -1,4 +1,4 @@
-"""`wsync bench all`: the README block rendered from a run's JSON, the disk/HTTP peers, and one real quick run."""
+"""`wsync bench all`: the README block rendered from a run's JSON, the disk/HTTP peers, and one real --size small run."""
 from __future__ import annotations
 
 import json
@@ -71,20 +71,30 @@ def test_a_codec_only_run_still_renders_the_codec_table():
 
 def test_full_report_names_plots_and_suite_times():
     md = report.full_report(synthetic_run(), plots=["run.png"])
-    assert md.startswith("# wsync bench all (full)") and "![run.png](run.png)" in md and "codec 10s" in md
+    assert md.startswith("# wsync bench all (--size bench)") and "![run.png](run.png)" in md and "codec 10s" in md
 
 
 def test_results_are_named_by_date_and_hardware():
     assert stem(HW, "2026-11-21") == "2026-11-21-xeon-2core-nogpu"
     assert stem({**HW, "cpu": "AMD EPYC 7763 64-Core", "gpu": "H100"}, "2026-01-02") == "2026-01-02-amdepyc77636-2core-gpu"
-    assert Sizes.quick().transport_bytes < Sizes().transport_bytes
+    assert Sizes.small().transport_bytes < Sizes().transport_bytes
 
 
 def test_cli_registers_bench_all():
     from wsync.cli import parser
 
-    a = parser().parse_args(["bench", "all", "--quick", "--suites", "codec", "--no-wan"])
-    assert a.quick and a.suites == ["codec"] and a.no_wan
+    a = parser().parse_args(["bench", "all", "--suites", "codec", "--no-wan"])
+    assert a.size == "small" and a.suites == ["codec"] and a.no_wan  # the smoke-test sizes unless asked
+    assert parser().parse_args(["bench", "all", "--size", "bench"]).size == "bench"
+
+
+def test_bench_reshard_runs_its_small_model_unless_asked():
+    from wsync.cli import parser
+    from wsync_bench import reshard
+
+    assert parser().parse_args(["bench", "reshard"]).size == "small"
+    assert parser().parse_args(["bench", "reshard", "--size", "bench"]).size == "bench"
+    assert reshard.SIZES["small"]["hidden"] < reshard.SIZES["bench"]["hidden"]
 
 
 def _tiny_state():
@@ -124,11 +134,12 @@ def test_shardcast_peer_over_loopback(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_all_quick_for_real(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "wsync.cli", "bench", "all", "--quick", "--out", str(tmp_path)],
+def test_bench_all_small_for_real(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "wsync.cli", "bench", "all", "--size", "small", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr[-3000:]
-    doc = json.loads(next(tmp_path.glob("*-quick.json")).read_text())
+    doc = json.loads(next(tmp_path.glob("*-small.json")).read_text())
+    assert doc["size"] == "small" and doc["command"] == "wsync bench all --size small"
     su = doc["suites"]
     assert set(su) == {"codec", "transport", "sync", "peers", "lora", "moe", "reshard"}
     assert all(m["same_bytes_on_every_engine_rank"] for m in su["reshard"]["modes"].values())
@@ -139,5 +150,5 @@ def test_bench_all_quick_for_real(tmp_path):
     assert all(x["exact"] for x in su["sync"]["loopback"]["results"])
     assert su["peers"]["safetensors"]["exact"]
     assert set(su["lora"]["lanes"]) == {"full", "delta", "lora"}
-    md = next(tmp_path.glob("*-quick.md")).read_text()
+    md = next(tmp_path.glob("*-small.md")).read_text()
     assert report.all_tables(doc) in md and "FAILED" not in md

@@ -1,5 +1,5 @@
 """Where benchmark results land (--out, else a cache folder, never the checkout), one host tag for all of them,
-the --quick note, the codec table without an n/a zipnn column, and the loop's sync-vs-async plot."""
+the --size small note, the codec table without an n/a zipnn column, and the loop's sync-vs-async plot."""
 from __future__ import annotations
 
 import os
@@ -23,27 +23,36 @@ def _results_now() -> set[str]:
     return {p.name for p in RESULTS.iterdir()}
 
 
-@pytest.mark.slow  # a `bench all --quick` run
-def test_bench_all_quick_writes_to_the_cache_by_default_and_says_quick_is_a_smoke_test(tmp_path):
+@pytest.mark.slow  # a `bench all` run at its default size, small
+def test_bench_all_writes_to_the_cache_by_default_and_says_small_is_a_smoke_test(tmp_path):
     before = _results_now()
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     cwd.mkdir()
     env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "wsync.cli", "bench", "all", "--quick", "--suites", "moe"],
+    r = subprocess.run([sys.executable, "-m", "wsync.cli", "bench", "all", "--suites", "moe"],
                        capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = home / ".cache" / "wsync" / "results"
     files = sorted(p.name for p in out.iterdir())
-    assert f"{stem(describe())}-quick.json" in files and f"{stem(describe())}-quick.md" in files
+    assert f"{stem(describe())}-small.json" in files and f"{stem(describe())}-small.md" in files
     assert not list(cwd.iterdir()) and _results_now() == before
     assert "smoke test, not numbers to compare" in r.stdout.splitlines()[-1]  # last thing printed, beside the paths
-    md = next(out.glob("*-quick.md")).read_text()
-    assert f"**Note:** {report.QUICK_NOTE}" in md
+    md = next(out.glob("*-small.md")).read_text()
+    assert f"**Note:** {report.SMALL_NOTE}" in md
 
 
-def test_a_full_run_carries_no_quick_note():
+def test_a_bench_run_carries_no_small_note():
     assert "Note:" not in report.all_tables(synthetic_run())
-    assert report.QUICK_NOTE in report.all_tables({**synthetic_run(), "quick": True})
+    assert report.SMALL_NOTE in report.all_tables({**synthetic_run(), "size": "small"})
+
+
+def test_results_with_a_quick_flag_and_no_size_render_as_small_or_bench():
+    run = synthetic_run()
+    del run["size"]
+    assert report.run_size({**run, "quick": True}) == "small"
+    assert report.SMALL_NOTE in report.all_tables({**run, "quick": True})
+    assert report.run_size({**run, "quick": False}) == "bench"
+    assert "Note:" not in report.all_tables({**run, "quick": False})
 
 
 def test_codec_table_leaves_out_zipnn_when_it_did_not_run():

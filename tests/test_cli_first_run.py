@@ -154,8 +154,8 @@ def test_bench_without_transformers_says_which_extra_in_one_line(tmp_path, args,
     assert not list(tmp_path.iterdir())  # and nothing written
 
 
-@pytest.mark.parametrize("args", [["bench"], ["bench", "codec", "--size", "tiny"], ["bench", "all", "--quick"],
-                                  ["bench", "--quick"]])
+@pytest.mark.parametrize("args", [["bench"], ["bench", "codec", "--size", "tiny"], ["bench", "all", "--size", "small"],
+                                  ["bench", "--size", "small"]])
 def test_bench_without_wsync_bench_says_how_to_install_it_in_one_line(args):
     r = _wsync_without(["wsync_bench"], *args)
     line = one_line_error(r, code=3)
@@ -193,6 +193,11 @@ def test_loop_without_transformers_says_which_extra_in_one_line():
     assert "wsync loop needs transformers" in line and 'pip install -e ".[hf]"' in line, line
 
 
+def test_loop_on_ray_without_ray_says_which_extra_in_one_line():
+    line = one_line_error(_wsync_without(["ray"], "loop", "--ray", "--steps", "1"), code=3)
+    assert "wsync loop needs ray" in line and 'pip install -e ".[ray]"' in line, line
+
+
 def test_a_missing_module_that_is_not_an_optional_package_still_shows_its_traceback(monkeypatch):
     from wsync import cli
 
@@ -219,7 +224,7 @@ def test_bench_all_skips_ucx_with_the_same_line(monkeypatch):
     why = transport.ucx_unavailable()
     assert why and "ucxx does not import" in why
     monkeypatch.setattr(transport, "run", lambda *a, **k: {})  # the other rows are not what this checks
-    assert bench_all.transport_suite(bench_all.Sizes.quick())["ucx"] == {"skipped": why}
+    assert bench_all.transport_suite(bench_all.Sizes.small())["ucx"] == {"skipped": why}
 
 
 # -- the GPU backend's install hint: only where it was asked for -------------------------------------------

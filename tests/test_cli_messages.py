@@ -114,7 +114,7 @@ def test_nccl_bench_says_why_in_one_line_and_bench_all_says_the_same(monkeypatch
     line = one_line_error(wsync_cli("bench", "transport", "--transport", "nccl", "--size", "1M"), code=3)
     assert why in line and "needs two CUDA GPUs" in line
     monkeypatch.setattr(transport, "run", lambda *a, **k: {})  # the other rows are not what this checks
-    assert bench_all.transport_suite(bench_all.Sizes.quick(), ucx=False)["nccl"] == {"skipped": why}
+    assert bench_all.transport_suite(bench_all.Sizes.small(), ucx=False)["nccl"] == {"skipped": why}
 
 
 # -- why a pull fails -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """`wsync bench all`: every suite and every peer that installs here, in one run, one report.
 
-    wsync bench all            # the full suite (its --help says how long)
-    wsync bench all --quick    # tiny sizes: a smoke test, not numbers to compare
+    wsync bench all                 # tiny sizes (--size small): a smoke test, not numbers to compare
+    wsync bench all --size bench    # the sizes the committed runs used (its --help says how long)
 
 Suites: codec (our delta tiers vs XOR+zstd-1, PULSE, zipnn on consecutive RL
 snapshots), transport (tcp, gloo = torch.distributed broadcast, local, ucx where
@@ -10,7 +10,7 @@ loopback and an emulated WAN when network namespaces can be built), the
 whole-checkpoint paths others use (safetensors save -> copy -> load, shardcast
 over HTTP) on the same weights as the sync suite, and LoRA (full vs delta vs
 adapter-only sync of a peft run). A suite that cannot run says why in the
-report instead of failing the rest. Writes `<out>/<date>-<host>.{json,md}` and
+report instead of failing the rest. Writes `<out>/<date>-<host>[-small].{json,md}` and
 PNG plots when matplotlib is installed (out: --out, default
 ~/.cache/wsync/results; `--out benchmarks/results` for a run to commit);
 `wsync bench report` turns the JSON into the tables of docs/results.md.
@@ -30,14 +30,14 @@ from pathlib import Path
 
 from wsync import progress
 
-from .report import QUICK_NOTE
+from .report import SMALL_NOTE
 from .results import default_results_dir, stem
 
 
 
 @dataclass(kw_only=True)
 class Sizes:
-    """What each suite runs on; `quick()` and `full()` are the two presets."""
+    """What each suite runs on: the defaults are `--size bench`, `small()` is `--size small`."""
 
     snapshots: str = "bench"  # model preset of the generated snapshots (codec, sync, disk/HTTP peers)
     codec_lrs: tuple = (1e-6, 1e-5)  # learning rates of the snapshot series
@@ -52,21 +52,21 @@ class Sizes:
     lora_args: tuple = ()  # extra arguments of wsync bench lora-sync (its defaults when empty)
     moe_tensors: int = 20_000  # many small tensors vs one tensor of the same size (x 1,024 bf16 elements each)
     moe_repeats: int = 15  # interleaved rounds of one and many tensors (best kept)
-    reshard_quick: bool = False  # 4 trainer ranks -> 2 engine ranks on a tiny model instead of a 100 MB one
+    reshard_size: str = "bench"  # model preset of 4 trainer ranks -> 2 engine ranks (reshard.SIZES)
     suites: tuple = ("codec", "transport", "sync", "peers", "lora", "moe", "reshard")
 
     @classmethod
-    def quick(cls) -> "Sizes":
+    def small(cls) -> "Sizes":
         return cls(snapshots="tiny", codec_lrs=(1e-6,), codec_gaps=(1,), codec_repeats=1, transport_bytes=4 << 20,
                    transport_repeats=2, sync_versions=2, sync_modes=("full", "delta"), wan="200,10,0.0",
-                   peer_repeats=2, moe_tensors=2_000, moe_repeats=1, reshard_quick=True, lora_args=("--steps", "2", "--hidden", "64", "--layers", "2", "--vocab", "512",
+                   peer_repeats=2, moe_tensors=2_000, moe_repeats=1, reshard_size="small", lora_args=("--steps", "2", "--hidden", "64", "--layers", "2", "--vocab", "512",
                                               "--seq", "16"))
 
 
 @dataclass(kw_only=True)
 class Options:
     sizes: Sizes = field(default_factory=Sizes)
-    quick: bool = False  # the preset used, recorded in the results
+    size: str = "bench"  # the preset `sizes` came from (--size), recorded in the results
     wan: bool = True  # run the WAN rows when namespaces can be built
     ucx: bool = True  # run ucx when ucxx imports
     out: Path = field(default_factory=default_results_dir)  # where the .json/.md/.png go (--out)
@@ -200,9 +200,9 @@ def reshard_suite(s: Sizes) -> dict:
     """Sharded trainer ranks into TP engine ranks, point to point beside the gather-to-rank-0 path."""
     from . import reshard
 
-    if s.reshard_quick:
-        return reshard.run(dims=reshard.QUICK, full_versions=1, delta_versions=2)
-    return reshard.run()
+    if s.reshard_size == "small":
+        return reshard.run(dims=reshard.SIZES["small"], full_versions=1, delta_versions=2)
+    return reshard.run(dims=reshard.SIZES[s.reshard_size])
 
 
 def run_all(o: Options) -> dict:
@@ -212,8 +212,8 @@ def run_all(o: Options) -> dict:
     from .results import one_line
 
     hw = describe()
-    doc = {"kind": "wsync bench all", "date": dt.datetime.now().isoformat(timespec="seconds"), "quick": o.quick,
-           "command": "wsync bench all" + (" --quick" if o.quick else ""), "hardware": hw,
+    doc = {"kind": "wsync bench all", "date": dt.datetime.now().isoformat(timespec="seconds"), "size": o.size,
+           "command": f"wsync bench all --size {o.size}", "hardware": hw,
            "hardware_line": one_line(hw), "load_average_before": os.getloadavg(), "sizes": asdict(o.sizes),
            "suites": {}}
     s, suites = o.sizes, doc["suites"]
@@ -241,10 +241,10 @@ def run_all(o: Options) -> dict:
 
 def write(doc: dict, out: Path) -> list[Path]:
     """`<date>-<host>.json` and `.md`, plus plots; returns the paths written."""
-    from .report import full_report, plot_all
+    from .report import full_report, plot_all, run_size
 
     out.mkdir(parents=True, exist_ok=True)
-    base = out / (stem(doc["hardware"], doc["date"][:10]) + ("-quick" if doc["quick"] else ""))
+    base = out / (stem(doc["hardware"], doc["date"][:10]) + ("-small" if run_size(doc) == "small" else ""))
     js, md = base.with_suffix(".json"), base.with_suffix(".md")
     js.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     pngs = plot_all(doc, base)
@@ -253,17 +253,17 @@ def write(doc: dict, out: Path) -> list[Path]:
 
 
 def _cli(a) -> None:
-    sizes = Sizes.quick() if a.quick else Sizes()
+    sizes = Sizes.small() if a.size == "small" else Sizes()
     if a.suites:
         sizes.suites = tuple(a.suites)
     out = a.out or default_results_dir()
-    if a.quick:
-        print(f"note: {QUICK_NOTE}", file=sys.stderr, flush=True)
-    doc = run_all(Options(sizes=sizes, quick=a.quick, wan=not a.no_wan, ucx=not a.no_ucx, out=out))
+    if a.size == "small":
+        print(f"note: {SMALL_NOTE}", file=sys.stderr, flush=True)
+    doc = run_all(Options(sizes=sizes, size=a.size, wan=not a.no_wan, ucx=not a.no_ucx, out=out))
     for p in write(doc, out):
         print(f"wrote {p}")
-    if a.quick:  # again at the end, beside the numbers, where it is read
-        print(f"note: {QUICK_NOTE}")
+    if a.size == "small":  # again at the end, beside the numbers, where it is read
+        print(f"note: {SMALL_NOTE}")
     errors = [f"{k}: {v['error']}" for k, v in _flat(doc["suites"]) if "error" in v]
     if errors:
         from wsync.errors import WsyncError
@@ -279,12 +279,14 @@ def _flat(suites: dict):
 
 
 def add_parsers(bench) -> None:
-    p = bench.add_parser("all", help="every benchmark suite and peer, one report (--quick: about a minute)",
-                         epilog="Sizes (2 cores here): --quick, tiny sizes, about 1 min (a smoke test); the "
-                                "default, the bench sizes the committed runs used, about 7 min once the bench "
-                                "snapshots are cached, plus ~15 min and 4.4 GB to generate them the first time.")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny sizes, a couple of minutes: a smoke test of every suite, not numbers to compare")
+    p = bench.add_parser("all", help="every benchmark suite and peer, one report (default --size small: about a "
+                                     "minute)",
+                         epilog="Sizes (2 cores here): --size small (the default), tiny sizes, about 1 min (a smoke "
+                                "test, not numbers to compare); --size bench, the sizes the committed runs used, "
+                                "about 7 min once the bench snapshots are cached, plus ~15 min and 4.4 GB to "
+                                "generate them the first time.")
+    p.add_argument("--size", default="small", choices=["small", "bench"],
+                   help="small (default): tiny sizes, a smoke test of every suite; bench: the committed runs' sizes")
     p.add_argument("--out", type=Path, default=None,
                    help="folder for .json/.md/.png (default ~/.cache/wsync/results; benchmarks/results for a run "
                         "to commit)")

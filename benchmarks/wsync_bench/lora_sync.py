@@ -195,7 +195,7 @@ def add_parsers(bench) -> None:
     ap = bench.add_parser("lora-sync", help="full vs delta vs LoRA-adapter sync of one LoRA training run",
                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                           epilog="Default 5 steps of a 512-wide, 4-layer model: about 15 s here (2 cores); "
-                                 "--steps 2 --hidden 64 --layers 2 --vocab 512 is what bench all --quick runs.")
+                                 "--steps 2 --hidden 64 --layers 2 --vocab 512 is what bench all --size small runs.")
     ap.add_argument("--steps", type=int, default=5, help="training steps, a version synced after each (default 5)")
     ap.add_argument("--hidden", type=int, default=512, help="hidden size of the model (default 512)")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")

@@ -23,9 +23,14 @@ def _by_name(run: dict) -> dict:
 
 ZIPNN_MISSING = ("zipnn did not run here, so its column is left out: `pip install -e \"./benchmarks[all]\"` adds it "
                  "(PyPI has only its source, so it needs a C compiler).")
-QUICK_NOTE = ("--quick runs tiny sizes (a 0.2M-parameter model, 4 MiB messages) to check that every suite works: "
-              "fixed costs dominate there, so wsync can show below its baselines. They are a smoke test, not "
-              "numbers to compare; run without --quick for those.")
+SMALL_NOTE = ("--size small runs tiny sizes (a 0.2M-parameter model, 4 MiB messages) to check that every suite "
+              "works: fixed costs dominate there, so wsync can show below its baselines. They are a smoke test, "
+              "not numbers to compare; run with --size bench for those.")
+
+
+def run_size(doc: dict) -> str:
+    """A `bench all` run's preset: its "size"; results that carry a "quick" flag instead are small when it is true."""
+    return doc.get("size") or ("small" if doc.get("quick") else "bench")
 
 
 def codec_table(doc: dict, hardware: bool = True) -> str:
@@ -158,8 +163,8 @@ def all_tables(doc: dict) -> str:
     hw = doc["hardware"]
     parts = [f"Measured {doc['date']} with `{doc['command']}` on {hw['cpu']}, {hw['cores']} cores, "
              f"{hw['gpu'] or 'no GPU'}, wsync backend {str(hw['wsync_backend']).split(' (')[0]}.", ""]
-    if doc.get("quick"):
-        parts += [f"**Note:** {QUICK_NOTE}", ""]
+    if run_size(doc) == "small":
+        parts += [f"**Note:** {SMALL_NOTE}", ""]
     sections = [("Codec: delta of consecutive RL snapshots vs the peers", "codec",
                  lambda r: codec_table({**r, "hardware": doc["hardware"], "date": doc["date"]}, hardware=False)),
                 ("Transports: one message, wsync vs a raw baseline in the same two processes", "transport",
@@ -182,7 +187,7 @@ def all_tables(doc: dict) -> str:
 def full_report(doc: dict, plots: list[str] = ()) -> str:
     """The run's own .md: the same tables, a title, the plots and how long each suite took."""
     took = ", ".join(f"{k} {v.get('suite_seconds', 0):.0f}s" for k, v in doc["suites"].items() if "suite_seconds" in v)
-    lines = [f"# wsync bench all ({'quick' if doc['quick'] else 'full'}), {doc['date']}", "", all_tables(doc), "",
+    lines = [f"# wsync bench all (--size {run_size(doc)}), {doc['date']}", "", all_tables(doc), "",
              f"Suite times: {took}. Load average before {_load(doc['load_average_before'])}, "
              f"after {_load(doc.get('load_average_after', []))}."]
     lines += [f"\n![{p}]({p})" for p in plots]

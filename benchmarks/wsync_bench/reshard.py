@@ -1,6 +1,6 @@
 """`wsync bench reshard`: sharded trainer ranks into tensor-parallel engine ranks, point to point vs rank-0 funnel.
 
-    wsync bench reshard [--trainers 4 --engines 2 --layers 4 --hidden 768 ...] [--json OUT]
+    wsync bench reshard [--size small|bench] [--trainers 4 --engines 2 --layers 4 --hidden 768 ...] [--json OUT]
 
 Two paths move the same versions of the same model (a Qwen3-shaped state,
 FSDP2 Shard(0) over the trainer ranks, vLLM's TP layout over the engine ranks), in one run,
@@ -32,8 +32,10 @@ from pathlib import Path
 
 from wsync.hardware import describe
 
-DIMS = {"layers": 4, "hidden": 768, "inter": 2048, "vocab": 16384, "heads": 12, "kv_heads": 4, "head_dim": 64}
-QUICK = {"layers": 2, "hidden": 256, "inter": 512, "vocab": 4096, "heads": 4, "kv_heads": 2, "head_dim": 64}
+# --size: "small" is a smoke test of both paths, "bench" the 100 MB model the committed runs used
+SIZES = {"small": {"layers": 2, "hidden": 256, "inter": 512, "vocab": 4096, "heads": 4, "kv_heads": 2, "head_dim": 64},
+         "bench": {"layers": 4, "hidden": 768, "inter": 2048, "vocab": 16384, "heads": 12, "kv_heads": 4,
+                   "head_dim": 64}}
 
 
 def _free_port() -> int:
@@ -129,7 +131,7 @@ def _traffic(rows: list[dict], path: str, n: int) -> list[dict]:
 
 def run(m: int = 4, n: int = 2, dims: dict | None = None, density: float = 0.01, full_versions: int = 3,
         delta_versions: int = 5, transport: str = "tcp") -> dict:
-    spec = {"m": m, "n": n, "dims": dims or DIMS, "density": density, "transport": transport}
+    spec = {"m": m, "n": n, "dims": dims or SIZES["bench"], "density": density, "transport": transport}
     from .reshard_ranks import make_plan
 
     plan = make_plan(spec)
@@ -196,7 +198,7 @@ def render(res: dict) -> str:
 
 
 def main(a) -> None:
-    dims = dict(QUICK if a.quick else DIMS)
+    dims = dict(SIZES[a.size])
     dims.update({k: v for k, v in (("layers", a.layers), ("hidden", a.hidden), ("vocab", a.vocab)) if v})
     res = run(a.trainers, a.engines, dims, a.density, a.full_versions, a.delta_versions, a.transport)
     print(render(res))
@@ -207,19 +209,22 @@ def main(a) -> None:
 
 def add_parsers(bench) -> None:
     p = bench.add_parser("reshard", help="sharded trainer ranks -> TP engine ranks: point to point vs gather to rank 0",
-                         epilog="Sizes (2 cores here): the default 100 MB model (what the committed runs used), "
-                                "about 30 s; --quick, a tiny model: about 10 s.")
+                         epilog="Sizes (2 cores here): --size small (the default), a tiny model, about 10 s (a smoke "
+                                "test, not numbers to compare); --size bench, the 100 MB model the committed runs "
+                                "used, about 30 s.")
     p.add_argument("--trainers", type=int, default=4, help="trainer ranks (FSDP2 Shard(0)), default 4")
     p.add_argument("--engines", type=int, default=2, help="engine ranks (tensor parallel), default 2")
-    p.add_argument("--layers", type=int, help=f"decoder layers (default {DIMS['layers']})")
-    p.add_argument("--hidden", type=int, help=f"hidden size (default {DIMS['hidden']})")
-    p.add_argument("--vocab", type=int, help=f"vocabulary (default {DIMS['vocab']})")
+    p.add_argument("--size", default="small", choices=list(SIZES),
+                   help="model preset: small (default), a tiny model for a smoke test; bench, the 100 MB model")
+    sized = lambda k: f"(default: the --size preset's, {' / '.join(f'{v[k]} {n}' for n, v in SIZES.items())})"
+    p.add_argument("--layers", type=int, help=f"decoder layers {sized('layers')}")
+    p.add_argument("--hidden", type=int, help=f"hidden size {sized('hidden')}")
+    p.add_argument("--vocab", type=int, help=f"vocabulary {sized('vocab')}")
     p.add_argument("--density", type=float, default=0.01, help="fraction of values changed per version")
     p.add_argument("--full-versions", type=int, default=3, help="timed full versions after a warm-up one")
     p.add_argument("--delta-versions", type=int, default=5, help="timed delta versions after the keyframe")
     p.add_argument("--transport", default="tcp", choices=("tcp", "gloo", "ucx", "local"),
                    help="both paths' data links: the sharded path's (trainer, engine) pairs and the gather path's "
                         "rank-0 Publisher (gloo: a broadcast group of rank 0 and every engine rank); default tcp")
-    p.add_argument("--quick", action="store_true", help="a tiny model: a smoke test, not numbers to compare")
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     p.set_defaults(fn=main)
