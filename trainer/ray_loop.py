@@ -440,6 +440,8 @@ class RayDriver(Driver):
         return self.result
 
     def _shutdown(self) -> None:
+        if "ray" not in sys.modules:  # it never imported: nothing was started, and the import error is what to say
+            return
         import ray
 
         if ray.is_initialized():

@@ -190,7 +190,7 @@ EXTENSIONS = ["wsync.serve", "wsync.demo", "wsync.plan.cli", "trainer.cli"]
 # Optional packages and the extra of pyproject.toml that brings each: a command that needs one that does not
 # import here says what to install (exit 3) rather than ending in a traceback.
 EXTRAS = {"torch": "torch", "transformers": "hf", "safetensors": "hf", "ucxx": "ucx", "cupy": "cuda",
-          "prometheus_client": "metrics"}
+          "prometheus_client": "metrics", "ray": "ray"}
 
 
 def _missing_extra(e: ModuleNotFoundError, a) -> str | None:
