@@ -1,4 +1,4 @@
-"""`wsync bench all`: the README block rendered from a run's JSON, the disk/HTTP peers, and one real --size small run."""
+"""`wsync bench all`: the README block rendered from a run's JSON, the disk/HTTP peers, and one real small run."""
 from __future__ import annotations
 
 import json
