@@ -41,7 +41,6 @@ from helpers import TOKEN, import_or_skip
 peft, vllm = import_or_skip("peft", "vllm")
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 
 from wsync.engines.peft import adapter_state, config_dict  # noqa: E402
@@ -49,6 +48,7 @@ from wsync.engines.vllm_lora import lora_request  # noqa: E402
 from wsync.integrations.common import token_id  # noqa: E402
 from wsync.snapshot import as_state, digest  # noqa: E402
 from wsync.sync import Publisher  # noqa: E402
+from vllm_helpers import checkpoint  # noqa: E402
 
 EXTENSION = "wsync.engines.vllm.WsyncWorkerExtension"
 NAME, LORA_ID = "policy", 1
@@ -60,21 +60,6 @@ PROMPTS = [torch.randint(0, 512, (int(n),), generator=_g).tolist() for n in (3, 
 NEW_TOKENS = 6
 
 pytestmark = pytest.mark.usefixtures("vllm_env")
-
-
-def base_checkpoint(path: str):
-    """The tiny random Qwen3 of vllm_helpers.checkpoint (embedding and output scaled up), bf16, saved for vLLM."""
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                   max_position_embeddings=256, tie_word_embeddings=False)
-    model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0, 1.0)
-        model.lm_head.weight.normal_(0, 1.0)
-    model = model.to(torch.bfloat16).eval()
-    model.save_pretrained(path)
-    return model
 
 
 class Trainer:
@@ -103,7 +88,7 @@ class Trainer:
 @pytest.fixture(scope="module")
 def served():
     root = tempfile.mkdtemp(prefix="wsync-vllm-lora-")  # not tmp_path: other pytest runs prune its base folders
-    base = base_checkpoint(os.path.join(root, "base"))
+    base = checkpoint(os.path.join(root, "base"))
     llm = vllm.LLM(model=os.path.join(root, "base"), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                    max_model_len=128, max_num_seqs=8, seed=0, worker_extension_cls=EXTENSION,
                    enable_lora=True, max_lora_rank=R, max_loras=1)  # one slot, one adapter in the CPU cache
