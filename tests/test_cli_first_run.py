@@ -154,6 +154,26 @@ def test_bench_without_transformers_says_which_extra_in_one_line(tmp_path, args,
     assert not list(tmp_path.iterdir())  # and nothing written
 
 
+@pytest.mark.parametrize("blocked, args", [
+    ("transformers", ["bench", "all"]),
+    ("safetensors", ["bench", "all", "--size", "bench"]),
+    ("transformers", ["bench", "all", "--suites", "lora"]),
+])
+def test_bench_all_names_the_extra_before_it_runs_anything(tmp_path, blocked, args):
+    r = _wsync_without([blocked], *args, "--out", tmp_path / "out")
+    line = one_line_error(r, code=3)
+    assert f"needs {blocked}" in line and 'pip install -e "./benchmarks[all]"' in line, line
+    assert r.stdout == "" and not (tmp_path / "out").exists()
+
+
+def test_bench_all_runs_suites_that_need_no_extra_without_them(tmp_path):
+    from wsync_bench.all import check_needs
+
+    check_needs(["transport", "moe", "reshard"])  # imports nothing optional
+    r = _wsync_without(["transformers", "safetensors"], "bench", "all", "--suites", "moe", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("args", [["bench"], ["bench", "codec", "--size", "tiny"], ["bench", "all", "--size", "small"],
                                   ["bench", "--size", "small"]])
 def test_bench_without_wsync_bench_says_how_to_install_it_in_one_line(args):

@@ -18,6 +18,7 @@ PNG plots when matplotlib is installed (out: --out, default
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 import json
 import os
 import subprocess
@@ -252,10 +253,23 @@ def write(doc: dict, out: Path) -> list[Path]:
     return [js, md, *pngs]
 
 
+# Packages a suite needs beyond wsync's own dependencies: snapshots are generated with transformers, a peer
+# saves and loads with safetensors, lora-sync trains with transformers. Checked before anything runs, so a
+# missing one is a line naming the extra (wsync's CLI), not a run that fails suite by suite.
+NEEDS = {"codec": ("transformers",), "sync": ("transformers",), "peers": ("safetensors",), "lora": ("transformers",)}
+
+
+def check_needs(suites) -> None:
+    for suite in suites:
+        for module in NEEDS.get(suite, ()):
+            importlib.import_module(module)
+
+
 def _cli(a) -> None:
     sizes = Sizes.small() if a.size == "small" else Sizes()
     if a.suites:
         sizes.suites = tuple(a.suites)
+    check_needs(sizes.suites)
     out = a.out or default_results_dir()
     if a.size == "small":
         print(f"note: {SMALL_NOTE}", file=sys.stderr, flush=True)
