@@ -158,6 +158,7 @@ def test_bench_without_transformers_says_which_extra_in_one_line(tmp_path, args,
     ("transformers", ["bench", "all"]),
     ("safetensors", ["bench", "all", "--size", "bench"]),
     ("transformers", ["bench", "all", "--suites", "lora"]),
+    ("peft", ["bench", "all", "--suites", "lora"]),
 ])
 def test_bench_all_names_the_extra_before_it_runs_anything(tmp_path, blocked, args):
     r = _wsync_without([blocked], *args, "--out", tmp_path / "out")

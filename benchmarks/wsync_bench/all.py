@@ -254,9 +254,9 @@ def write(doc: dict, out: Path) -> list[Path]:
 
 
 # Packages a suite needs beyond wsync's own dependencies: snapshots are generated with transformers, a peer
-# saves and loads with safetensors, lora-sync trains with transformers. Checked before anything runs, so a
+# saves and loads with safetensors, lora-sync trains a PEFT adapter. Checked before anything runs, so a
 # missing one is a line naming the extra (wsync's CLI), not a run that fails suite by suite.
-NEEDS = {"codec": ("transformers",), "sync": ("transformers",), "peers": ("safetensors",), "lora": ("transformers",)}
+NEEDS = {"codec": ("transformers",), "sync": ("transformers",), "peers": ("safetensors",), "lora": ("transformers", "peft")}
 
 
 def check_needs(suites) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 # Optional packages the harness needs beyond wsync's own, all in wsync-bench's `all` extra.
 EXTRA = 'pip install -e "./benchmarks[all]"'
-PACKAGES = {"torch", "transformers", "safetensors", "matplotlib", "zipnn"}
+PACKAGES = {"torch", "transformers", "safetensors", "peft", "matplotlib", "zipnn"}
 
 SIZES_HELP = "generated model size: tiny (0.2M params), small (7M), bench (64M); default small"
 
