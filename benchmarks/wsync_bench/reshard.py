@@ -108,8 +108,9 @@ def _path(ranks: _Ranks, path: str, codec: str, versions: int) -> list[dict]:
     sent = ranks.ask(ranks.t, "bytes")
     for row in rows:
         row["sent"] = [s.get(row["version"]) or 0 for s in sent]
-    ranks.ask(ranks.t, "stop")
+    # engine ranks first: a coordinator that leaves before its members is a lost link they warn of and redial
     ranks.ask(ranks.e, "stop")
+    ranks.ask(ranks.t, "stop")
     return rows
 
 
