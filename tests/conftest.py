@@ -161,3 +161,12 @@ def device_rt(sim):
     backends.use_device_kernels(cuda.CudaKernels(runtime=rt))
     yield rt
     backends.use_device_kernels(None)
+
+
+@pytest.fixture(scope="session")
+def asan_extension(tmp_path_factory):
+    """wsync._cpu built under AddressSanitizer and the environment to load it in: one build for every ASan
+    test of the session (asan_helpers.asan_build skips without g++ or libasan)."""
+    from asan_helpers import asan_build
+
+    return asan_build(tmp_path_factory.mktemp("asan"))

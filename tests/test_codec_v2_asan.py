@@ -1,6 +1,6 @@
 """Delta v2's C++ kernels under AddressSanitizer: mutated payloads never read or write out of bounds.
 
-The extension is rebuilt with -fsanitize=address (asan_helpers.asan_build) once for this module.
+The extension is rebuilt with -fsanitize=address (asan_helpers.asan_build) once per test session.
 tests/asan_driver_v2.py runs honest and mutated cases against it in a subprocess, beside the reference; the
 seeded corpus (tests/fuzz/make_v2_corpus.py) is replayed on it through the planes and the portable code,
 and must get the answers the plain build gives (test_codec_v2_corpus.py checks those against the reference).
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from asan_helpers import asan_build, run_driver
+from asan_helpers import run_driver
 
 pytestmark = pytest.mark.build  # ASan/UBSan builds: the `build` tier, not the default run
 CASES = 120  # each case runs every width's encoder and decoder, honest and mutated
@@ -23,13 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FUZZ = ROOT / "tests" / "fuzz"
 
 
-@pytest.fixture(scope="module")
-def asan(tmp_path_factory):
-    return asan_build(tmp_path_factory.mktemp("asan"))
-
-
-def test_v2_cases_under_asan(asan):
-    run_driver("asan_driver_v2.py", *asan, CASES, 3)
+def test_v2_cases_under_asan(asan_extension):
+    run_driver("asan_driver_v2.py", *asan_extension, CASES, 3)
 
 
 def _replay(corpus: Path, out: Path, env: dict, *module) -> list:
@@ -40,11 +35,11 @@ def _replay(corpus: Path, out: Path, env: dict, *module) -> list:
     return json.loads(out.read_text())["outcomes"]
 
 
-def test_v2_corpus_under_asan(asan, tmp_path):
+def test_v2_corpus_under_asan(asan_extension, tmp_path):
     sys.path.insert(0, str(FUZZ))
     import make_v2_corpus
 
-    so, env = asan
+    so, env = asan_extension
     want = make_v2_corpus.checked_in()
     corpus = tmp_path / "corpus.bin"
     corpus.write_bytes(make_v2_corpus.build(int(want["seed"]), int(want["subjects"]), int(want["per_subject"]))[0])

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from asan_helpers import asan_build, run_driver
+from asan_helpers import run_driver
 
 pytestmark = pytest.mark.build  # ASan/UBSan builds: the `build` tier, not the default run
 
 CASES = 1500  # enough fuzz cases to reach every section's error paths, few enough for the build tier
 
 
-def test_fuzz_cases_under_asan(tmp_path):
-    run_driver("asan_driver.py", *asan_build(tmp_path), CASES, 7)
+def test_fuzz_cases_under_asan(asan_extension):
+    run_driver("asan_driver.py", *asan_extension, CASES, 7)
