@@ -214,6 +214,13 @@ def test_loop_without_transformers_says_which_extra_in_one_line():
     assert "wsync loop needs transformers" in line and 'pip install -e ".[hf]"' in line, line
 
 
+def test_bench_loop_without_transformers_says_which_extra_before_any_run():
+    r = _wsync_without(["transformers"], "bench", "loop", "--steps", "1")
+    line = one_line_error(r, code=3)
+    assert "needs transformers" in line and 'pip install -e "./benchmarks[all]"' in line, line
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_loop_on_ray_without_ray_says_which_extra_in_one_line():
     line = one_line_error(_wsync_without(["ray"], "loop", "--ray", "--steps", "1"), code=3)
     assert "wsync loop needs ray" in line and 'pip install -e ".[ray]"' in line, line

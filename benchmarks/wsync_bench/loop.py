@@ -15,6 +15,7 @@ throughput and staleness of sync and async together.
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 import json
 import os
 import sys
@@ -66,6 +67,8 @@ def main(a) -> None:
         from .loop_ray import main as on_ray
 
         return on_ray(a)
+
+    importlib.import_module("transformers")  # the policy's: missing, one line names the extra before any run
 
     from trainer.loop import run
     from trainer.metrics import plot_runs
