@@ -41,6 +41,21 @@ def test_bench_all_writes_to_the_cache_by_default_and_says_small_is_a_smoke_test
     assert f"**Note:** {report.SMALL_NOTE}" in md
 
 
+@pytest.mark.slow  # trains a tiny LoRA for two steps
+def test_lora_sync_writes_to_the_cache_by_default_never_the_checkout(tmp_path):
+    before = _results_now()
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "wsync.cli", "bench", "lora-sync", "--steps", "2", "--hidden", "64",
+                        "--layers", "2", "--vocab", "512", "--seq", "16"],
+                       capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = home / ".cache" / "wsync" / "results"
+    assert sorted(p.suffix for p in out.glob("*-lora-sync.*")) == [".json", ".md"]
+    assert not list(cwd.iterdir()) and _results_now() == before
+
+
 def test_a_bench_run_carries_no_small_note():
     assert "Note:" not in report.all_tables(synthetic_run())
     assert report.SMALL_NOTE in report.all_tables({**synthetic_run(), "size": "small"})

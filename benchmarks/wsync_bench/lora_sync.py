@@ -1,6 +1,6 @@
 """Full vs delta vs LoRA sync of the same LoRA training run: bytes and publish-to-live time, side by side.
 
-    wsync bench lora-sync                                 # writes benchmarks/results/ of the checkout
+    wsync bench lora-sync                                 # writes ~/.cache/wsync/results
     wsync bench lora-sync --steps 4 --hidden 256 --out /tmp/r
 
 A transformers Qwen3 (random init, no download) with a peft LoRA on every
@@ -30,9 +30,8 @@ from wsync.snapshot import unique_tensors
 from wsync.subscriber import Subscriber
 from wsync.sync import Publisher
 
-from .results import one_line, stem
+from .results import default_results_dir, one_line, stem
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: its benchmarks/results is the default --out
 
 TOKEN = b"bench-lora-token-16"
 
@@ -204,8 +203,9 @@ def add_parsers(bench) -> None:
     ap.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     ap.add_argument("--batch", type=int, default=4, help="sequences per training step (default 4)")
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
-                    help="folder for the .json and .md (default the checkout's benchmarks/results)")
+    ap.add_argument("--out", default=None,
+                    help="folder for the .json and .md (default ~/.cache/wsync/results; benchmarks/results for a "
+                         "run to commit)")
     ap.set_defaults(fn=main)
 
 
@@ -213,7 +213,7 @@ def main(args) -> int:
     res = run(args)
     md = markdown(res)
     print(md)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else default_results_dir()
     out.mkdir(parents=True, exist_ok=True)
     name = f"{stem(res['hardware'])}-lora-sync"
     (out / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
