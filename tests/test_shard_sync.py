@@ -31,17 +31,17 @@ def test_versions_commit_bit_exact_on_every_engine_rank(groups, m, n, engine):
     for t, pub in enumerate(g.pubs):
         assert all(c._tables is not None for c in pub._src.values())  # copied and hashed by one call per dtype
         mine = piece_bytes(g.plan.for_trainer(t))
-        stats = pub.stats()
+        stats = pub.stats
         held = {h.name: h.box for h in g.plan.trainer.held if h.rank == t}
-        assert stats["buffer_bytes"] == stats["piece_bytes"] == mine
+        assert stats.piece_bytes == mine
         for r, pieces in pub.sends.items():  # to any one engine rank, at most what it holds (norms go to all)
             assert piece_bytes(pieces) <= sum(2 * box_numel(b) for b in held.values())
             assert all(p.src_name in held and all(a >= 0 and b <= h1 - h0 for (a, b), (h0, h1)
                                                   in zip(p.local, held[p.src_name])) for p in pieces)
         pairs = len(pub.sends)
-        assert stats["bytes"][0] <= mine + pairs * OVERHEAD, stats  # the keyframe: its pieces, raw
+        assert stats.bytes[0] <= mine + pairs * OVERHEAD, stats  # the keyframe: its pieces, raw
         for v in range(1, 6):  # the deltas: a fraction of that
-            assert stats["bytes"][v] <= 0.25 * mine + pairs * OVERHEAD, (v, stats)
+            assert stats.bytes[v] <= 0.25 * mine + pairs * OVERHEAD, (v, stats)
     assert sum(piece_bytes(g.plan.for_trainer(t)) for t in range(m)) == \
         sum(piece_bytes(g.plan.for_engine(r)) for r in range(n))
 

@@ -32,11 +32,11 @@ def _versions_over(g: Group, scheme: str) -> None:
     for v in range(VERSIONS):
         commit(g, v)  # committed on every engine rank, digests equal, every rank's bytes = the reference sliced
     for t, pub in enumerate(g.pubs):
-        mine, stats = piece_bytes(g.plan.for_trainer(t)), pub.stats()
+        mine, stats = piece_bytes(g.plan.for_trainer(t)), pub.stats
         pairs = len(pub.sends)
-        assert stats["bytes"][0] <= mine + pairs * OVERHEAD, stats  # the keyframe: its pieces, raw
+        assert stats.bytes[0] <= mine + pairs * OVERHEAD, stats  # the keyframe: its pieces, raw
         for v in range(1, VERSIONS):  # deltas: a fraction of that
-            assert 0 < stats["bytes"][v] <= 0.25 * mine + pairs * OVERHEAD, (v, stats)
+            assert 0 < stats.bytes[v] <= 0.25 * mine + pairs * OVERHEAD, (v, stats)
 
 
 def test_2_2_over_local(groups):

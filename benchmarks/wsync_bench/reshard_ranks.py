@@ -113,7 +113,7 @@ def trainer_main(rank: int, spec: dict, conn, dist_port: int) -> None:
             else:
                 conn.send((t0, _gather(plan, rank, m, shards, full, pub, cmd[1])))
         elif cmd[0] == "bytes":
-            conn.send(pub.stats()["bytes"] if path == "sharded" else pub.stats.bytes if pub else {})
+            conn.send(pub.stats.bytes if pub else {})
         elif cmd[0] == "stop":
             if pub is not None:
                 pub.close()

@@ -29,6 +29,7 @@ import os
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 
 from .. import backends
 from .. import dtypes
@@ -44,10 +45,23 @@ from .rounds import partial_digest
 from .stage import GROUPS, _slices, data_token
 from .tensors import buffers_for, trainer_locals
 
-__all__ = ["ShardPublisher", "ShardSubscriber", "SettleTimeout", "TRANSPORTS"]
+__all__ = ["ShardPublisher", "ShardPublisherStats", "ShardSubscriber", "SettleTimeout", "TRANSPORTS"]
 log = logging.getLogger("wsync.shard")
 
 TRANSPORTS = ("tcp", "ucx", "local", "gloo", "nccl")  # what a (trainer, engine) pair's Publisher may listen on
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardPublisherStats:
+    """A trainer rank's counters at one moment (ShardPublisher.stats).
+
+    pieces: the slices it sends each version, to every engine rank together. piece_bytes: their bytes, what it
+    sends per version at most and the buffers it allocated for them. bytes: version -> encoded bytes its
+    Publishers made of it (every destination together)."""
+
+    pieces: int
+    piece_bytes: int
+    bytes: dict[int, int]
 
 
 def data_address(transport: str, host: str, tag: str | None) -> str:
@@ -229,16 +243,16 @@ class ShardPublisher:
                                         f"(last settled: {self.settled[-1] if self.settled else None})")
                 self._cv.wait(0.5 if left is None else min(left, 0.5))
 
-    def stats(self) -> dict:
-        """piece_bytes: what this rank sends per version at most (its pieces); buffer_bytes: what it allocated
-        for them; bytes: version -> encoded bytes its Publishers made for it (every destination)."""
+    @property
+    def stats(self) -> ShardPublisherStats:
+        """A copy of this rank's counters (see ShardPublisherStats), as Publisher.stats is."""
         piece_bytes = sum(b.numel() * b.element_size() for bufs in self.buffers.values() for b in bufs.values())
         sent: dict[int, int] = {}
         for pub in self.publishers.values():
             for v, n in pub.stats.bytes.items():
                 sent[v] = sent.get(v, 0) + (n or 0)
-        return {"pieces": sum(len(p) for p in self.sends.values()), "piece_bytes": piece_bytes,
-                "buffer_bytes": piece_bytes, "bytes": sent}
+        return ShardPublisherStats(pieces=sum(len(p) for p in self.sends.values()), piece_bytes=piece_bytes,
+                                   bytes=sent)
 
     def close(self) -> None:
         self.member.close()
