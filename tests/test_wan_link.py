@@ -45,15 +45,20 @@ def test_tcp_moves_a_message_exactly_across_the_wan():
 
 @pytest.mark.slow
 def test_a_cut_mid_transfer_resumes_bit_exact():
+    size = 24 << 20
+
     def cut(wan):
-        time.sleep(1.0)  # into the transfer, which lasts several seconds at this rate: the cut lands mid-way
+        start, deadline = wan.received("b"), time.monotonic() + 60
+        while wan.received("b") - start < size // 4:  # a quarter through: the cut lands mid-transfer
+            assert time.monotonic() < deadline, "the transfer never got a quarter of the way"
+            time.sleep(0.05)
         wan.path(False)  # the path goes away...
         cut.killed = wan.cut()  # ...and every connection on both ends dies
-        time.sleep(0.7)
+        time.sleep(0.7)  # an outage the links must ride out, not a wait for something
         wan.path(True)
 
     with wanmod.WanLink(rate_mbit=50, rtt_ms=20, loss=0.0) as wan:
-        r = transfer(wan, 24 << 20, seed=5, opts={"streams": 3, "frame_bytes": 1 << 20, "resume_window": 30},
+        r = transfer(wan, size, seed=5, opts={"streams": 3, "frame_bytes": 1 << 20, "resume_window": 30},
                      during=cut, timeout=120)
     assert cut.killed >= 6  # 2 x 3 connections on each end at least
     assert r["exact"] is True and r["reconnects"] >= 1 and r["fetch_reconnects"] >= 1, r

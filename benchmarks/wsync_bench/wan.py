@@ -166,6 +166,10 @@ class WanLink:
         self._procs.append(p)
         return p
 
+    def received(self, side: str) -> int:
+        """Bytes that side's end of the link (its eth0) has received so far: how far a transfer has come."""
+        return int(self.exec(side, "cat", "/sys/class/net/eth0/statistics/rx_bytes").stdout)
+
     def cut(self) -> int:
         """Kill every TCP connection between the two ends, on both ends; returns how many sockets died."""
         killed = 0
