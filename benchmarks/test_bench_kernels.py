@@ -143,10 +143,13 @@ def test_kernel_checksum(benchmark, pair, name):
 @pytest.mark.parametrize("name", BACKENDS)
 def test_kernel_fused_encode(benchmark, pair, name):
     """delta_encode + checksums of both tensors, as wsync.encode calls it."""
-    k = _kernels(name)
+    k, ref = _kernels(name), backends.kernels("ref")
     base, new = pair
     benchmark.group = "kernel: fused encode"
-    benchmark(lambda: [k.delta_encode_checksummed(base[n].bits, new[n].bits, "float") for n in new])
+    out = benchmark(lambda: [k.delta_encode_checksummed(base[n].bits, new[n].bits, "float") for n in new])
+    want = [ref.delta_encode_checksummed(base[n].bits, new[n].bits, "float") for n in new]
+    assert all(np.array_equal(a.gaps, b.gaps) and np.array_equal(a.steps, b.steps) and a_sums == b_sums
+               for (a, *a_sums), (b, *b_sums) in zip(out, want))
     _gbps(benchmark, pair)
 
 
