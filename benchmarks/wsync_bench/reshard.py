@@ -26,22 +26,17 @@ from __future__ import annotations
 import datetime
 import json
 import multiprocessing as mp
-import socket
 import statistics
 from pathlib import Path
 
 from wsync.hardware import describe
 
+from .transport import free_port
+
 # --size: "small" is a smoke test of both paths, "bench" the 100 MB model the committed runs used
 SIZES = {"small": {"layers": 2, "hidden": 256, "inter": 512, "vocab": 4096, "heads": 4, "kv_heads": 2, "head_dim": 64},
          "bench": {"layers": 4, "hidden": 768, "inter": 2048, "vocab": 16384, "heads": 12, "kv_heads": 4,
                    "head_dim": 64}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Ranks:
@@ -50,7 +45,7 @@ class _Ranks:
     def __init__(self, spec: dict):
         from .reshard_ranks import engine_main, trainer_main
 
-        ctx, port = mp.get_context("spawn"), _free_port()
+        ctx, port = mp.get_context("spawn"), free_port()
         self.t, self.e, self.procs = [], [], []
         for rank in range(spec["m"]):
             a, b = ctx.Pipe()

@@ -63,7 +63,7 @@ def run(transport: str, size: int, *, streams: int = 1, repeats: int = 5, chunk:
         raise BackendUnavailable(f"bench transport {transport} skipped, {why}")
     with tempfile.TemporaryDirectory(prefix="wsync-bench-") as tmp:
         spec = {"transport": transport, "size": size, "streams": streams, "repeats": repeats, "chunk": chunk,
-                "side_port": _free_port(), "port": _free_port(), "raw_port": _free_port(), "seed": 7,
+                "side_port": free_port(), "port": free_port(), "raw_port": free_port(), "seed": 7,
                 "token": secrets.token_hex(16), "name": f"bench-{secrets.token_hex(4)}", "raw_path": os.path.join(tmp, "raw.sock")}
         procs = {role: _spawn(role, spec) for role in ("recv", "send")}
         outs = {}
@@ -141,7 +141,8 @@ def report(res: dict) -> str:
             f"  on {one_line(res['hardware'])}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import os
 import threading
 import time
+
+from wsync.hardware import cpu_model
 
 from .wan import WanLink
 
@@ -78,13 +79,7 @@ def transfer(wan: WanLink, size: int, *, seed: int = 0, opts: dict | None = None
 
 def hardware() -> str:
     """CPU model and core count, for results files."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} cores, no GPU"
+    return f"{cpu_model()}, {os.cpu_count()} cores, no GPU"
 
 
 def _py() -> list[str]:
