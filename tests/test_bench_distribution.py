@@ -57,6 +57,7 @@ def test_the_built_wheel_holds_no_benchmark_harness(tmp_path):
     wheel, = tmp_path.glob("wsync-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "wsync/cli.py" in names and "wsync/hardware.py" in names and "trainer/loop.py" in names
+    assert "wsync/_csrc/delta_cuda.cu" in names and "wsync/plan/data/measured.json" in names  # what it reads at run time
     assert {n.split("/")[0] for n in names} == {"wsync", "trainer", "-".join(wheel.name.split("-")[:2]) + ".dist-info"}, names
     assert not [n for n in names if "bench" in Path(n).parts[1:-1] or Path(n).name.startswith("bench")], names
 
