@@ -46,10 +46,12 @@ from wsync.integrations.common import token_id  # noqa: E402
 from wsync.sync import Publisher  # noqa: E402
 
 MODES = ["abort", "wait", "keep", "wait"]  # one version each; keyframe_every=3: 0 and 3 whole, 1 and 2 deltas
-# tokens of the completion that is running when each version lands: long enough that it cannot end before the
-# pause reaches the server (200 could, on a quick CPU: the abort mode then saw a finished request)
-LONG = 1800
-MAX_LEN = 2048  # the model's positions and vLLM's --max-model-len
+MAX_LEN = 32768  # the model's positions and vLLM's --max-model-len
+PROMPT = [1, 2, 3, 4, 5]
+# tokens of the completion that is running when each version lands. The one an abort-mode pause must cut short
+# asks for every position the model has: it cannot end on its own before the pause reaches the server, however
+# slowly this process gets scheduled. The others run to their end, so they stay short.
+TOKENS = {"abort": MAX_LEN - len(PROMPT), "wait": 1800, "keep": 1800}
 
 
 def serve_command(model: str, port: int) -> list[str]:
@@ -115,7 +117,7 @@ def test_publisher_drives_vllm_serve_over_http(server):
             for v, mode in enumerate(MODES):
                 rl_version(trainer, gen)
                 pub.publish(trainer.state_dict(), version=v)
-                running = Running(srv)
+                running = Running(srv, TOKENS[mode])
                 srv.call(f"/pause?mode={mode}")
                 srv.call("/start_weight_update")
                 srv.call("/update_weights", {"update_info": {"version": v}})
@@ -142,15 +144,15 @@ def test_publisher_drives_vllm_serve_over_http(server):
 class Running:
     """A long streamed completion, under way (its first tokens arrived) when the version lands."""
 
-    def __init__(self, srv: Server):
-        self.tokens, self.finish, self.error = [], None, None
+    def __init__(self, srv: Server, max_tokens: int):
+        self.tokens, self.finish, self.error, self.max_tokens = [], None, None, max_tokens
         self.started = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(srv,), daemon=True)
         self.thread.start()
         assert self.started.wait(300), "the long completion never started"
 
     def _run(self, srv: Server) -> None:
-        body = {"model": str(srv.root / "model"), "prompt": [1, 2, 3, 4, 5], "max_tokens": LONG, "temperature": 0.0,
+        body = {"model": str(srv.root / "model"), "prompt": PROMPT, "max_tokens": self.max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True, "stream": True}
         req = urllib.request.Request(f"{srv.url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -173,6 +175,6 @@ class Running:
         self.thread.join(300)
         assert not self.thread.is_alive() and self.error is None, self.error
         if mode == "abort":  # it was running when the pause came, and ended there
-            assert self.finish == "abort" and len(self.tokens) < LONG, (self.finish, len(self.tokens))
+            assert self.finish == "abort" and len(self.tokens) < self.max_tokens, (self.finish, len(self.tokens))
         else:
-            assert self.finish == "length" and len(self.tokens) == LONG, (self.finish, len(self.tokens))
+            assert self.finish == "length" and len(self.tokens) == self.max_tokens, (self.finish, len(self.tokens))
