@@ -35,7 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from . import api, backends
+from . import api, backends, quant
 from .errors import SnapshotError, VersionError, WsyncError
 from .history import EncodedVersion, History, Keyframe, keyframe_due
 from .sender import Sender
@@ -115,13 +115,18 @@ class FlushTimeout(WsyncError, TimeoutError):
 
 
 class Publisher:
-    def __init__(self, address: str, *, token=None, listen_opts: dict | None = None, **config):
+    def __init__(self, address: str, *, token=None, listen_opts: dict | None = None, quantize=None, **config):
+        """quantize: send what the engine's quantized checkpoint holds instead of the trainer's weights (a
+        wsync.quant.Quantizer, or a quantized model's config for wsync.quant.from_config): each version's
+        targeted weights become their codes and scales before the snapshot; deltas, digests and catch-up are
+        then of the quantized state."""
         self.config = PublisherConfig(**config)
         if self.config.codec not in ("delta", "raw"):
             raise ValueError(f"codec must be 'delta' or 'raw', got {self.config.codec!r}")
         cap = self.config.history_bytes
         if cap is not None and (not isinstance(cap, int) or cap <= 0):
             raise ValueError(f"history_bytes must be a positive number of bytes, got {self.config.history_bytes!r}")
+        self._quantize = quant.as_quantizer(quantize, backend=self.config.backend)
         self._listener = listen(address, **with_token(listen_opts, token))
         self.address = self._listener.address
         # a device state's payloads stay on the device where the link carries device memory and the tier
@@ -193,6 +198,11 @@ class Publisher:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if self._last is not None and version <= self._last:
             raise VersionError(f"versions must increase: got {version} after {self._last}")
+        if self._quantize is not None:
+            if frozen or not isinstance(state, dict):
+                raise TypeError("a quantizing publisher takes the trainer's state dict (not a path, not frozen): "
+                                "it quantizes every version it is handed")
+            state = self._quantize(state)
         # a frozen state is read where it lies: binding would copy what it may not write (a read-only mapping)
         live = None if frozen else self._bind(state, self.config.bucket_bytes)
         on_device = isinstance(live, DeviceSource)

@@ -47,6 +47,11 @@ class Kernels(Protocol):
     def v2_decode(self, old: np.ndarray, parts: dict, dtype) -> DeltaSections:
         """codecs/v2_ref.decode: the v1 sections those parts code; FormatError where the reference refuses."""
 
+    def quantize(self, scheme, bits: np.ndarray, dtype: str, outs: list[np.ndarray], what: str = "tensor") -> None:
+        """Write ``scheme.reference(bits, dtype)`` into outs (bit-pattern views shaped as the scheme's outputs;
+        scheme: a wsync.quant scheme, told apart by its ``kind``). bits: the weight's patterns, shaped as the weight. QuantizeError as the reference
+        (a non-finite element, named by its flat index); outs are then garbage."""
+
     # ---- fused (Composed provides each from the three above) ----
 
     def delta_encode_checksummed(self, old: np.ndarray, new: np.ndarray, order: str,
@@ -98,12 +103,17 @@ def check_out(old, out, overlap: bool = False) -> None:
 
 
 class Composed:
-    """The fused operations as the Kernels protocol's three calls, one pass each.
+    """The fused operations as the Kernels protocol's three calls, one pass each; the quantizers as the
+    reference's.
 
     A backend subclasses this and overrides what it can fuse; what it leaves
     keeps these semantics exactly (tests/kernel_cases.py holds every backend
     to them against the reference).
     """
+
+    def quantize(self, scheme, bits, dtype, outs, what="tensor"):
+        for out, value in zip(outs, scheme.reference(bits, dtype, what)):
+            np.copyto(out, value.reshape(out.shape).view(out.dtype))
 
     def delta_encode_checksummed(self, old, new, order, old_sum=True):
         old, new = as_array(old), as_array(new)
