@@ -41,20 +41,21 @@ def matches(target: str, module: str, classes: dict[str, str] | None) -> bool:
         return True
     if classes is not None:
         return classes.get(module) == target
-    # no model to ask: a "Linear" is any module whose weight is a matrix and no embedding (see Quantizer)
-    return target == "Linear" and not _embedding(module)
+    # no model to ask: a "Linear" is any module whose weight is a matrix, but embeddings and routers (see Quantizer)
+    return target == "Linear" and not _not_linear(module)
 
 
-def _embedding(module: str) -> bool:
+def _not_linear(module: str) -> bool:
     last = module.rsplit(".", 1)[-1]
-    return "embed" in last or last in ("wte", "wpe", "shared")
+    return "embed" in last or last in ("wte", "wpe", "shared", "gate", "router")
 
 
 class Quantizer:
     """rules: (targets, scheme) in order, the first match wins. ignore: module names, "re:" patterns or class
     names never quantized (they win over every rule). model: the nn.Module the state comes from, so class
     targets such as "Linear" mean exactly its Linear modules; without one, "Linear" means every module whose
-    weight has two or more dimensions, embeddings excepted (a name containing "embed", or wte/wpe/shared).
+    weight has two or more dimensions except embeddings (a name containing "embed", or wte/wpe/shared) and MoE
+    routers (a module named gate or router: DeepSeek's and Kimi's are no Linear, and vLLM never quantizes one).
     backend: the host kernels' backend (None: WSYNC_BACKEND or auto); CUDA tensors use the GPU's."""
 
     def __init__(self, rules: Iterable[Rule | tuple], ignore: Iterable[str] = (), *, model=None,
