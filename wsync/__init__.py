@@ -18,14 +18,14 @@ from .errors import (
 from .layout import Bound, Layout, bind
 from .manifest import Manifest, TensorSpec
 from .payload import Payload
-from . import engines
+from . import engines, quant
 from .subscriber import Subscriber
 from .sync import Publisher
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "Publisher", "Subscriber", "engines", "encode", "apply", "apply_state", "apply_to_checkpoint", "inspect", "backend", "Payload", "Manifest", "TensorSpec",
+    "Publisher", "Subscriber", "engines", "quant", "encode", "apply", "apply_state", "apply_to_checkpoint", "inspect", "backend", "Payload", "Manifest", "TensorSpec",
     "bind", "Bound", "Layout",
     "WsyncError", "FormatError", "ChecksumError", "EngineError", "VersionError", "MismatchError", "TransportError",
     "BackendUnavailable", "__version__",
