@@ -109,7 +109,7 @@ setup(
             "wsync._cpu",
             sources=["csrc/delta_cpu.cpp", "csrc/xxh3_avx2.cpp", "csrc/ws_v2_cpu.cpp"],
             depends=["csrc/delta_kernels.h", "csrc/checksum_kernels.h", "csrc/parallel.h", "csrc/xxh3_dispatch.h", "csrc/xxh3_avx2.h", "csrc/xxh3_stream.h", "csrc/xxh3_stream_impl.h", "csrc/streams.h",
-                     "csrc/xxh3.h", "csrc/ws_common.cuh", "csrc/ws_v2.h", "csrc/ws_v2.cuh", "csrc/ws_v2_planes.h"],
+                     "csrc/xxh3.h", "csrc/ws_common.cuh", "csrc/ws_v2.h", "csrc/ws_v2.cuh", "csrc/ws_v2_planes.h", "csrc/ws_quant.cuh"],
             include_dirs=["csrc"],
             language="c++",
             optional=True,

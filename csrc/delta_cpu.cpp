@@ -8,15 +8,21 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <atomic>
+#include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <new>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "checksum_kernels.h"
 #include "delta_kernels.h"
 #include "ws_lora.cuh"  // the lowrank range finder, shared with the CUDA kernel
+#include "ws_quant.cuh"  // the quantizers of wsync.quant, shared with the CUDA kernels
 
 // delta v2, in csrc/ws_v2_cpu.cpp
 PyObject* ws_v2_py_encode(PyObject*, PyObject* args);
@@ -563,6 +569,152 @@ PyObject* py_lora_range(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// ---- quantizers (wsync.quant; csrc/ws_quant.cuh, shared with the CUDA kernels) -------------------------------
+
+// Call f(std::integral_constant<int, D>) for a weight dtype number of ws_quant.cuh; false (ValueError) for others.
+template <class F>
+bool by_qdtype(int dtype, F&& f) {
+  switch (dtype) {
+    case ws::QD_BF16: f(std::integral_constant<int, ws::QD_BF16>{}); return true;
+    case ws::QD_F16: f(std::integral_constant<int, ws::QD_F16>{}); return true;
+    case ws::QD_F32: f(std::integral_constant<int, ws::QD_F32>{}); return true;
+    default:
+      PyErr_Format(PyExc_ValueError, "quantize: weight dtype number must be 0 (BF16), 1 (F16) or 2 (F32), got %d", dtype);
+      return false;
+  }
+}
+
+int qdtype_width(int dtype) { return dtype == ws::QD_F32 ? 4 : 2; }
+
+// The smallest flat index any unit reported (units run on several threads; the least wins, as the reference's).
+struct FirstBad {
+  std::atomic<int64_t> at{INT64_MAX};
+  void offer(int64_t i) {
+    int64_t cur = at.load();
+    while (i < cur && !at.compare_exchange_weak(cur, i)) {
+    }
+  }
+  long long result() const { return at.load() == INT64_MAX ? -1 : (long long)at.load(); }
+};
+
+bool check_sizes(const char* what, std::initializer_list<std::pair<const Buffer*, int64_t>> want) {
+  for (const auto& [b, bytes] : want)
+    if (b->size() != bytes) {
+      PyErr_Format(PyExc_ValueError, "%s: a buffer of %lld bytes where the shape needs %lld", what,
+                   (long long)b->size(), (long long)bytes);
+      return false;
+    }
+  return true;
+}
+
+// Row units per claim: about 64K elements, so a short row does not cost a claim each.
+int64_t row_grain(int64_t k) { return std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, k)); }
+
+PyObject* py_quantize_int4(PyObject*, PyObject* args) {
+  PyObject *x_obj, *p_obj, *s_obj;
+  int dtype;
+  long long rows, k, group;
+  if (!PyArg_ParseTuple(args, "OiLLLOO:quantize_int4", &x_obj, &dtype, &rows, &k, &group, &p_obj, &s_obj))
+    return nullptr;
+  Buffer x, packed, scale;
+  if (!x.get(x_obj) || !packed.get(p_obj, true) || !scale.get(s_obj, true)) return nullptr;
+  if (rows < 0 || k < 0 || group <= 0 || group % 8 || k % group) {
+    PyErr_Format(PyExc_ValueError, "quantize_int4: rows=%lld k=%lld group=%lld (k a multiple of group, group of 8)",
+                 rows, k, group);
+    return nullptr;
+  }
+  const int w = qdtype_width(dtype);
+  if (!check_sizes("quantize_int4", {{&x, rows * k * w}, {&packed, rows * (k / 8) * 4}, {&scale, rows * (k / group) * w}}))
+    return nullptr;
+  FirstBad bad;
+  const bool ok = by_qdtype(dtype, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    typedef typename ws::QType<D>::T T;
+    const T* px = reinterpret_cast<const T*>(x.data());
+    auto* pp = reinterpret_cast<ws::u32*>(packed.writable_data());
+    T* ps = reinterpret_cast<T*>(scale.writable_data());
+    Py_BEGIN_ALLOW_THREADS
+    wsync::parallel_for(rows, row_grain(k), [&](int64_t r) {
+      thread_local std::vector<ws::i8> tmp;
+      if (tmp.size() < size_t(k)) tmp.resize(size_t(k));
+      const ws::i64 j = ws::q_int4_row_host<D>(px + r * k, ws::u64(k), ws::u32(group), pp + r * (k / 8),
+                                               ps + r * (k / group), tmp.data());
+      if (j >= 0) bad.offer(r * k + j);
+    });
+    Py_END_ALLOW_THREADS
+  });
+  if (!ok) return nullptr;
+  return PyLong_FromLongLong(bad.result());
+}
+
+PyObject* py_quantize_int8(PyObject*, PyObject* args) {
+  PyObject *x_obj, *c_obj, *s_obj;
+  int dtype;
+  long long rows, k;
+  if (!PyArg_ParseTuple(args, "OiLLOO:quantize_int8", &x_obj, &dtype, &rows, &k, &c_obj, &s_obj)) return nullptr;
+  Buffer x, codes, scale;
+  if (!x.get(x_obj) || !codes.get(c_obj, true) || !scale.get(s_obj, true)) return nullptr;
+  if (rows < 0 || k < 0) {
+    PyErr_Format(PyExc_ValueError, "quantize_int8: rows=%lld k=%lld", rows, k);
+    return nullptr;
+  }
+  const int w = qdtype_width(dtype);
+  if (!check_sizes("quantize_int8", {{&x, rows * k * w}, {&codes, rows * k}, {&scale, rows * w}})) return nullptr;
+  FirstBad bad;
+  const bool ok = by_qdtype(dtype, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    typedef typename ws::QType<D>::T T;
+    const T* px = reinterpret_cast<const T*>(x.data());
+    auto* pc = reinterpret_cast<ws::i8*>(codes.writable_data());
+    T* ps = reinterpret_cast<T*>(scale.writable_data());
+    Py_BEGIN_ALLOW_THREADS
+    wsync::parallel_for(rows, row_grain(k), [&](int64_t r) {
+      const ws::i64 j = ws::q_int8_row_host<D>(px + r * k, ws::u64(k), pc + r * k, ps + r);
+      if (j >= 0) bad.offer(r * k + j);
+    });
+    Py_END_ALLOW_THREADS
+  });
+  if (!ok) return nullptr;
+  return PyLong_FromLongLong(bad.result());
+}
+
+PyObject* py_quantize_fp8(PyObject*, PyObject* args) {
+  PyObject *x_obj, *c_obj, *s_obj;
+  int dtype;
+  long long mats, m, n, bm, bn;
+  if (!PyArg_ParseTuple(args, "OiLLLLLOO:quantize_fp8", &x_obj, &dtype, &mats, &m, &n, &bm, &bn, &c_obj, &s_obj))
+    return nullptr;
+  Buffer x, codes, sf;
+  if (!x.get(x_obj) || !codes.get(c_obj, true) || !sf.get(s_obj, true)) return nullptr;
+  if (mats < 0 || m < 0 || n < 0 || bm <= 0 || bn <= 0) {
+    PyErr_Format(PyExc_ValueError, "quantize_fp8: matrices=%lld m=%lld n=%lld block=%lldx%lld", mats, m, n, bm, bn);
+    return nullptr;
+  }
+  const int64_t rb = (m + bm - 1) / bm, cb = (n + bn - 1) / bn;
+  const int w = qdtype_width(dtype);
+  if (!check_sizes("quantize_fp8", {{&x, mats * m * n * w}, {&codes, mats * m * n}, {&sf, mats * rb * cb * 4}}))
+    return nullptr;
+  FirstBad bad;
+  const bool ok = by_qdtype(dtype, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    typedef typename ws::QType<D>::T T;
+    const T* px = reinterpret_cast<const T*>(x.data());
+    auto* pc = reinterpret_cast<ws::u8*>(codes.writable_data());
+    auto* ps = reinterpret_cast<float*>(sf.writable_data());
+    Py_BEGIN_ALLOW_THREADS
+    wsync::parallel_for(mats * rb * cb, 1, [&](int64_t b) {
+      const int64_t mat = b / (rb * cb), bi = (b / cb) % rb, bj = b % cb;
+      const int64_t at = mat * m * n + bi * bm * n + bj * bn;
+      const ws::i64 j = ws::q_fp8_block_host<D>(px + at, ws::u64(n), ws::u64(std::min(bm, m - bi * bm)),
+                                                ws::u64(std::min(bn, n - bj * bn)), pc + at, ps + b);
+      if (j >= 0) bad.offer(at + j);
+    });
+    Py_END_ALLOW_THREADS
+  });
+  if (!ok) return nullptr;
+  return PyLong_FromLongLong(bad.result());
+}
+
 // ---- module -----------------------------------------------------------------
 
 PyMethodDef methods[] = {
@@ -592,6 +744,16 @@ PyMethodDef methods[] = {
      "each checked to lie in bits before anything is written; ValueError otherwise)."},
     {"lora_range", py_lora_range, METH_VARARGS,
      "lora_range(w_new, w_old, omega, y, m, n, k) -> None: y = (w_new - w_old) @ omega (bf16 patterns, fp32)."},
+    {"quantize_int4", py_quantize_int4, METH_VARARGS,
+     "quantize_int4(x, dtype, rows, k, group, packed, scale) -> int: compressed-tensors' symmetric INT4 of rows x k\n"
+     "weight patterns (dtype 0 BF16, 1 F16, 2 F32), a scale per group, packed 8 to an int32; the flat index of\n"
+     "the first non-finite element, or -1."},
+    {"quantize_int8", py_quantize_int8, METH_VARARGS,
+     "quantize_int8(x, dtype, rows, k, codes, scale) -> int: compressed-tensors' symmetric INT8, a scale per row;\n"
+     "the flat index of the first non-finite element, or -1."},
+    {"quantize_fp8", py_quantize_fp8, METH_VARARGS,
+     "quantize_fp8(x, dtype, matrices, m, n, bm, bn, codes, scale_inv) -> int: vLLM's block FP8 e4m3 cast of\n"
+     "matrices x [m, n], a float32 scale per bm x bn block; the flat index of the first non-finite element, or -1."},
     {"v2_encode", ws_v2_py_encode, METH_VARARGS, "delta v2 parts of v1 sections against the base (csrc/ws_v2.h)"},
     {"v2_decode", ws_v2_py_decode, METH_VARARGS, "v1 sections of delta v2 parts against the base, or an error str"},
     {"v2_paths", ws_v2_py_paths, METH_NOARGS, "chunks v2 ran on the bit planes and on the portable code, so far"},

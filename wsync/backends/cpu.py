@@ -27,7 +27,9 @@ ORDERS = ("float", "int", "uint")
 # Every entry point CpuKernels calls: an extension built from older sources lacks some, and is refused whole
 # (backends.select then passes over this backend and says why) rather than half used.
 SYMBOLS = ("delta_encode", "delta_decode", "delta_apply", "delta_apply_inplace", "write_changes", "copy_checksum",
-           "checksum", "put", "v2_encode", "v2_decode", "lora_range", "max_threads", "InvalidSections")
+           "checksum", "put", "v2_encode", "v2_decode", "lora_range", "quantize_int4", "quantize_int8", "quantize_fp8",
+           "max_threads", "InvalidSections")
+QUANT_DTYPES = {"BF16": 0, "F16": 1, "F32": 2}  # the weight dtypes of the quantizing kernels (ws::QD_*)
 
 
 def _import_extension():
@@ -94,6 +96,35 @@ def _section(a: np.ndarray, dtype, what: str) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def quant_dims(scheme, shape: tuple[int, ...], dtype: str) -> tuple[int, ...] | None:
+    """How the quantizing kernels (csrc/ws_quant.cuh) see a weight of this shape: (rows, k, group) for
+    int4_group, (rows, k) for int8_channel, (matrices, m, n, bm, bn) for fp8_block; None where the kernels have
+    nothing to do and the reference must answer (a dtype or shape it refuses with its own message, or no
+    elements)."""
+    shape = tuple(int(d) for d in shape)
+    if dtype not in QUANT_DTYPES or not shape or 0 in shape:
+        return None
+    lead = int(np.prod(shape[:-1], dtype=np.int64))
+    if scheme.kind == "int4_group":
+        group = int(scheme.group)
+        return None if group <= 0 or group % 8 or shape[-1] % group else (lead, shape[-1], group)
+    if len(shape) < 2:
+        return None
+    if scheme.kind == "int8_channel":
+        return (lead, shape[-1])
+    if scheme.kind == "fp8_block":
+        *mats, m, n = shape
+        return (int(np.prod(mats, dtype=np.int64)), m, n, *(int(b) for b in scheme.block))
+    return None
+
+
+def quant_refuse(scheme, bits: np.ndarray, dtype: str, at: int, what: str):
+    """The reference's QuantizeError for a weight whose element `at` (flat) a kernel found not finite: the
+    scheme's reference refuses it before any arithmetic, with the message every backend gives."""
+    scheme.reference(bits, dtype, what)
+    raise AssertionError(f"{what}: the quantizing kernel reported element {at} not finite; the reference finds none")
+
+
 def _order(order: str) -> str:
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
@@ -154,6 +185,31 @@ class CpuKernels(Composed):
         y = np.empty((m, k), dtype=np.float32)
         self._cpu.lora_range(a, b, om, y, m, n, k)
         return torch.from_numpy(y)
+
+    def quantize(self, scheme, bits, dtype, outs, what="tensor"):
+        """scheme.reference(bits, dtype) written into outs, in C++ (csrc/ws_quant.cuh), threaded over rows or
+        blocks; what the kernels do not take (a shape or dtype the reference refuses, an empty weight) is the
+        reference's."""
+        dims = quant_dims(scheme, bits.shape, dtype)
+        if dims is None or not isinstance(bits, np.ndarray) or bits.dtype.itemsize != (4 if dtype == "F32" else 2):
+            return super().quantize(scheme, bits, dtype, outs, what)
+        x = np.ascontiguousarray(bits)
+        direct = all(isinstance(o, np.ndarray) and o.flags.c_contiguous and o.flags.writeable for o in outs)
+        dst = outs if direct else [np.empty(o.shape, o.dtype) for o in outs]
+        code = QUANT_DTYPES[dtype]
+        if scheme.kind == "int4_group":
+            rows, k, group = dims
+            bad = self._cpu.quantize_int4(x, code, rows, k, group, dst[0], dst[1])
+            dst[2].reshape(-1).view(np.int64)[:] = bits.shape
+        elif scheme.kind == "int8_channel":
+            bad = self._cpu.quantize_int8(x, code, *dims, dst[0], dst[1])
+        else:
+            bad = self._cpu.quantize_fp8(x, code, *dims, dst[0], dst[1])
+        if bad >= 0:
+            quant_refuse(scheme, x, dtype, bad, what)
+        if not direct:
+            for o, d in zip(outs, dst):
+                np.copyto(o, d)
 
     # The fused operations of the Kernels protocol, each one pass over the
     # tensor where Composed's take two or three (benchmarks/wsync_bench/kernels.py
