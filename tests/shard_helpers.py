@@ -454,3 +454,136 @@ def commit(g: Group, v: int) -> None:
     assert res["digest"] == res["expected"] is not None, res  # what engine ranks hold = what trainers announced
     got = g.expect("committed", v, range(g.spec["n"]))
     assert all(served == v and ok for served, ok in got.values()), got
+
+
+# -- quantized sharded sync: the trainer's BF16 boxes -> the engine's boxes of q(full state) -------------------
+
+# every quantized matrix's sides are multiples of 256, so FSDP over 2 ranks and TP over 2 cut FP8's 128x128
+# blocks nowhere; over 3 trainer ranks the rows split 86, 86, 84 (INT4 and INT8 take any row split)
+QDIMS = {"layers": 2, "hidden": 256, "inter": 256, "vocab": 130, "heads": 4, "kv_heads": 2, "head_dim": 64}
+
+
+def quantizer_for(kind: str, group: int = 32):
+    """compressed-tensors' INT4 group / INT8 channel or vLLM's block FP8 on every Linear but lm_head (as quantized
+    checkpoints leave it); FP8 on the MLP projections only (the k / v rows are 128: FSDP over 2 cuts them)."""
+    from wsync.quant import Fp8Block, Int4Group, Int8Channel, Quantizer
+
+    if kind == "int4":
+        return Quantizer([(["Linear"], Int4Group(group))], ignore=["lm_head"])
+    if kind == "int8":
+        return Quantizer([(["Linear"], Int8Channel())], ignore=["lm_head"])
+    return Quantizer([(["re:.*mlp\\."], Fp8Block())], ignore=["lm_head"])
+
+
+def quant_plan(m: int, n: int, kind: str, dims: dict = QDIMS):
+    """(the BF16 trainer layout, the plan): FSDP2 over m trainer ranks, torch TP over n engine ranks, both over
+    the quantized state's tensors."""
+    from wsync.shard.conventions import fsdp_placements, hf_tp_layout, quantized_layout, trainer_layout_for
+    from wsync.shard.route import route
+
+    params, q = qwen_params(**dims), quantizer_for(kind)
+    trainer = trainer_layout_for(params, fsdp_placements(params), m)
+    return trainer, route(quantized_layout(trainer, q), hf_tp_layout(params, n, quantize=q))
+
+
+def quant_reference(q, params: dict[str, Param], bits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """q(full state) as bit patterns, from wsync.quant's numpy reference (ref.py) on the unsharded state."""
+    out = {}
+    for name, b in bits.items():
+        scheme = q.scheme_for(name, params[name].shape, "BF16")
+        if scheme is None:
+            out[name] = b
+            continue
+        for o, a in zip(scheme.outputs(params[name].shape, "BF16"), scheme.reference(b, "BF16", name)):
+            a = np.ascontiguousarray(a)
+            out[name[: -len("weight")] + o.suffix] = a.view(f"<u{a.dtype.itemsize}").reshape(o.shape)
+    return out
+
+
+def quant_expected(plan, rank: int, qbits: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Engine rank `rank`'s local tensors at a version, as bit patterns: q(full state) sliced by the layout."""
+    from wsync import dtypes
+
+    out = {name: np.zeros(p.shape, dtypes.from_torch(p.dtype).bits_dtype)
+           for (r, name), p in plan.engine.locals.items() if r == rank}
+    for n in plan.engine.needs:
+        if n.rank == rank:
+            out[n.name][sl(n.dst)] = qbits[n.src_name][sl(n.src)]
+    return out
+
+
+def bits_of(t) -> np.ndarray:
+    """A CPU tensor's bit patterns (unsigned ints of its width)."""
+    import torch
+
+    return t.view(getattr(torch, f"uint{8 * t.element_size()}")).numpy()
+
+
+def quant_engine_worker(rank: int, spec: dict, coordinator: str, out) -> None:
+    """engine_worker for quant_plan: local tensors of zeros in the quantized dtypes, and after every outcome a
+    byte check of each against q(full state) (the numpy reference) at the version it serves."""
+    import torch
+
+    from wsync.shard.sync import ShardSubscriber
+
+    _, plan = quant_plan(spec["m"], spec["n"], spec["kind"])
+    params, q = qwen_params(**QDIMS), quantizer_for(spec["kind"])
+    ref = Reference(params)
+    tensors = {name: torch.zeros(p.shape, dtype=getattr(torch, p.dtype))
+               for (r, name), p in plan.engine.locals.items() if r == rank}
+    sub = ShardSubscriber(plan, rank, tensors, coordinator=coordinator, token=TOKEN)
+    while sub.stage is None:
+        time.sleep(0.02)
+    out.put((rank, "joined", None, True, None))
+    seen, cache = 0, {}
+    while True:
+        with sub.lock:
+            events, version = list(sub.events), sub.version
+            if len(events) > seen and version is not None:
+                if version not in cache:
+                    cache = {version: quant_expected(plan, rank, quant_reference(q, params, ref.at(version)))}
+                want = cache[version]
+                ok = want.keys() == tensors.keys() and all(np.array_equal(bits_of(tensors[k]), w)
+                                                           for k, w in want.items())
+            elif len(events) > seen:
+                ok = True
+        for ev in events[seen:]:
+            out.put((rank, ev[0], version, ok, ev[1]))
+        seen = len(events)
+        time.sleep(0.02)
+
+
+class QuantGroup(Group):
+    """Group over quant_plan: m ShardPublishers(quantize=q) here, each handed its BF16 local tensors, and n
+    quant_engine_worker processes."""
+
+    def __init__(self, m: int, n: int, kind: str, timeout: float = 30.0, **config):
+        from wsync.shard.sync import ShardPublisher
+
+        config.setdefault("listen_opts", {"resume_window": 3.0})
+        self.spec = {"m": m, "n": n, "kind": kind}
+        self.bf16, self.plan = quant_plan(m, n, kind)
+        self.ref = Reference(qwen_params(**QDIMS))
+        q = quantizer_for(kind)  # one per trainer rank would be as good: its output buffers are per name
+        self.pubs = [ShardPublisher(self.plan, 0, coordinator="tcp://127.0.0.1:0", host_coordinator=True,
+                                    token=TOKEN, timeout=timeout, quantize=q, **config)]
+        self.address = self.pubs[0].coordinator_address
+        self.pubs += [ShardPublisher(self.plan, t, coordinator=self.address, token=TOKEN, quantize=quantizer_for(kind),
+                                     **config) for t in range(1, m)]
+        self.ctx = mp.get_context("spawn")
+        self.out = self.ctx.Queue()
+        self.procs, self.log = {}, []
+        for r in range(n):
+            self.start(r, {})
+        self.expect("joined", None, range(n))
+
+    def start(self, rank: int, hooks: dict) -> None:
+        assert not hooks, "quant_engine_worker injects no faults"
+        p = self.ctx.Process(target=quant_engine_worker, args=(rank, self.spec, self.address, self.out), daemon=True)
+        p.start()
+        self.procs[rank] = p
+
+    def publish(self, v: int) -> None:
+        state = self.ref.torch_state(v)
+        for t, pub in enumerate(self.pubs):
+            pub.publish({h.name: state[h.name][sl(h.box)].contiguous() for h in self.bf16.held if h.rank == t}, v)

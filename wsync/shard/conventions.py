@@ -25,7 +25,14 @@ import math
 from fnmatch import fnmatchcase
 
 from .layout import Box, EngineLayout, Held, Need, Param, TrainerLayout, box_numel, box_shape, full_box
-from .vllm_names import VllmConfig, vllm_layout  # noqa: F401 (one module to import layouts from)
+from .quantized import SHAPE, quantized_engine_layout, quantized_layout
+from .vllm_names import VllmConfig, vllm_layout
+
+# one module to import every layout builder from, vLLM's and the quantized ones included
+__all__ = ["COLWISE", "QWEN3_TP_PLAN", "REPLICATE", "ROWWISE", "SHARD", "STYLES", "VOCAB", "VllmConfig", "chunk",
+           "coordinate", "fsdp_placements", "held_from_dtensors", "hf_tp_layout", "placement_box",
+           "quantized_engine_layout", "quantized_layout", "replicas", "tp_placements", "trainer_layout_for",
+           "trainer_layout_from_dtensors", "vllm_layout"]
 
 SHARD, REPLICATE = "shard", "replicate"
 COLWISE, ROWWISE, VOCAB = "colwise", "rowwise", "vocab"
@@ -189,11 +196,21 @@ def _style(module: str, plan: dict[str, str]) -> str:
 
 def tp_placements(params: dict[str, Param], plan: dict[str, str]) -> dict:
     """Placements of a module-level tensor-parallel plan: colwise and vocab Shard(0) of weight and bias,
-    rowwise Shard(1) of the weight and a replicated bias (what ColwiseParallel / RowwiseParallel do to nn.Linear)."""
+    rowwise Shard(1) of the weight and a replicated bias (what ColwiseParallel / RowwiseParallel do to nn.Linear).
+
+    Over a quantized module's tensors (wsync.quant's names): weight_shape replicated (its value is the global
+    shape); colwise splits the rows of every other one; rowwise splits the columns of the codes, of INT4's group
+    scales and FP8's block scales, and replicates INT8's [n, 1] channel scale whole. Torch chunks each tensor on
+    its own, so an INT4 or FP8 split lines the scales up with the codes only where the chunks fall on group or
+    block boundaries: hf_tp_layout(quantize=q) splits them from the weight's boxes instead, and refuses a cut."""
     out = {}
     for name, p in params.items():
         style = _style(name.rpartition(".")[0], plan)
-        if style in (COLWISE, VOCAB) and p.shape:
+        last = name.rpartition(".")[2]
+        if last == SHAPE or (style == ROWWISE and last == "weight_scale" and p.shape and p.shape[-1] == 1
+                             and name[: -len(last)] + "weight" in params):
+            out[name] = (REPLICATE,)
+        elif style in (COLWISE, VOCAB) and p.shape:
             out[name] = (SHARD, 0)
         elif style == ROWWISE and len(p.shape) >= 2:
             out[name] = (SHARD, 1)
@@ -203,12 +220,15 @@ def tp_placements(params: dict[str, Param], plan: dict[str, str]) -> dict:
 
 
 def hf_tp_layout(params: dict[str, Param], tp: int, plan: dict[str, str] = QWEN3_TP_PLAN, *,
-                 vocab_pad_to: int = 1) -> EngineLayout:
+                 vocab_pad_to: int = 1, quantize=None) -> EngineLayout:
     """Engine ranks of a transformers model under torch tensor parallelism, names unchanged.
 
     Uneven sizes split as torch splits them (8 heads over 3 ranks: rows of 3, 3, 2 heads' worth, not head-aligned).
     vocab_pad_to > 1: "vocab" tensors are padded to a multiple of it before the split; padding rows are the
-    engine's own (no trainer sends them).
+    engine's own (no trainer sends them). quantize: a wsync.quant Quantizer; params are still the trainer's
+    (BF16) ones, and the layout is over q(state)'s tensors, each rank's boxes those its BF16 boxes make
+    (quantized_engine_layout: a rowwise INT8 rank gets its rows' whole scales, weight_shape goes whole to every
+    rank; a split that cuts an INT4 group or an FP8 block is refused).
     """
     if tp < 1 or vocab_pad_to < 1:
         raise ValueError(f"tp and vocab_pad_to must be >= 1, got {tp}, {vocab_pad_to}")
@@ -229,7 +249,8 @@ def hf_tp_layout(params: dict[str, Param], tp: int, plan: dict[str, str] = QWEN3
             local[(r, name)] = Param(tuple(shape), p.dtype)
             if box_numel(src):
                 needs.append(Need(r, name, dst, name, src))
-    return EngineLayout(ranks=tp, locals=local, needs=tuple(needs))
+    layout = EngineLayout(ranks=tp, locals=local, needs=tuple(needs))
+    return layout if quantize is None else quantized_engine_layout(layout, params, quantize)
 
 
 def replicas(layout: EngineLayout, copies: int) -> EngineLayout:

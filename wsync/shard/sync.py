@@ -35,12 +35,14 @@ from .. import backends
 from .. import dtypes
 from ..device import on_one_device
 from ..layout import bind
+from ..quant import as_quantizer
 from ..sync import Publisher
 from . import streams
 from .commit import Coordinator, SettleTimeout
 from .engine import ShardSubscriber  # the engine side: one module to import
 from .layout import box_numel, box_shape, full_box
 from .member import Member, digests_doc
+from .quantized import LocalQuantizer
 from .rounds import partial_digest
 from .stage import GROUPS, _slices, data_token
 from .tensors import buffers_for, trainer_locals
@@ -113,12 +115,14 @@ class ShardPublisher:
     def __init__(self, plan, rank: int, *, coordinator: str, host_coordinator: bool = False, token=None,
                  host: str = "127.0.0.1", transport: str = "tcp", timeout: float = 60.0, backend: str | None = None,
                  listen_opts: dict | None = None, link_opts: dict | None = None, connect_timeout: float = 60.0,
-                 coordinator_state_dir=None, **publisher_config):
+                 coordinator_state_dir=None, quantize=None, **publisher_config):
         if not (isinstance(rank, int) and 0 <= rank < plan.trainer.ranks):
             raise ValueError(f"trainer rank must be in [0, {plan.trainer.ranks}), got {rank!r}")
         data_address(transport, host, None)  # a bad transport fails before anything listens
         self.plan, self.rank, self.transport = plan, rank, transport
         self.sends = plan.sends(rank)  # engine rank -> this rank's pieces for it
+        self.quantize = None if quantize is None else LocalQuantizer(
+            as_quantizer(quantize, backend=backend), plan, rank, {p.src_name for ps in self.sends.values() for p in ps})
         self.kernels = backends.kernels(backend)
         self.coordinator = Coordinator(plan, coordinator, token=token, timeout=timeout, link_opts=link_opts,
                                        state_dir=coordinator_state_dir) if host_coordinator else None
@@ -156,11 +160,14 @@ class ShardPublisher:
         """Send this rank's pieces of `version` (every trainer rank calls it with the same version).
 
         local_tensors: parameter name -> this rank's local tensor of it (a DTensor is taken by its local
-        tensor); only names this rank sends pieces of are read."""
+        tensor); only names this rank sends pieces of are read (with quantize=, the BF16 tensors they are made
+        from)."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         import torch
 
+        if self.quantize is not None:
+            local_tensors = self.quantize(local_tensors)
         partials, local = {}, trainer_locals(self.plan, self.rank, local_tensors, self._names)
         k = on_one_device(local)
         if k is not None:

@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass
 
 from .layout import EngineLayout, Need, Param, full_box
+from .quantized import is_quantized_name
 
 _QKV = re.compile(r"^(?P<pre>.*)\.(?P<w>[qkv])_proj\.(?P<leaf>weight|bias)$")
 _GATE_UP = re.compile(r"^(?P<pre>.*)\.(?P<w>gate|up)_proj\.weight$")
@@ -155,6 +156,10 @@ def vllm_layout(params: dict[str, Param], tp: int, config: VllmConfig) -> Engine
         if m := _EXPERT.match(name):
             experts[m["pre"]] = max(experts.get(m["pre"], 0), int(m["e"]) + 1)
     for name, p in params.items():
+        if is_quantized_name(name) or p.dtype in ("int8", "float8_e4m3fn"):
+            raise ValueError(f"{name} ({p.dtype}): quantized tensors in vLLM's fused layout (qkv_proj, "
+                             "gate_up_proj, experts, each with its own scale and shape tensors) are not modelled; "
+                             "use hf_tp_layout(params, tp, quantize=q), whose tensors keep the checkpoint's names")
         if _MLA.search(name):
             raise ValueError(f"{name}: multi-head latent attention (DeepSeek V3 / Kimi) is not modelled for vLLM; "
                              "use hf_tp_layout or give the engine layout explicitly")
