@@ -98,6 +98,11 @@ def test_every_scheme_applies_bit_for_bit_and_is_timed_against_the_bf16_encode(p
     per = s["per_version"]["1e-06"]
     assert per["versions"] == 1 and set(per["bytes"]) == {"bf16_full", "bf16_delta", "quant_full", "quant_delta"}
     assert 0 < per["fraction_changed"]["codes"] <= 1
+    row = s["versions"][0]
+    for part in quant.PARTS:
+        p = row["parts"][part]
+        assert 0 < p["empty_delta_bytes"] < p["delta_bytes"]
+        assert per["bytes_per_changed"][part] == (p["delta_bytes"] - p["empty_delta_bytes"]) / row["changed"][part]
 
 
 def test_the_suite_is_a_bench_subcommand(capsys):
@@ -120,7 +125,7 @@ def test_a_run_writes_its_results_to_the_cache_never_the_checkout(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = home / ".cache" / "wsync" / "results"
-    js = next(out.glob("*-quant-tiny.json"))
+    js = next(out.glob("*-quant.json"))
     doc = json.loads(js.read_text())
     assert doc["command"].startswith("wsync bench quant --size tiny") and set(doc["schemes"]) == set(quant.SCHEME_NAMES)
     assert js.with_suffix(".md").read_text().startswith("# wsync bench quant on ")

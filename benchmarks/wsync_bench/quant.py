@@ -17,7 +17,8 @@ their scales, and the BF16 values it leaves alone) and the bytes of four payload
 quantized full and delta. Full is the raw codec (a keyframe); delta is the packed tier with the member table
 named by hash, as the Publisher sends deltas by default, one payload for the whole state. Every delta is
 applied to its base and compared byte for byte with the state it encodes. Each part of the quantized delta
-(codes, scales, the BF16 rest) is also encoded on its own, so its bytes per changed element can be read off.
+(codes, scales, the BF16 rest) is also encoded on its own, so its bytes per changed element can be read off
+(beyond what a delta that changes nothing costs, so they carry over to a model of another size).
 
 Then, on the first pair: the Quantizer on the fastest host backend against the BF16 delta encode of the same
 state, rounds interleaved and the best of each kept (the machines this runs on are shared), as a ratio; the
@@ -168,10 +169,19 @@ def measure_pair(q, base: dict, new: dict) -> dict:
             continue
         sub_b, sub_n = {n: qb[n] for n in names}, {n: qn[n] for n in names}
         wire, exact = delta_bytes(sub_b, sub_n)
+        empty = empty_delta_bytes(sub_b)
         row["parts"][kind] = {"raw_bytes": sum(qn[n].nbytes for n in names), "delta_bytes": wire,
-                              "bytes_per_changed": wire / max(counts[kind][0], 1)}
+                              "empty_delta_bytes": empty, "bytes_per_changed": (wire - empty) / max(counts[kind][0], 1)}
         row["exact"] = row["exact"] and exact
     return row
+
+
+def empty_delta_bytes(state: dict) -> int:
+    """Bytes of a delta that changes nothing: what a payload costs whatever changed (header, manifest, checksums),
+    left out of the bytes per changed element so they carry over to a model of another size."""
+    from wsync import api
+
+    return api.encode(state, state, tier="packed", inline=False).nbytes
 
 
 def quantize_kernel(backend: str | None = None) -> str:
@@ -204,6 +214,13 @@ def _mean(rows: list[dict], key: str) -> dict:
     return {k: sum(r[key][k] for r in rows) / len(rows) for k in rows[0][key]}
 
 
+def _per_changed(rows: list[dict]) -> dict:
+    """Each part's delta bytes per changed element over these versions, beyond a delta that changes nothing (what a
+    planner multiplies densities by)."""
+    return {k: sum(r["parts"][k]["delta_bytes"] - r["parts"][k]["empty_delta_bytes"] for r in rows)
+            / max(sum(r["changed"][k] for r in rows), 1) for k in rows[0]["parts"]}
+
+
 def run(pairs: list[tuple[str, float, Path, Path]], *, experts: int, dense_layers: int, rounds: int,
         schemes=SCHEME_NAMES) -> dict:
     """Every scheme on every (label, lr, base, new) pair, averaged per lr; timing on the first pair."""
@@ -230,6 +247,7 @@ def run(pairs: list[tuple[str, float, Path, Path]], *, experts: int, dense_layer
                          "tensors_in": len(first), "tensors_out": len(part), "versions": rows,
                          "per_version": {f"{lr:g}": {"bytes": _mean(sel, "bytes"),
                                                      "fraction_changed": _mean(sel, "fraction_changed"),
+                                                     "bytes_per_changed": _per_changed(sel),
                                                      "versions": len(sel)}
                                          for lr in dict.fromkeys(r["lr"] for r in rows)
                                          for sel in [[r for r in rows if r["lr"] == lr]]},
@@ -315,7 +333,7 @@ def main(a) -> None:
     doc = {"kind": "wsync bench quant", "date": dt.datetime.now().isoformat(timespec="seconds"),
            "command": command(a), "options": options(a), "hardware": hw, "hardware_line": one_line(hw),
            "source": f"generated {a.size} snapshots, lr {', '.join(f'{x:g}' for x in a.lr)}, "
-                     f"{a.versions} consecutive step(s) each", "load_average_before": os.getloadavg()}
+                     f"{a.versions} consecutive step(s) each", "size": a.size, "load_average_before": os.getloadavg()}
     doc.update(run(pairs, experts=a.experts, dense_layers=a.dense_layers, rounds=a.rounds,
                    schemes=tuple(a.schemes)))
     doc["load_average_after"] = os.getloadavg()
@@ -323,7 +341,7 @@ def main(a) -> None:
     print(text)
     out = a.out or default_results_dir()
     out.mkdir(parents=True, exist_ok=True)
-    base = out / f"{stem(hw, doc['date'][:10])}-quant{'-' + a.size if a.size != 'small' else ''}"
+    base = out / f"{stem(hw, doc['date'][:10])}-quant"
     base.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     base.with_suffix(".md").write_text(text + "\n")
     print(f"wrote {base.with_suffix('.json')} and .md")
