@@ -295,3 +295,24 @@ def test_fused_experts_are_decompressed_on_load_so_codes_are_refused(tmp_path):
     with pytest.raises(MismatchError, match="payload-only"):
         apply_version(engine, [p], p.manifest.checksum)
     assert same_bytes(model.state_dict(), before)
+
+
+def test_a_forward_pass_that_would_decompress_the_engine_is_refused(fmt, tmp_path, gen):
+    """transformers' first forward pass would swap the codes and scales for new BF16 parameters, and every later
+    version would be written into memory the model no longer reads: with an engine on it, that pass raises and
+    the model keeps what it holds, still in sync."""
+    from wsync.engines import hf
+
+    model, new = _next_version(fmt, tmp_path, gen)
+    engine = engines.HF(model)
+    engines.HF(model, guarded=True)  # a second engine on the model adds no second refusal
+    assert sum(h is hf._refuse_decompressing for h in model._forward_pre_hooks.values()) == 1
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(MismatchError, match="decompress"):
+        forward(model)
+    assert same_bytes(model.state_dict(), before)
+    p = encode(engine.tensors(), new, codec="delta")
+    apply_version(engine, [p], p.manifest.checksum)
+    assert same_bytes(model.state_dict(), new)
+    assert torch.equal(logits(model), forward(load_compressed(write_checkpoint(tmp_path / "b", trainer_model(0),
+                                                                                new, FORMATS[fmt]))))

@@ -25,6 +25,12 @@ the Subscriber then decodes into a host copy and writes the live weights
 (``load``, or on a GPU the device apply) under the lock, so a forward pass
 never sees half a version. Unguarded background updates write in place with no copy, and a
 concurrent forward pass may read a mix of two versions.
+
+Quantized models: a transformers load of a compressed-tensors checkpoint that keeps its weights compressed
+holds codes and scales as parameters (``weight_packed``, ``weight_scale``, ``weight_shape``; an int8
+``weight``), and the engine syncs them like any other tensor (``Publisher(quantize=...)`` sends them). Its
+first forward pass would decompress the model in place into new parameters, which the engine's bound memory
+no longer is, so an engine on such a model refuses that forward pass instead of letting updates go unseen.
 """
 from __future__ import annotations
 
@@ -94,6 +100,7 @@ class HF:
             raise ValueError(f"experts must be one of {moe.MODES} or None, got {experts!r}")
         self.experts = experts
         self.lock = threading.RLock()  # held by load(); a generating thread holds it around forward passes
+        _keep_compressed(model)
 
     # -- what the Subscriber sees ---------------------------------------------------------------
 
@@ -159,6 +166,24 @@ class HF:
         """Digest of the live parameters (the fused ones read through their slices), under the publisher's names."""
         with self.lock:
             return digest(as_state(self.live()))
+
+
+def _keep_compressed(model) -> None:
+    """Put a forward pre-hook before compressed-tensors' decompress-on-first-forward hook, so that forward pass
+    fails loudly rather than swapping the parameters this engine writes for new ones it never sees."""
+    if hasattr(model, "ct_decompress_hook") and not getattr(model, "_wsync_keeps_compressed", False):
+        model.register_forward_pre_hook(_refuse_decompressing, prepend=True)
+        model._wsync_keeps_compressed = True
+
+
+def _refuse_decompressing(model, args):
+    if hasattr(model, "ct_decompress_hook"):
+        raise MismatchError(
+            f"{type(model).__name__} holds compressed-tensors codes and scales that a wsync engine keeps in sync, "
+            "and this forward pass would decompress them in place into new parameters the engine never writes "
+            "(transformers has no forward pass from the compressed weights here). Run forward passes on a "
+            "decompressed copy, or load with CompressedTensorsConfig(dequantize=True) and publish the weights "
+            "unquantized")
 
 
 def _read_only(t) -> TensorBits:
