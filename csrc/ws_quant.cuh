@@ -19,6 +19,13 @@
 
 #include "ws_common.cuh"
 
+// Inlined everywhere: a call left in a host loop over elements keeps the compiler from vectorizing it.
+#if defined(__CUDACC__) || !defined(__GNUC__)
+#define WS_QHD WS_HD
+#else
+#define WS_QHD inline __attribute__((always_inline))
+#endif
+
 namespace ws {
 
 enum { QD_BF16 = 0, QD_F16 = 1, QD_F32 = 2 };  // the weight dtypes, as the Python wrappers number them
@@ -44,6 +51,10 @@ WS_HD float q_f32(u32 u) {
     v.u = u;
     return v.f;
 }
+
+// cond ? a : b as bit arithmetic: both sides are always computed, so the compiler cannot sink a float operation
+// into a branch (which, since float operations may trap, it then cannot turn back into a select).
+WS_HD u32 q_pick(bool cond, u32 a, u32 b) { return b ^ ((a ^ b) & (0u - u32(cond))); }
 
 WS_HD u32 q_bits(float f) {
     union {
@@ -79,22 +90,23 @@ template <> struct QType<QD_F16> {
     static constexpr u32 INF = 0x7C00u;
     WS_HD static float eps() { return 0.0009765625f; }  // 2**-10
     WS_HD static u32 abs_bits(T h) { return u32(h) & 0x7FFFu; }
+    // Both cases are computed and one is selected, so that the host's loops over elements stay branch-free
+    // (which is what lets the compiler vectorize them).
     WS_HD static float load(u32 h) {
         const u32 a = h & 0x7FFFu, sign = (h & 0x8000u) << 16;
         // a subnormal is its mantissa in units of 2**-24 (exact: both factors and the product are float32s)
-        const float mag = (a < 0x400u) ? q_mul(float(a), 5.9604644775390625e-8f) : q_f32((a << 13) + (112u << 23));
-        return q_f32(q_bits(mag) | sign);
+        const u32 sub = q_bits(q_mul(float(a), 5.9604644775390625e-8f)), normal = (a << 13) + (112u << 23);
+        return q_f32(q_pick(a < 0x400u, sub, normal) | sign);
     }
     WS_HD static T round(float f) {
         const u32 u = q_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
-        u32 h;
-        if (a < 0x38800000u)  // below 2**-14: a subnormal (or zero), its value in units of 2**-24, rounded
-            h = u32(q_rint(q_mul(q_f32(a), 16777216.0f)));
-        else {  // re-bias the exponent (127 -> 15), round the 13 dropped mantissa bits to even; past 65504: inf
-            h = (a - (112u << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13;
-            if (h > 0x7C00u) h = 0x7C00u;
-        }
-        return T(h | sign);
+        // below 2**-14: a subnormal (or zero), its value in units of 2**-24, rounded (the product is below 2**10
+        // where it is used; elsewhere it is discarded)
+        const u32 sub = u32(q_rint(q_mul(q_f32(q_pick(a < 0x38800000u, a, 0u)), 16777216.0f)));
+        // else re-bias the exponent (127 -> 15), round the 13 dropped mantissa bits to even; past 65504: inf
+        u32 normal = (a - (112u << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+        normal = normal > 0x7C00u ? 0x7C00u : normal;
+        return T(q_pick(a < 0x38800000u, sub, normal) | sign);
     }
 };
 
@@ -115,29 +127,32 @@ template <int D> WS_HD float q_sym_scale(u32 amax_bits, float half_range) {
     return s == 0.0f ? Q::eps() : s;
 }
 
-// Its integer code of x: x / scale in float32, rounded to the weight's dtype, clipped, rounded to even.
-template <int D> WS_HD i32 q_sym_code(float x, float scale, float q_min, float q_max) {
+// Its integer code of x: x / scale in float32, rounded to the weight's dtype, rounded to even, clipped. The
+// reference clips before rounding; with integer bounds the two orders agree, and clipping the integer keeps
+// the loop free of float compares. q_rint needs |q| < 2**22: |x| <= absmax, and the scale is absmax / half
+// rounded to the dtype, at worst (in the dtype's subnormals) 2/3 of that, so |q| <= 1.5 * half.
+template <int D> WS_HD i32 q_sym_code(float x, float scale, i32 q_min, i32 q_max) {
     typedef QType<D> Q;
-    float q = Q::load(Q::round(q_div(x, scale)));
-    q = q < q_min ? q_min : (q > q_max ? q_max : q);
-    return q_rint(q);
+    const i32 c = q_rint(Q::load(Q::round(q_div(x, scale))));
+    return c < q_min ? q_min : (c > q_max ? q_max : c);
 }
 
-constexpr float Q_INT4_HALF = 7.5f, Q_INT4_MIN = -8.0f, Q_INT4_MAX = 7.0f;
-constexpr float Q_INT8_HALF = 127.5f, Q_INT8_MIN = -128.0f, Q_INT8_MAX = 127.0f;
+constexpr float Q_INT4_HALF = 7.5f, Q_INT8_HALF = 127.5f;  // (q_max - q_min) / 2
+constexpr i32 Q_INT4_MIN = -8, Q_INT4_MAX = 7, Q_INT8_MIN = -128, Q_INT8_MAX = 127;
 constexpr float Q_FP8_MAX = 448.0f, Q_FP8_AMAX_FLOOR = 1e-4f;  // float8_e4m3fn's largest; vLLM's clamp of amax
 
 // torch's float32 -> float8_e4m3fn: nearest, ties to even; no infinity, so 448 and beyond saturate to 448.
-WS_HD u8 q_fp8_e4m3(float v) {
+WS_QHD u8 q_fp8_e4m3(float v) {
     const u32 u = q_bits(v), a = u & 0x7FFFFFFFu;
     const u32 sign = (u >> 24) & 0x80u;
-    u32 c;
-    if (a >= 0x43E00000u)  // 448.0 and beyond (NaN too, which no caller passes)
-        c = a > 0x7F800000u ? 0x7Fu : 0x7Eu;
-    else if (a < (121u << 23))  // below 2**-6: the format's subnormals, in units of 2**-9 (8 units: 0x08)
-        c = u32(q_rint(q_mul(q_f32(a), 512.0f)));
-    else  // re-bias the exponent (127 -> 7), round the 20 dropped mantissa bits to even
-        c = (a - (120u << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+    // every case is computed and one selected, branch-free (see QType<QD_F16>)
+    // 448.0 and beyond (NaN too, which no caller passes)
+    const u32 big = a > 0x7F800000u ? 0x7Fu : 0x7Eu;
+    // below 2**-6: the format's subnormals, in units of 2**-9 (8 units: 0x08)
+    const u32 sub = u32(q_rint(q_mul(q_f32(q_pick(a < (121u << 23), a, 0u)), 512.0f)));
+    // else re-bias the exponent (127 -> 7), round the 20 dropped mantissa bits to even
+    const u32 normal = (a - (120u << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+    const u32 c = q_pick(a >= 0x43E00000u, big, q_pick(a < (121u << 23), sub, normal));
     return u8(c | sign);
 }
 
