@@ -95,6 +95,7 @@ def test_every_scheme_applies_bit_for_bit_and_is_timed_against_the_bf16_encode(p
     t = s["timing"]
     assert t["ratio"] == pytest.approx(t["quantize_s"] / t["bf16_delta_encode_s"])
     assert t["quantize_kernel"].startswith("wsync.backends.")
+    assert t["reference_ratio"] == pytest.approx(t["quantize_reference_s"] / t["bf16_delta_encode_s"])
     per = s["per_version"]["1e-06"]
     assert per["versions"] == 1 and set(per["bytes"]) == {"bf16_full", "bf16_delta", "quant_full", "quant_delta"}
     assert 0 < per["fraction_changed"]["codes"] <= 1

@@ -20,10 +20,10 @@ applied to its base and compared byte for byte with the state it encodes. Each p
 (codes, scales, the BF16 rest) is also encoded on its own, so its bytes per changed element can be read off
 (beyond what a delta that changes nothing costs, so they carry over to a model of another size).
 
-Then, on the first pair: the Quantizer on the fastest host backend against the BF16 delta encode of the same
-state, rounds interleaved and the best of each kept (the machines this runs on are shared), as a ratio; the
-results name the CPU and the class whose quantize ran (a backend without its own inherits the numpy
-reference's).
+Then, on the first pair: the Quantizer on the fastest host backend, and on the numpy reference, against the BF16
+delta encode of the same state, rounds interleaved and the best of each kept (the machines this runs on are
+shared), as ratios; the results name the CPU and the class whose quantize ran (a backend without its own
+inherits the reference's).
 """
 from __future__ import annotations
 
@@ -192,11 +192,12 @@ def quantize_kernel(backend: str | None = None) -> str:
     return f"{owner.__module__}.{owner.__qualname__}"
 
 
-def timing(q, base: dict, new: dict, rounds: int) -> dict:
-    """Best seconds of the Quantizer on `new` and of the BF16 packed delta encode base -> new, interleaved."""
+def timing(q, ref, base: dict, new: dict, rounds: int) -> dict:
+    """Best seconds of the Quantizer q (the fastest host backend), of the same on the numpy reference (ref), and of
+    the BF16 packed delta encode base -> new on the fastest backend, interleaved."""
     from wsync import api
 
-    fns = {"quantize_s": lambda: q(new),
+    fns = {"quantize_s": lambda: q(new), "quantize_reference_s": lambda: ref(new),
            "bf16_delta_encode_s": lambda: api.encode(base, new, tier="packed", inline=False)}
     for fn in fns.values():  # warm: the Quantizer's buffers and plan, the codec's first allocations
         fn()
@@ -207,6 +208,7 @@ def timing(q, base: dict, new: dict, rounds: int) -> dict:
             fn()
             best[k] = min(best[k], time.perf_counter() - t)
     best["ratio"] = best["quantize_s"] / best["bf16_delta_encode_s"]
+    best["reference_ratio"] = best["quantize_reference_s"] / best["bf16_delta_encode_s"]
     return best
 
 
@@ -240,7 +242,7 @@ def run(pairs: list[tuple[str, float, Path, Path]], *, experts: int, dense_layer
                 rows.append({"label": label, "lr": lr, **measure_pair(from_config(cfg), base, new)})
                 bar.update()
             bar.set_postfix_str(f"{name} timing")
-            t = timing(from_config(cfg), states[0][2], first, rounds)
+            t = timing(from_config(cfg), from_config(cfg, backend="ref"), states[0][2], first, rounds)
             bar.update()
             part, source = parts_of(from_config(cfg), first)
             out[name] = {"config": cfg, "quantized_weights": sum(s is not None for s in source.values()),
@@ -275,13 +277,14 @@ def render(doc: dict) -> str:
             lines.append(f"| {name}, lr {lr} | {f['bf16_quantized']:.3%} | {f['codes']:.3%} | {f['scales']:.3%} | "
                          f"{f['bf16_rest']:.3%} | {b['bf16_full']:,.0f} | {b['bf16_delta']:,.0f} | "
                          f"{b['quant_full']:,.0f} | {b['quant_delta']:,.0f} | {'yes' if s['exact'] else 'NO'} |")
-    lines += ["", "Quantize (the Quantizer, fastest host backend) vs the BF16 delta encode of the same state, best of "
-                  "interleaved rounds:", "",
-              "| scheme | quantize s | BF16 delta encode s | ratio | quantize kernel |", "|---|---:|---:|---:|---|"]
+    lines += ["", "Quantize (the Quantizer on the fastest host backend, and on the numpy reference) vs the BF16 delta "
+                  "encode of the same state, best of interleaved rounds:", "",
+              "| scheme | quantize s | BF16 delta encode s | ratio | quantize kernel | reference s | reference ratio |",
+              "|---|---:|---:|---:|---|---:|---:|"]
     for name, s in doc["schemes"].items():
         t = s["timing"]
         lines.append(f"| {name} | {t['quantize_s']:.4f} | {t['bf16_delta_encode_s']:.4f} | {t['ratio']:.2f}x | "
-                     f"{t['quantize_kernel']} |")
+                     f"{t['quantize_kernel']} | {t['quantize_reference_s']:.4f} | {t['reference_ratio']:.2f}x |")
     return "\n".join(lines)
 
 
