@@ -475,13 +475,13 @@ def quantizer_for(kind: str, group: int = 32):
     return Quantizer([(["re:.*mlp\\."], Fp8Block())], ignore=["lm_head"])
 
 
-def quant_plan(m: int, n: int, kind: str, dims: dict = QDIMS):
+def quant_plan(m: int, n: int, kind: str, dims: dict = QDIMS, params: dict[str, Param] | None = None):
     """(the BF16 trainer layout, the plan): FSDP2 over m trainer ranks, torch TP over n engine ranks, both over
-    the quantized state's tensors."""
+    the quantized state's tensors (of qwen_params(**dims), or of `params`)."""
     from wsync.shard.conventions import fsdp_placements, hf_tp_layout, quantized_layout, trainer_layout_for
     from wsync.shard.route import route
 
-    params, q = qwen_params(**dims), quantizer_for(kind)
+    params, q = params or qwen_params(**dims), quantizer_for(kind)
     trainer = trainer_layout_for(params, fsdp_placements(params), m)
     return trainer, route(quantized_layout(trainer, q), hf_tp_layout(params, n, quantize=q))
 
@@ -587,3 +587,77 @@ class QuantGroup(Group):
         state = self.ref.torch_state(v)
         for t, pub in enumerate(self.pubs):
             pub.publish({h.name: state[h.name][sl(h.box)].contiguous() for h in self.bf16.held if h.rank == t}, v)
+
+
+def fsdp_quant_trainer(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: int, kind: str) -> None:
+    """fsdp_trainer with ShardPublisher(quantize=q): AdamW steps on tiny_qwen3() under FSDP2 over m gloo ranks,
+    its DTensors handed to publish() as they are, the plan over the quantized state (quant_plan)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from wsync.shard.conventions import trainer_layout_from_dtensors
+    from wsync.shard.sync import ShardPublisher
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=m)
+    model = tiny_qwen3()
+    params = {name: Param(tuple(p.shape), DT) for name, p in model.named_parameters()}
+    bf16, plan = quant_plan(m, n, kind, params=params)
+    mesh = init_device_mesh("cpu", (m,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    named = dict(model.named_parameters())
+    assert trainer_layout_from_dtensors(named) == bf16
+    pub = ShardPublisher(plan, rank, coordinator=f"tcp://127.0.0.1:{ports[2]}", host_coordinator=rank == 0,
+                         token=TOKEN, quantize=quantizer_for(kind))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    for v in range(versions):
+        if v:
+            ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=gen)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        full = {name: p.full_tensor() for name, p in named.items()}  # the test's reference only: a collective
+        if rank == 0:
+            np.savez(os.path.join(tmp, f"ref{v}.npz"), **{k: t.view(torch.uint16).numpy() for k, t in full.items()})
+        dist.barrier()
+        pub.publish(named, v)
+        res = pub.wait(v, timeout=120)
+        out.put(("trainer", rank, v, res["outcome"] == "committed" and res["digest"] == res["expected"]))
+        deadline = time.monotonic() + 120
+        while rank == 0 and len([f for f in os.listdir(tmp) if f.startswith(f"checked{v}-")]) < n:
+            assert time.monotonic() < deadline, f"engine ranks did not check version {v}"
+            time.sleep(0.02)
+        dist.barrier()
+    pub.close()
+    dist.destroy_process_group()
+
+
+def quant_tensor_engine(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: int, kind: str) -> None:
+    """An engine rank of fsdp_quant_trainer's plan: plain local tensors in the quantized dtypes, each compared
+    byte for byte with its boxes of q(full state) (the numpy reference on the trainer's unsharded state)."""
+    import torch
+
+    from wsync.shard.sync import ShardSubscriber
+
+    torch.set_num_threads(1)
+    params = {name: Param(tuple(p.shape), DT) for name, p in tiny_qwen3().named_parameters()}
+    _, plan = quant_plan(m, n, kind, params=params)
+    q = quantizer_for(kind)
+    tensors = {name: torch.zeros(p.shape, dtype=getattr(torch, p.dtype))
+               for (r, name), p in plan.engine.locals.items() if r == rank}
+    sub = ShardSubscriber(plan, rank, tensors, coordinator=f"tcp://127.0.0.1:{ports[2]}", token=TOKEN)
+    for v in range(versions):
+        sub.wait_for(v, timeout=120)
+        with sub.lock:
+            ref = np.load(os.path.join(tmp, f"ref{sub.version}.npz"))
+            want = quant_expected(plan, rank, quant_reference(q, params, {k: ref[k] for k in ref.files}))
+            ok = sub.version == v and want.keys() == tensors.keys() and all(
+                np.array_equal(bits_of(tensors[k]), w) for k, w in want.items())
+        out.put(("engine", rank, v, ok))
+        open(os.path.join(tmp, f"checked{v}-{rank}"), "w").close()
+    sub.close()
