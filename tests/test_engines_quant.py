@@ -232,13 +232,16 @@ def test_corrupt_or_truncated_payload_leaves_the_previous_version(fmt, tmp_path,
 
 
 class _DiesMidLoad(engines.HF):
-    """A guarded engine (every update goes through load) whose first load writes one tensor, then raises."""
+    """A guarded engine (every update goes through load) whose next load, once armed, writes one tensor and
+    raises."""
 
     calls = 0
+    armed = True
 
     def load(self, named):
         self.calls += 1
-        if self.calls == 1:
+        if self.armed:
+            self.armed = False
             super().load(dict(list(named.items())[:1]))
             raise VersionError("the engine died mid-load")
         super().load(named)
@@ -255,6 +258,26 @@ def test_a_load_that_raises_leaves_the_previous_version(fmt, tmp_path, gen):
     assert same_bytes(model.state_dict(), before)
     apply_version(engine, [p], p.manifest.checksum)
     assert same_bytes(model.state_dict(), new)
+
+
+def test_a_subscriber_recovers_from_a_load_that_raises(tmp_path, gen):
+    """Over the wire: the quantized version whose load dies is refused, the engine asks again and then holds
+    that version's codes and scales exactly."""
+    qc = INT4_EXPERTS
+    trainer = trainer_model(0)
+    expect = wq.from_config(qc, model=trainer)
+    model = load_compressed(write_checkpoint(tmp_path / "a", trainer_model(1), expect(trainer_model(1).state_dict()),
+                                             qc))
+    engine = _DiesMidLoad(model, guarded=True)
+    engine.armed = False
+    with publisher(quantize=wq.from_config(qc, model=trainer)) as pub, subscriber(pub, engine) as sub:
+        for v in range(3):
+            engine.armed = v == 1
+            rl_step(trainer, gen)
+            pub.publish(trainer.state_dict(), version=v)
+            sub.wait_for(v, timeout=60)
+            assert same_bytes(model.state_dict(), {n: t.detach() for n, t in expect(trainer.state_dict()).items()})
+        assert sub.stats.failures == 1 and not engine.armed
 
 
 def test_bf16_to_an_engine_holding_codes_is_refused(tmp_path, gen):
