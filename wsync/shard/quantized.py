@@ -100,10 +100,10 @@ def output_box(scheme: Scheme, o: Output, box: Box, shape: tuple[int, ...], *, n
         bm, bn = scheme.block
         for what, lo, hi, unit, size in (("rows", a, b, bm, n), ("columns", c, d, bn, k)):
             if not _aligned(lo, hi, unit, size):
+                hint = "" if what == "columns" else f", e.g. FSDP over ranks that make ceil({size} / ranks) one"
                 raise Cut(f"{what} [{lo}, {hi}) of {size} cut a {bm}x{bn} FP8 block at {what[:-1]} "
                           f"{lo if lo % unit else hi} (the block's scale needs {what} held by another rank): "
-                          f"shard {what} at multiples of {unit}, e.g. FSDP over a number of ranks that makes "
-                          f"ceil({size} / ranks) a multiple of {unit}")
+                          f"shard {what} at multiples of {unit}{hint}")
         if o.suffix == "weight":
             return box
         return (*lead, (a // bm, -(-b // bm)), (c // bn, -(-d // bn)))
