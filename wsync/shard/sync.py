@@ -108,8 +108,11 @@ class ShardPublisher:
     tcp and ucx Publishers listen, on free ports; local ones take a fresh name each. timeout: seconds a round
     may wait for every engine rank to be ready; connect_timeout: seconds to reach the coordinator (the constructor
     waits: a version published before would get no round). coordinator_state_dir: with host_coordinator, where
-    the coordinator records its decisions (commit.Coordinator's state_dir). publisher_config: wsync.Publisher's
-    (codec, ...).
+    the coordinator records its decisions (commit.Coordinator's state_dir). quantize: a wsync.quant Quantizer (or
+    what wsync.quant.from_config reads) for a plan routed over ``quantized_layout(trainer_layout, q)``: publish()
+    still takes this rank's BF16 local tensors and quantizes them here, each into its box of q(full state) (see
+    quantized.py); q writes its outputs into buffers it keeps per name, so ranks sharing a process each take a
+    Quantizer of their own. publisher_config: wsync.Publisher's (codec, ...).
     """
 
     def __init__(self, plan, rank: int, *, coordinator: str, host_coordinator: bool = False, token=None,
