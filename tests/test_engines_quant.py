@@ -180,10 +180,12 @@ def test_engine_follows_a_quantized_publisher_exactly(fmt, tmp_path, gen):
     qc = FORMATS[fmt]
     trainer, stale = trainer_model(0), trainer_model(1)
     expect = wq.from_config(qc, model=trainer)  # its own buffers: the publisher's are its delta base
-    model = load_compressed(write_checkpoint(tmp_path / "start", stale, expect(stale.state_dict()), qc))
+    start = write_checkpoint(tmp_path / "start", stale, expect(stale.state_dict()), qc)
+    model = load_compressed(start)
     engine = engines.HF(model)
     ptrs = {n: t.data_ptr() for n, t in model.state_dict().items()}
-    with publisher(keyframe_every=3, bucket_bytes=16 << 10, quantize=wq.from_config(qc, model=trainer)) as pub, \
+    # the publisher reads the engine's checkpoint config, as a deployment would
+    with publisher(keyframe_every=3, bucket_bytes=16 << 10, quantize=str(start)) as pub, \
             subscriber(pub, engine) as sub:
         for v in range(5):
             rl_step(trainer, gen)
