@@ -124,7 +124,8 @@ def logits(model):
     from compressed_tensors.compressors import ModelCompressor
 
     dense = copy.deepcopy(model)
-    # the copy shares the original's hook handle; drop the hook from the copy alone, then decompress the copy
+    # the copy carries the model's forward pre-hooks (compressed-tensors' decompression, an engine's refusal of
+    # it): drop them from the copy and decompress it as that hook would
     dense._forward_pre_hooks.clear()
     if hasattr(dense, "ct_decompress_hook"):
         delattr(dense, "ct_decompress_hook")
