@@ -26,6 +26,11 @@
 //                             one warp per block
 //   lora_range_bf16           Y = (W_new - W_old) @ Omega from two bf16
 //                             matrices, one block per row (ws_lora.cuh)
+//   quant_int4_group_<dt>     wsync.quant's quantizers of bf16 / f16 / f32
+//   quant_int8_channel_<dt>   weights (ws_quant.cuh): a thread per INT4 group,
+//   quant_fp8_block_<dt>      a block per INT8 row or per FP8 block; each
+//                             records the first non-finite element's flat
+//                             index (atomicMin) instead of quantizing it
 //
 // Entry points are extern "C" so cupy's RawModule can look them up by name
 // after NVRTC compiles this file (wsync.backends.cuda.kernel_source inlines
@@ -36,6 +41,7 @@
 // CUDA built-ins), unchanged, under several thread schedules.
 #include "ws_common.cuh"
 #include "ws_lora.cuh"
+#include "ws_quant.cuh"
 #include "ws_xxh3.cuh"
 
 namespace ws {
@@ -359,4 +365,21 @@ WS_ENTRY(xxh3_blocks, WS_XXH3_PARAMS) { ws::xxh3_warp(ptrs, sizes, first_block, 
 WS_ENTRY(lora_range_bf16, WS_LORA_PARAMS) {
     ws::lora_range_row(w_new, w_old, omega, n, ld, c0, kc, y);
 }
+
+// The quantizers of wsync.quant, per weight dtype (T: its bit patterns). bad: the least flat index of a
+// non-finite element, left at ~0 while there is none.
+#define WS_QI4_PARAMS(T) const T *x, ws::u64 ngroups, ws::u32 group, ws::u32 *packed, T *scale, ws::u64 *bad
+#define WS_QI8_PARAMS(T) const T *x, ws::u64 k, ws::i8 *codes, T *scale, ws::u64 *bad
+#define WS_QF8_PARAMS(T) \
+    const T *x, ws::u64 m, ws::u64 n, ws::u32 bm, ws::u32 bn, ws::u8 *codes, float *sf, ws::u64 *bad
+#define WS_QUANT_KERNELS(DN, D, T)                                                                            \
+    WS_ENTRY(quant_int4_group_##DN, WS_QI4_PARAMS(T)) {                                                       \
+        ws::q_int4_group<D>(x, ngroups, group, packed, scale, bad);                                           \
+    }                                                                                                         \
+    WS_ENTRY(quant_int8_channel_##DN, WS_QI8_PARAMS(T)) { ws::q_int8_channel<D>(x, k, codes, scale, bad); }   \
+    WS_ENTRY(quant_fp8_block_##DN, WS_QF8_PARAMS(T)) { ws::q_fp8_block<D>(x, m, n, bm, bn, codes, sf, bad); }
+
+WS_QUANT_KERNELS(bf16, ws::QD_BF16, ws::u16)
+WS_QUANT_KERNELS(f16, ws::QD_F16, ws::u16)
+WS_QUANT_KERNELS(f32, ws::QD_F32, ws::u32)
 #endif  // __CUDACC__

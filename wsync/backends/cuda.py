@@ -58,6 +58,7 @@ from ..codecs.delta_ref import DeltaSections, nchunks
 from ..errors import BackendUnavailable, FormatError
 from ..manifest import CHUNK_ELEMS
 from .base import Composed
+from .cpu import quant_dims, quant_refuse
 
 INSTALL_HINT = "the GPU backend needs a CUDA driver and `pip install 'wsync[cuda]'` (cupy-cuda12x, nvidia-cuda-nvrtc-cu12)"
 NT = 256  # threads per block in every kernel (ws::NT)
@@ -66,6 +67,7 @@ ERR_ESCAPES, ERR_TABLE = 1, 2  # bits of err[1] (ws::ERR_*)
 LORA_KMAX = 32  # Omega columns per lora_range_bf16 pass (ws::LORA_KMAX)
 NO_ERROR = np.uint64(2**64 - 1)  # err[0] when no change lands outside its chunk
 ORDERS = ("float", "int", "uint")
+QUANT_NAMES = {"BF16": "bf16", "F16": "f16", "F32": "f32"}  # the quant_*_<dt> kernels' weight dtypes
 WIDTHS = {1: "u8", 2: "u16", 4: "u32", 8: "u64"}
 NULL = np.uint64(0)  # a null pointer argument
 # delta v2 (csrc/ws_v2_cuda.cu): a warp (one block of V2_BLOCK threads) per chunk. Per-chunk tables, in u32s
@@ -451,6 +453,40 @@ class _Launcher:
                                                   np.uint32(min(LORA_KMAX, k - c0)), y))
         return y
 
+    # ---- the quantizers (wsync.quant, csrc/ws_quant.cuh) -----------------------------
+    # Each takes the weight's bit patterns and the outputs as 1-D device arrays, writes the scheme's tensors
+    # and returns the least flat index of a non-finite element (-1: none, and the outputs hold the result):
+    # that index is the one value that comes back to the host.
+
+    def quantize(self, kind: str, x, dtype: str, dims: tuple[int, ...], out0, out1) -> int:
+        """Dispatch on the scheme's kind; dims as wsync.backends.cpu.quant_dims gives them."""
+        return getattr(self, f"quantize_{kind}")(x, dtype, *dims, out0, out1)
+
+    def quantize_int4_group(self, x, dtype: str, rows: int, k: int, group: int, packed, scale) -> int:
+        ngroups = rows * (k // group)
+        bad = self._no_bad()
+        self.rt.launch(f"quant_int4_group_{QUANT_NAMES[dtype]}", -(-ngroups // NT),
+                       (x, np.uint64(ngroups), np.uint32(group), packed, scale, bad))
+        return self._first_bad(bad)
+
+    def quantize_int8_channel(self, x, dtype: str, rows: int, k: int, codes, scale) -> int:
+        bad = self._no_bad()
+        self.rt.launch(f"quant_int8_channel_{QUANT_NAMES[dtype]}", rows, (x, np.uint64(k), codes, scale, bad))
+        return self._first_bad(bad)
+
+    def quantize_fp8_block(self, x, dtype: str, mats: int, m: int, n: int, bm: int, bn: int, codes, sf) -> int:
+        bad = self._no_bad()
+        self.rt.launch(f"quant_fp8_block_{QUANT_NAMES[dtype]}", mats * -(-m // bm) * -(-n // bn),
+                       (x, np.uint64(m), np.uint64(n), np.uint32(bm), np.uint32(bn), codes, sf, bad))
+        return self._first_bad(bad)
+
+    def _no_bad(self):
+        return self.xp.full(1, NO_ERROR, dtype=np.uint64)
+
+    def _first_bad(self, bad) -> int:
+        at = int(self.rt.to_host(bad)[0])
+        return -1 if at == int(NO_ERROR) else at
+
     def _aligned(self, x, align: int):
         """x itself when its data is aligned, else an aligned copy (views with odd offsets are rare)."""
         return x if x.size == 0 or self.rt.ptr(x) % align == 0 else x.copy()
@@ -556,6 +592,22 @@ class _KernelsOver(Composed):
         old = as_array(old)
         sec = self.launcher.v2_decode(self.xp.ascontiguousarray(self.xp.asarray(old)), parts, dtype)
         return sections_to_host(sec, old.dtype)
+
+    def quantize(self, scheme, bits, dtype, outs, what="tensor"):
+        """The quantizing kernels on host arrays: the weight copied up, the outputs copied back."""
+        dims = quant_dims(scheme, bits.shape, dtype)
+        if dims is None or not isinstance(bits, np.ndarray) or bits.dtype.itemsize != (4 if dtype == "F32" else 2):
+            return super().quantize(scheme, bits, dtype, outs, what)
+        xp = self.xp
+        x = xp.asarray(np.ascontiguousarray(bits).reshape(-1))
+        dev = [xp.empty(o.size, o.dtype) for o in outs[:2]]
+        bad = self.launcher.quantize(scheme.kind, x, dtype, dims, *dev)
+        if bad >= 0:
+            quant_refuse(scheme, bits, dtype, bad, what)
+        for o, d in zip(outs, dev):
+            np.copyto(o, self.launcher.rt.to_host(d).reshape(o.shape))
+        if scheme.kind == "int4_group":
+            outs[2].reshape(-1).view(np.int64)[:] = bits.shape
 
     def checksum(self, buf) -> str:
         # Host bytes are hashed on the host: xxh3 runs at memory speed there, and a
@@ -665,6 +717,33 @@ class CudaKernels(_KernelsOver):
             b = self.rt.bits(w_old).reshape(m, n)
             om = self.rt.bits(omega.contiguous()).view(np.float32).reshape(omega.shape)
             return torch.from_dlpack(self.launcher.lora_range(a, b, om))
+
+    def quantize(self, scheme, tensor, dtype, bufs, what="tensor"):
+        """scheme.reference of a CUDA weight written into CUDA output buffers (wsync.quant.Quantizer's device
+        path): the kernels run on the weight's device and current stream, and only the non-finite flag comes
+        to the host (the weight too, to name the element, when there is one). Host arrays take the host-array
+        protocol above; a shape, dtype or empty weight the kernels do not take is the reference's, on the host."""
+        if not _is_device_array(tensor):
+            return super().quantize(scheme, tensor, dtype, bufs, what)
+        if hasattr(tensor, "contiguous") and not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        shape = tuple(int(d) for d in tensor.shape)
+        self._one_device("quantize", tensor=tensor, **{f"bufs[{i}]": b for i, b in enumerate(bufs)})
+        with self._on(tensor):
+            x = self.rt.bits(tensor)
+            outs = [self.rt.bits(b) for b in bufs]
+            dims = quant_dims(scheme, shape, dtype)
+            if dims is None or x.dtype.itemsize != (4 if dtype == "F32" else 2):
+                host = [np.empty(o.shape, o.dtype) for o in outs]
+                Composed.quantize(self, scheme, self.rt.to_host(x).reshape(shape), dtype, host, what)
+                for o, h in zip(outs, host):
+                    o[...] = self.xp.asarray(h)
+                return
+            bad = self.launcher.quantize(scheme.kind, x, dtype, dims, outs[0], outs[1])
+            if scheme.kind == "int4_group":
+                outs[2][...] = self.xp.asarray(np.asarray(shape, np.int64).view(np.uint64))
+            if bad >= 0:
+                quant_refuse(scheme, self.rt.to_host(x).reshape(shape), dtype, bad, what)
 
     # ---- helpers -------------------------------------------------------------------
 
