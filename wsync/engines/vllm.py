@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 
 from ..errors import BackendUnavailable, WsyncError
 from .staged import Staged, current_tensors
@@ -131,11 +132,12 @@ class LoadWeights(Staged):
 
         # one whole reload per version, as vLLM's own reload_weights does: a second version applied in the
         # same start/finish window would otherwise be dropped as "excessive loading", and so would a rollback
-        initialize_layerwise_reload(model)
-        try:
-            model.load_weights(weights)
-        finally:
-            finalize_layerwise_reload(model, self.model_config())
+        with onednn_scales_kept():
+            initialize_layerwise_reload(model)
+            try:
+                model.load_weights(weights)
+            finally:
+                finalize_layerwise_reload(model, self.model_config())
 
     def model_config(self):
         if self._model_config is not None:
@@ -143,6 +145,35 @@ class LoadWeights(Staged):
         from vllm.config import get_current_vllm_config
 
         return get_current_vllm_config().model_config
+
+
+@contextmanager
+def onednn_scales_kept():
+    """Inside: every oneDNN INT8 GEMM handler vLLM's CPU backend makes keeps the weight-scale tensor it reads.
+
+    The handler (W8A8 INT8 layers, ``create_onednn_scaled_mm``) reads the scales through a pointer into the
+    tensor it was made with. A layerwise reload makes it from the reloaded layer's own scale tensor, copies the
+    values into the tensor the layer held before and drops the new one: the handler would then read freed
+    memory. Wrap any layerwise reload of a quantized model on vLLM's CPU backend in this."""
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        ops = None
+    make = getattr(ops, "create_onednn_scaled_mm", None)
+    if make is None:
+        yield
+        return
+
+    def keeping(weight, weight_scales, *args, **kwargs):
+        handler = make(weight, weight_scales, *args, **kwargs)
+        handler.wsync_weight_scales = weight_scales
+        return handler
+
+    ops.create_onednn_scaled_mm = keeping
+    try:
+        yield
+    finally:
+        ops.create_onednn_scaled_mm = make
 
 
 def kernel_format(model) -> bool:
