@@ -166,7 +166,6 @@ template <int D> WS_HD float q_fp8_scale(u32 amax_bits) {
 #if defined(__CUDACC__)
 // ---- CUDA: every kernel runs QNT threads per block (ws::NT of delta_cuda.cu) -------------------------------
 constexpr int QNT = 256, QNW = QNT / 32;
-constexpr u64 Q_NONE = ~0ull;  // *bad while every element is finite
 
 // The largest of every thread's v, in every thread (a barrier inside: all threads of the block must call).
 __device__ __forceinline__ u32 q_block_max(u32 v) {

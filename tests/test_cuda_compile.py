@@ -112,6 +112,7 @@ def test_nvrtc_builds_the_runtime_source(arch):
              for o in cuda.ORDERS}
     names |= {f"delta_restore_{w}" for w in cuda.WIDTHS.values()}
     names |= {"delta_check", "fused_count_bf16", "fused_fill_bf16", "xxh3_blocks", "lora_range_bf16"}
+    names |= {f"quant_{k}_{d}" for k in ("int4_group", "int8_channel", "fp8_block") for d in cuda.QUANT_NAMES.values()}
     names |= {f"v2_decode_{w}" for w in (1, 2, 4, 8)}  # csrc/ws_v2_cuda.cu, in the same module
     missing = sorted(n for n in names if n.encode() + b"\0" not in cubin)
     assert not missing, f"kernels missing from the {arch} cubin: {missing}"
