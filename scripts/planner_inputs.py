@@ -2,7 +2,7 @@
 """Write the planner's measured inputs (wsync/plan/data/measured.json) from benchmarks/results.
 
 `wsync plan` reads only that file, so an installed wheel answers as a checkout does; run this after adding a
-results file the planner prices from (codec, kernels, moe, gpu_sync or loop runs) and commit what it writes.
+results file the planner prices from (codec, kernels, moe, gpu_sync, loop or quant runs) and commit what it writes.
 The output is deterministic: the same results give the same bytes. --check exits 1, writing nothing, when the
 committed file differs from what the results give now.
 """

@@ -40,8 +40,8 @@ def test_the_script_check_fails_on_a_stale_file(tmp_path):
 
 def test_every_input_names_its_results_file_and_machine():
     data = measured.inputs()
-    entries = data["codec"] + data["gpu_sync"] + [data[k] for k in ("kernels", "moe", "loop") if data[k]]
-    assert data["codec"] and data["kernels"] and data["moe"] and data["loop"]
+    entries = data["codec"] + data["gpu_sync"] + [data[k] for k in ("kernels", "moe", "loop", "quant") if data[k]]
+    assert data["codec"] and data["kernels"] and data["moe"] and data["loop"] and data["quant"]
     for e in entries:
         assert (RESULTS / e["file"]).is_file(), e["file"]
         assert e["machine"].get("cpu") or e["machine"].get("gpu"), e["file"]

@@ -116,7 +116,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--model", action="append", help="catalog name or config.json (repeatable; default: the published four)")
     t.add_argument("--link", action="append", help="tcp-50g, rdma-3.2t, wan-10g, ... or a rate like 25g (repeatable)")
     t.add_argument("--codec", action="append", choices=["full", "delta", "lora"], help="repeatable; default all three")
-    t.add_argument("--delta-saving", type=float, default=0.98, help="fraction of bytes a delta removes (default 0.98)")
+    t.add_argument("--delta-saving", type=float, default=None,
+                   help="fraction of bytes a delta removes, for every model (default 0.98; a quantized checkpoint's "
+                        "delta then comes from the measured fractions of its codes, scales and BF16 rest that change)")
     t.add_argument("--tier", choices=["packed", "sparse"], default="packed", help="delta tier whose speed is used")
     t.add_argument("--lora-rank", type=int, default=32, help="LoRA rank, for the adapter-only row (default: 32)")
     t.add_argument("--lora-layout", default="shared-outer", choices=["shared-outer", "per-expert", "dense"],

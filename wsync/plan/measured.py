@@ -104,6 +104,24 @@ def loop_entry(path: Path, name: str | None = None) -> dict | None:
             "runs": data["runs"]}
 
 
+def quant_entry(path: Path, name: str | None = None) -> dict:
+    """A `wsync bench quant` file: per quantization and learning rate, the fractions of codes, scales and BF16
+    values changed per version and the delta bytes per changed element of each part."""
+    data = _read(path)
+    try:
+        schemes = {}
+        for scheme, s in data["schemes"].items():
+            per = {lr: {"fraction_changed": {k: float(v) for k, v in p["fraction_changed"].items()},
+                        "bytes_per_changed": {k: float(v) for k, v in p["bytes_per_changed"].items()},
+                        "versions": int(p["versions"])} for lr, p in s["per_version"].items()}
+            schemes[scheme] = {"config": s["config"], "exact": bool(s["exact"]), "per_version": per,
+                               "quantize_vs_bf16_delta_encode": float(s["timing"]["ratio"])}
+        return {"file": name or path.name, "machine": machine(data.get("hardware", {})), "source": data["source"],
+                "experts": data["state"]["experts"], "schemes": schemes}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PlanError(f"cannot read the quantized deltas of {path}: {e!r}") from e
+
+
 def extract(results: Path) -> dict:
     """Every measured input the planner uses, from a results folder (the newest file of a kind by name)."""
     files = sorted(results.glob("*.json")) if results.is_dir() else []
@@ -111,12 +129,13 @@ def extract(results: Path) -> dict:
     kernels = sorted(results.glob("*-kernels.json"))
     moe = sorted(results.glob("*-moe.json"))
     loop = [e for e in (loop_entry(p) for p in sorted(results.glob("*-loop.json"))) if e is not None]
+    quant = sorted(results.glob("*-quant.json"))
     nested = sorted(set(results.glob("*gpu_sync*.json")) | set(results.glob("*/*gpu_sync*.json")))
     gpu = [e for e in (gpu_sync_entry(p, p.relative_to(results).as_posix()) for p in nested) if e is not None]
     return {"about": "the planner's measured inputs; regenerate with python3 scripts/planner_inputs.py",
             "codec": codec, "kernels": kernels_entry(kernels[-1]) if kernels else None,
             "moe": moe_entry(moe[-1]) if moe else None, "gpu_sync": gpu,
-            "loop": loop[-1] if loop else None}
+            "loop": loop[-1] if loop else None, "quant": quant_entry(quant[-1]) if quant else None}
 
 
 def render(inputs: dict) -> str:

@@ -154,19 +154,29 @@ def active_params(m: ModelConfig) -> int:
 
 def checkpoint_bytes(m: ModelConfig) -> int:
     """Bytes of the checkpoint as published: unquantized tensors in `m.dtype`, quantized sites packed."""
+    return int(sum(checkpoint_parts(m).values()))
+
+
+def checkpoint_parts(m: ModelConfig) -> dict[str, float]:
+    """The checkpoint's bytes by what they hold: {"rest": ...} for an unquantized one; a quantized one adds its
+    "codes", "scales" and "shapes" (each quantized weight's weight_shape), with "rest" the unquantized tensors."""
     b = dtype_bytes(m.dtype)
     q = m.quant
-    total = (total_params(m) - sum(s.params for s in sites(m))) * b
+    parts = {"codes": 0.0, "scales": 0.0, "shapes": 0.0} if q else {}
+    rest = (total_params(m) - sum(s.params for s in sites(m))) * b
     if m.moe and m.moe.router_bias:  # e_score_correction_bias is fp32
         layers = m.num_layers - m.moe.first_dense_layers + m.mtp_layers
-        total += layers * m.moe.num_experts * (4 - b)
+        rest += layers * m.moe.num_experts * (4 - b)
     for s in sites(m):
         if q and s.group in q.targets:
-            per = s.d_in * s.d_out * q.bits / 8 + s.d_out * (s.d_in // q.group_size) * q.scale_bytes + q.meta_bytes
-            total += s.layers * s.experts * per
+            n = s.layers * s.experts
+            parts["codes"] += n * s.d_in * s.d_out * q.bits / 8
+            parts["scales"] += n * s.d_out * (s.d_in // q.group_size) * q.scale_bytes
+            parts["shapes"] += n * q.meta_bytes
         else:
-            total += s.params * b
-    return int(total)
+            rest += s.params * b
+    parts["rest"] = rest
+    return parts
 
 
 def weight_bytes(m: ModelConfig, dtype: str | None = None) -> int:

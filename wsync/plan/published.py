@@ -17,7 +17,8 @@ from fractions import Fraction
 from . import published_tables as tables
 from .lora import LoraConfig, lora_size
 from .models import get_model
-from .params import breakdown, checkpoint_bytes, total_params, weight_bytes
+from .params import breakdown, checkpoint_bytes, checkpoint_parts, total_params, weight_bytes
+from .quant import quantized_delta
 
 USD_PER_GPU_S = Fraction(tables.IN_CLUSTER_INPUTS["usd_per_gpu_s"])
 TCP_GBIT = Fraction(tables.IN_CLUSTER_INPUTS["tcp_gbit_per_s"])
@@ -223,9 +224,19 @@ def notes() -> list[str]:
     for r in tables.IN_CLUSTER:
         m = get_model(r.model)
         if r.lora is None and "INT4" in r.cells[1] and m.quant:
+            parts = checkpoint_parts(m)
             out.append(f"{r.cells[0]}'s {_gb(r)} is the INT4 checkpoint (routed experts {m.quant.bits}-bit, group "
                        f"{m.quant.group_size}) with BF16 attention: the model's checkpoint is "
-                       f"{checkpoint_bytes(m) / 1e9:.1f} GB; in BF16 it would be {weight_bytes(m, 'bf16') / 1e9:.1f} GB")
+                       f"{checkpoint_bytes(m) / 1e9:.1f} GB (INT4 codes {parts['codes'] / 1e9:.1f} GB, scales "
+                       f"{parts['scales'] / 1e9:.1f} GB, BF16 rest {parts['rest'] / 1e9:.1f} GB); in BF16 it would "
+                       f"be {weight_bytes(m, 'bf16') / 1e9:.1f} GB")
+            qd = quantized_delta(m)
+            if qd is not None:
+                out.append(f"{r.cells[0]}'s delta is 2% of {_gb(r)} in table 2 by assumption; at the fractions of "
+                           f"its codes, scales and BF16 rest measured to change per version it is "
+                           f"{qd.bytes / 1e9:.2f} GB ({1 - qd.bytes / checkpoint_bytes(m):.1%} saved), "
+                           f"{qd.bytes * 8 / (float(WAN_GBIT) * 1e9):.2f} s at {exact(WAN_GBIT)} Gbit/s "
+                           f"(`wsync plan transfer --model {m.name}`; {qd.source})")
         if r.lora is None and breakdown(m)["mtp"] and m.mtp_own_embeddings:
             out.append(f"{r.cells[0]}'s {_gb(r)} includes the MTP layer with its own embedding and head copies "
                        f"({breakdown(m)['mtp'] * 2 / 1e9:.1f} GB)")

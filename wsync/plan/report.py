@@ -12,7 +12,7 @@ from .gpu_sync import NO_RUN, e2e_tensor_cost, newest_gpu_sync, stage_lines
 from .loop import SimulatedLoop, decode_curve_table
 from .lora import LoraConfig, lora_size
 from .models import PlanError, get_model, model_names
-from .params import active_params, checkpoint_bytes, total_params
+from .params import active_params, checkpoint_bytes, checkpoint_parts, total_params
 from .published import (LORA_TABLE, RDMA_GBIT, RESHARD_RANKS, RESHARD_TABLE, TCP_GBIT, TRANSFER_TABLE, USD_PER_GPU_S,
                         WAN_DELTA_SAVING, WAN_GBIT, WAN_TABLE, audit, exact, gpu_count, in_cluster_row, notes,
                         recomputed, reshard_lines, seconds, wan_row, wan_row_figures)
@@ -20,6 +20,7 @@ from .reshard import plan_for
 from .sandboxes import SandboxConfig, plan_sandboxes
 from .sim import simulate
 from .sweep import as_rows, plot, sweep
+from .quant import layout_name, quantized_delta
 from .transfer import parse_codec, parse_link, reshard_cost, sync_cost
 from .validate import TOLERANCE, validate, validate_runs
 
@@ -173,7 +174,7 @@ def cmd_transfer(a) -> None:
                 rows.append(dict(dataclasses.asdict(s), gb=s.wire_bytes / 1e9, total_gb=s.total_bytes / 1e9, idle_usd=s.idle_usd_per_gpu * a.gpus,
                                  wire_usd=s.wire_s * a.usd_per_gpu_s * a.gpus, speeds=_speed_label(speed),
                                  speed_basis=speed.basis, encode_gbps=speed.encode_gbps, apply_gbps=speed.apply_gbps,
-                                 **_e2e_field(a.backend, e2e)))
+                                 **_e2e_field(a.backend, e2e), **_quant_fields(m, c, a.dtype)))
     rows.sort(key=lambda r: [m.name for m in models].index(r["model"]))  # one model's rows together
     if a.json:
         return _json(rows)
@@ -196,8 +197,46 @@ def cmd_transfer(a) -> None:
               "the H100 bandwidth bound) or --backend gpu-bound:h200")
     for src in dict.fromkeys(r["tensor_source"] for r in rows):
         print("per-tensor cost:", src)
+    for m in models:
+        for line in _quant_lines(m, codecs, a.dtype):
+            print(line)
     print(f"measured inputs: {measured.WHERE}")
     _print_e2e(a.backend, e2e)
+
+
+def _quant_fields(m, codec, dtype) -> dict:
+    """A quantized checkpoint's rows: its layout in GB, and the measured delta its delta row is sized from."""
+    if not m.quant or dtype is not None or codec.kind == "lora":
+        return {}
+    out = {"layout_gb": {k: v / 1e9 for k, v in checkpoint_parts(m).items()}}
+    qd = quantized_delta(m) if codec.kind == "delta" and codec.quant_measured else None
+    if qd is not None:
+        out["quant_delta"] = {"source": qd.source, "parts": {k: dict(dataclasses.asdict(p), delta_gb=p.delta_bytes / 1e9)
+                                                           for k, p in qd.parts.items()}}
+    return out
+
+
+def _quant_lines(m, codecs, dtype) -> list[str]:
+    """What a quantized checkpoint's full and delta rows are made of, and where the delta's densities come from."""
+    if not m.quant or dtype is not None:
+        return []
+    parts, out = checkpoint_parts(m), []
+    names = {"codes": f"INT{m.quant.bits} codes", "scales": "scales", "shapes": "weight_shape", "rest": "BF16 rest"}
+    if any(c.kind == "full" for c in codecs):
+        out.append(f"{m.name} full {layout_name(m)}: the checkpoint as stored, "
+                   + " + ".join(f"{names[k]} {v / 1e9:.3f} GB" for k, v in parts.items())
+                   + f" = {sum(parts.values()) / 1e9:.3f} GB")
+    delta = next((c for c in codecs if c.kind == "delta"), None)
+    qd = quantized_delta(m) if delta is not None and delta.quant_measured else None
+    if qd is not None:
+        terms = " + ".join(f"{names[k]} {p.fraction_changed:.3%} changed x {p.bytes_per_changed:.2f} B = "
+                           f"{p.delta_bytes / 1e9:.3f} GB" for k, p in qd.parts.items())
+        out.append(f"{m.name} delta {qd.layout}, per version: {terms}; {qd.bytes / 1e9:.3f} GB. Measured: {qd.source} "
+                   "(--delta-saving prices it as a fraction of the checkpoint instead)")
+    elif delta is not None and delta.quant_measured:
+        out.append(f"{m.name} delta: no measured run of its {layout_name(m)} format in the measured inputs "
+                   f"(`wsync bench quant`), so it is {delta.saving:.0%} of the checkpoint, as for the other models")
+    return out
 
 
 def _is_cuda(backend: str) -> bool:

@@ -17,6 +17,7 @@ from .lora import LoraConfig, lora_size
 from .models import ModelConfig, PlanError
 from .params import tensor_count, weight_bytes
 from .published import IDLE_USD_PER_GPU_S
+from .quant import QuantDelta, layout_name, quantized_delta
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +65,9 @@ class Codec:
     saving: float = 0.98  # delta: fraction of full bytes removed (98% = 50x smaller)
     lora: LoraConfig = field(default_factory=LoraConfig)  # lora: adapter shape
     tier: str = "packed"  # delta tier whose measured speed is used
+    # delta of a quantized checkpoint: sized from the measured fractions of its codes, scales and BF16 rest that
+    # change per version (quantized_delta) instead of `saving`, where the measured inputs have its format
+    quant_measured: bool = True
 
     @property
     def label(self) -> str:
@@ -74,12 +78,21 @@ class Codec:
         return "full"
 
 
-def parse_codec(kind: str, *, saving: float = 0.98, lora: LoraConfig | None = None) -> Codec:
+def parse_codec(kind: str, *, saving: float | None = None, lora: LoraConfig | None = None) -> Codec:
+    """saving: what a delta removes from every model's bytes; None: 0.98 (the published tables' assumption), and a
+    quantized checkpoint's delta from its measured densities (quantized_delta) where the measured inputs allow."""
     if kind not in ("full", "delta", "lora"):
         raise PlanError(f"unknown codec {kind!r}; use full, delta or lora")
-    if not 0.0 <= saving < 1.0:
+    if saving is not None and not 0.0 <= saving < 1.0:
         raise PlanError(f"delta saving must be in [0, 1), got {saving}")
-    return Codec(kind=kind, saving=saving, lora=lora or LoraConfig())
+    return Codec(kind=kind, saving=0.98 if saving is None else saving, lora=lora or LoraConfig(),
+                 quant_measured=saving is None)
+
+
+def _quant_delta(m: ModelConfig, codec: Codec, dtype: str | None) -> QuantDelta | None:
+    if codec.kind != "delta" or not codec.quant_measured or dtype is not None:
+        return None
+    return quantized_delta(m)
 
 
 def payload_bytes(m: ModelConfig, codec: Codec, dtype: str | None = None) -> tuple[float, float]:
@@ -88,9 +101,20 @@ def payload_bytes(m: ModelConfig, codec: Codec, dtype: str | None = None) -> tup
     if codec.kind == "full":
         return full, full
     if codec.kind == "delta":  # encode reads old + new weights; speeds are quoted per model byte
-        return full * (1.0 - codec.saving), full
+        qd = _quant_delta(m, codec, dtype)
+        return (full * (1.0 - codec.saving) if qd is None else qd.bytes), full
     adapter = lora_size(m, codec.lora).bytes
     return adapter, adapter
+
+
+def codec_label(m: ModelConfig, codec: Codec, dtype: str | None = None) -> str:
+    """The codec as a row names it: a quantized checkpoint's full and delta rows name its layout."""
+    if codec.kind == "full" and m.quant and dtype is None:
+        return f"full {layout_name(m)}"
+    qd = _quant_delta(m, codec, dtype)
+    if qd is not None:
+        return f"delta {qd.layout} -{1.0 - qd.bytes / weight_bytes(m):.1%}"
+    return codec.label
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +168,7 @@ def sync_cost(m: ModelConfig, link: LinkModel, codec: Codec, *, speed: CodecSpee
     top = max(terms, key=terms.get)
     # a pipeline of equal buckets: the slowest stage runs back to back, the others add one bucket each
     pipelined = terms[top] + (serial - terms[top]) / buckets
-    return SyncCost(model=m.name, codec=codec.label, link=link.name, wire_bytes=wire, wire_s=terms["wire"],
+    return SyncCost(model=m.name, codec=codec_label(m, codec, dtype), link=link.name, wire_bytes=wire, wire_s=terms["wire"],
                     encode_s=terms["encode"], apply_s=terms["apply"], pipelined_s=pipelined, serial_s=serial,
                     dominant=top, idle_usd_per_gpu=pipelined * usd_per_gpu_s, speed_source=speed.source,
                     tensors=tensors, tensor_s=t_enc + t_app, tensor_source=per_tensor.source)
