@@ -355,9 +355,10 @@ def add_parsers(bench) -> None:
                                        "RL snapshots, and quantize time vs the BF16 delta encode",
                          description=__doc__.splitlines()[0],
                          epilog="Default small (7M params, one step at each lr, the series the benchmark tests "
-                                "cache): about a minute here (2 cores) with the C++ quantizers, several with the "
-                                "numpy reference; the snapshots are generated first where missing (minutes). "
-                                "Needs transformers for that (pip install -e \"./benchmarks[all]\").")
+                                "cache): seconds here (2 cores) once the snapshots are cached; --size bench "
+                                "--versions 2 (the committed run): under a minute. Snapshots missing from the "
+                                "cache are generated first (bench: about 15 min for both lrs), which needs "
+                                "transformers (pip install -e \"./benchmarks[all]\").")
     p.add_argument("--size", default="small", choices=["tiny", "small", "bench"],
                    help="generated model size: tiny (0.2M params), small (7M), bench (64M); default small")
     p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5],
