@@ -12,7 +12,9 @@ Two parts, both run in CI's vLLM stage:
   that of the trainer's state quantized, and the engine holds what vLLM makes of that version's checkpoint
   read from disk (a second engine reloading each version's folder with vLLM's own loader): the same tensors,
   byte for byte, and the same greedy tokens on every prompt. The last version is also started fresh from its
-  folder, so the reload path is itself held to a cold start.
+  folder, so the reload path is itself held to a cold start; and every version's tokens are those of
+  transformers holding the weights the checkpoint stands for, on the prompts it decides by a margin (as
+  tests/test_vllm_real.py does), so two engines wrong in the same way fail too.
 
 Skipped where vLLM does not import; with WSYNC_REQUIRE_VLLM=1 (the CI stage) that is a failure instead.
 """
@@ -35,8 +37,8 @@ from wsync.integrations.common import token_id  # noqa: E402
 from wsync.quant import Fp8Block, Int4Group, Int8Channel, Quantizer, Rule, from_config  # noqa: E402
 from wsync.snapshot import as_state, digest  # noqa: E402
 from wsync.sync import Publisher  # noqa: E402
-from vllm_helpers import POOL, checkpoint, rl_version, vllm_tokens  # noqa: E402
-from vllm_quant_helpers import FUSED, INT8_W8A8, PROBE, quantized_layers, write_checkpoint  # noqa: E402
+from vllm_helpers import POOL, checkpoint, reference, rl_version, vllm_tokens  # noqa: E402
+from vllm_quant_helpers import FUSED, INT8_W8A8, PROBE, dequantized, quantized_layers, write_checkpoint  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VERSIONS = 6
@@ -247,6 +249,8 @@ def test_int8_engine_follows_quantizing_publisher(tmp_path, probe_env):
     live, disk = start_llm(str(start)), start_llm(str(start))
     try:
         gen, changed, kinds, before = torch.Generator().manual_seed(1), 0, [], tokens(live)
+        decided = reference(dequantized(trainer, expect(trainer.state_dict())))[1]
+        assert [before[POOL.index(list(p))] for p in decided] == list(decided.values()), "the starting checkpoint"
         with Publisher("tcp://127.0.0.1:0", token=TOKEN, quantize=INT8_W8A8, keyframe_every=KEYFRAME_EVERY) as pub:
             live.collective_rpc("wsync_subscribe", args=(pub.address, token_id(TOKEN)))
             for v in range(VERSIONS):
@@ -269,6 +273,9 @@ def test_int8_engine_follows_quantizing_publisher(tmp_path, probe_env):
                 _scales_are_sent(live, quantized)
                 got = tokens(live)
                 assert got == tokens(disk), f"version {v}: the live engine's tokens differ from the checkpoint's"
+                decided = reference(dequantized(trainer, quantized))[1]
+                assert [got[POOL.index(list(p))] for p in decided] == list(decided.values()), \
+                    f"version {v}: vLLM's tokens differ from transformers' on the weights the checkpoint holds"
                 changed += sum(a != b for a, b in zip(got, before))
                 before = got
             live.collective_rpc("wsync_close")

@@ -40,6 +40,22 @@ def write_checkpoint(path: str, config: dict, quantization_config: dict, state: 
     save_file({n: t.contiguous() for n, t in state.items()}, os.path.join(path, "model.safetensors"))
 
 
+def dequantized(model, quantized: dict):
+    """A float32 copy of `model` holding the weights `quantized` stands for (INT8 channel: code x scale, exact
+    in float32), for transformers' tokens to hold a quantized engine's to."""
+    import copy
+
+    import torch
+
+    out = copy.deepcopy(model).float()
+    state = {}
+    for name in out.state_dict():
+        scale = quantized.get(f"{name}_scale")
+        state[name] = quantized[name].float() if scale is None else quantized[name].float() * scale.float()
+    out.load_state_dict(state)
+    return out.to(torch.float32)
+
+
 def quantized_layers(quantized: dict, fused: dict[str, list[str]]) -> dict[str, list[str]]:
     """vLLM module name -> the checkpoint modules it holds, in order, for every quantized module in
     `quantized` (a module whose ``weight_scale`` is there); fused: vLLM's packed_modules_mapping."""
