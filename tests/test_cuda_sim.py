@@ -270,6 +270,15 @@ def test_every_kernel_in_csrc_runs_under_three_schedules(sim):
         k.launcher.digests([rng.integers(0, 256, 5000, dtype=np.uint8)])
         w = rng.integers(0, 1 << 16, (3, 70), dtype=np.uint16)
         k.launcher.lora_range(w, w ^ np.uint16(1), rng.standard_normal((70, 5)).astype(np.float32))
+        from wsync.quant import Fp8Block, Int4Group, Int8Channel, ref as quant_ref  # csrc/ws_quant.cuh's kernels
+
+        for dtype in quant_ref.FLOATS:
+            q = quant_ref.round_to(rng.standard_normal((3, 130, 64)).astype(np.float32), dtype)
+            for scheme in (Int4Group(32), Int8Channel(), Fp8Block()):
+                want = scheme.reference(q, dtype)
+                got = [np.empty_like(x) for x in want]
+                k.quantize(scheme, q, dtype, got)
+                assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want)), f"{scheme.kind} {dtype}"
         from codec_helpers import v2_round_trip  # delta v2's decoder (csrc/ws_v2_cuda.cu), one width each
 
         v2_round_trip(rt)
