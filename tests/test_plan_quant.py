@@ -14,7 +14,7 @@ from wsync.plan.catalog import CATALOG
 from wsync.plan.models import get_model, model_names
 from wsync.plan.params import breakdown, checkpoint_bytes, checkpoint_parts
 from wsync.plan.quant import QUANT_LR, quantized_delta
-from wsync.plan.transfer import LINKS, codec_label, parse_codec, payload_bytes, sync_cost
+from wsync.plan.transfer import LINKS, Codec, codec_label, parse_codec, payload_bytes, sync_cost
 
 KIMI = get_model("kimi-k2.6")
 INT8 = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
@@ -91,6 +91,7 @@ def test_kimi_rows_use_the_quantized_layout_and_the_measured_delta(measured_kimi
     # a saving given on the command line prices every model alike, Kimi included; so does counting it in a dtype
     assert payload_bytes(KIMI, parse_codec("delta", saving=0.98))[0] == pytest.approx(full * 0.02)
     assert codec_label(KIMI, parse_codec("delta", saving=0.98)) == "delta -98%"
+    assert payload_bytes(KIMI, Codec(kind="delta", saving=0.9))[0] == pytest.approx(full * 0.1)  # as it always was
     bf16 = payload_bytes(KIMI, parse_codec("delta"), "bf16")
     assert bf16[0] == pytest.approx(bf16[1] * 0.02) and codec_label(KIMI, parse_codec("full"), "bf16") == "full"
 

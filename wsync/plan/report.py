@@ -16,11 +16,11 @@ from .params import active_params, checkpoint_bytes, checkpoint_parts, total_par
 from .published import (LORA_TABLE, RDMA_GBIT, RESHARD_RANKS, RESHARD_TABLE, TCP_GBIT, TRANSFER_TABLE, USD_PER_GPU_S,
                         WAN_DELTA_SAVING, WAN_GBIT, WAN_TABLE, audit, exact, gpu_count, in_cluster_row, notes,
                         recomputed, reshard_lines, seconds, wan_row, wan_row_figures)
+from .quant import layout_name, quantized_delta
 from .reshard import plan_for
 from .sandboxes import SandboxConfig, plan_sandboxes
 from .sim import simulate
 from .sweep import as_rows, plot, sweep
-from .quant import layout_name, quantized_delta
 from .transfer import parse_codec, parse_link, reshard_cost, sync_cost
 from .validate import TOLERANCE, validate, validate_runs
 

@@ -67,7 +67,8 @@ class Codec:
     tier: str = "packed"  # delta tier whose measured speed is used
     # delta of a quantized checkpoint: sized from the measured fractions of its codes, scales and BF16 rest that
     # change per version (quantized_delta) instead of `saving`, where the measured inputs have its format
-    quant_measured: bool = True
+    # (parse_codec sets it unless a saving is given)
+    quant_measured: bool = False
 
     @property
     def label(self) -> str:
