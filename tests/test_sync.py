@@ -475,3 +475,19 @@ def test_on_commit_once_per_committed_version_in_order(gen):
             time.sleep(0.02)
         assert sub.version == 3 and same_bytes(trainer, model)
         assert [(c["version"], c["keyframe"]) for c in seen] == [(0, True), (1, False), (2, False), (3, True)]
+
+
+def test_an_engine_whose_tensors_moved_gets_the_next_delta_in_its_new_memory(gen):
+    """A model reloaded with assign=True (or moved, or rebuilt by its framework) between two deltas: the
+    subscriber binds the new memory, and the delta lands where the model reads."""
+    trainer, engine_model = tiny_qwen(0), tiny_qwen(1)
+    with Publisher(ADDR, token=TOKEN, keyframe_every=100) as pub, \
+            Subscriber(pub.address, engine=engines.HF(engine_model), token=TOKEN) as sub:
+        publish_steps(pub, trainer, gen, [0, 1], [sub])
+        copies = {}  # one copy per storage: tied weights stay tied
+        state = {k: copies.setdefault(v.data_ptr(), v.clone()) for k, v in engine_model.state_dict().items()}
+        engine_model.load_state_dict(state, assign=True)
+        assert engine_model.lm_head.weight.data_ptr() == engine_model.model.embed_tokens.weight.data_ptr()
+        publish_steps(pub, trainer, gen, [2, 3], [sub])
+        assert same_bytes(trainer, engine_model)
+        assert not sub.stats.last.keyframe and sub.stats.failures == 0

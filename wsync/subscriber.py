@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from . import api, backends
+from .bits import TensorBits
 from .checksum import state_digest
 from .errors import ChecksumError, TransportError, WsyncError
 from .device import DeviceEngine, host_payload, on_one_device
@@ -59,6 +60,7 @@ from .tokens import check as check_token
 from .transports.base import with_device, with_token
 from .transports.tcp.auth import Refused
 from .transports.tcp.frames import MessageTooLarge
+from .tables import Table
 from .staging import NO_LAYOUT_BYTES, Limits, Oversized, Received, Staging, table_bytes
 
 log = logging.getLogger("wsync.sync")
@@ -139,6 +141,7 @@ class Subscriber:
         for m in self._served or []:
             self._learn(m)
         self._bound: Bound | DeviceEngine | None = None  # the engine's tensors, bound once (segment tables reused every version)
+        self._bound_key: tuple | None = None  # the memory _bound was made over (memory_key), to see it move
         # the last failure, kept for callers to inspect: an apply refused, or while no link is up, why the last dial failed
         self.error: WsyncError | None = None
         self._apply_error: WsyncError | None = None  # the last apply failure (what wait_for raises at GIVE_UP)
@@ -517,6 +520,10 @@ class Subscriber:
 
     # -- applying ----------------------------------------------------------------------------
 
+    def _moved(self) -> bool:
+        """Whether the engine's tensors are other memory than the Bound in use was made over."""
+        return self._bound_key is not None and memory_key(self.engine.tensors()) != self._bound_key
+
     def _apply(self, st: Received) -> bool:
         if self.version is not None and st.version <= self.version:
             return False  # already have it (a catch-up chain may overlap what we hold)
@@ -532,10 +539,12 @@ class Subscriber:
             layouts = dict(self._layouts)  # the receiver thread learns new ones meanwhile
         try:
             with getattr(self.engine, "lock", None) or nullcontext():  # guarded engines: not mid-forward
-                if st.keyframe:
-                    self._bound = None  # bound again, in case the engine's tensors moved
+                if st.keyframe or (self._bound is not None and self._moved()):
+                    self._bound = None  # bound again: the engine's tensors may be other memory now
                 if self._bound is None and not (st.keyframe and hasattr(self.engine, "replace")):
-                    self._bound = bind_engine(self.engine)  # an engine that replaces takes keyframes whole
+                    live = self.engine.tensors()
+                    self._bound = bind_engine(self.engine, live)  # an engine that replaces takes keyframes whole
+                    self._bound_key = memory_key(live)
                 served = apply_version(self.engine, st.payloads, st.checksum, backend=self.backend,
                                        layouts=layouts, bound=self._bound)
         except WsyncError as e:
@@ -649,17 +658,37 @@ def changed_tensors(payloads: list[Payload], members: list[Layout], applied: lis
     return out
 
 
-def bind_engine(engine) -> Bound:
+def bind_engine(engine, live=None) -> Bound:
     """The engine's tensors as a Bound (its segment tables are then built once per layout): views of the
     engine's memory where they can be, copies of our own elsewhere (see layout.bind_copying); or, when they
-    are all on one GPU and its kernels load, a DeviceEngine that applies versions there."""
-    live = engine.tensors()
+    are all on one GPU and its kernels load, a DeviceEngine that applies versions there.
+    live: engine.tensors(), if the caller has it already."""
+    live = engine.tensors() if live is None else live
     if isinstance(live, Bound):
         return live
     k = on_one_device(live)
     if k is not None:  # applied on the GPU, in the engine's own memory
         return DeviceEngine(live, k, backends.transfers())
     return bind_copying(live)
+
+
+def memory_key(tensors) -> tuple | None:
+    """The names, addresses and sizes of an engine's tensors: another key means other memory (a model moved,
+    reloaded with assign=True, or rebuilt by its framework), where a Bound of the old one would write unseen.
+    None for a Bound, which its engine keeps itself."""
+    if isinstance(tensors, Bound):
+        return None
+    return tuple((n, *_address(t)) for n, t in tensors.items())
+
+
+def _address(t) -> tuple:
+    if isinstance(t, TensorBits):
+        t = t.bits
+    if isinstance(t, Table):  # a tensor presented in pieces (experts fused on one side only)
+        return t.addrs.tobytes(), t.size
+    if isinstance(t, np.ndarray):
+        return t.__array_interface__["data"][0], t.size
+    return t.data_ptr(), t.numel()
 
 
 def _check_covers(state: Bound, members: list[Layout]) -> None:

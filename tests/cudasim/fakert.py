@@ -87,6 +87,9 @@ class FakeTensor:
     def numel(self) -> int:
         return self.data.size
 
+    def data_ptr(self) -> int:
+        return self.data.__array_interface__["data"][0]
+
     def detach(self) -> "FakeTensor":
         return self
 
