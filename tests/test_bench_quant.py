@@ -131,3 +131,17 @@ def test_a_run_writes_its_results_to_the_cache_never_the_checkout(tmp_path):
     assert doc["command"].startswith("wsync bench quant --size tiny") and set(doc["schemes"]) == set(quant.SCHEME_NAMES)
     assert js.with_suffix(".md").read_text().startswith("# wsync bench quant on ")
     assert {p.name for p in (ROOT / "benchmarks" / "results").iterdir()} == before
+
+
+def test_a_shorter_series_reads_the_longer_one_cached_instead_of_replacing_it(monkeypatch, tmp_path):
+    from dataclasses import replace
+
+    from wsync_bench.snapshots import SnapshotConfig, default_cache_dir, ensure_snapshots
+
+    monkeypatch.setenv("WSYNC_BENCH_DATA", str(tmp_path))
+    longer = SnapshotConfig(size="tiny", steps=2, warmup_steps=1)
+    ensure_snapshots(default_cache_dir(longer), longer)
+    assert quant._series(replace(longer, steps=1)) == longer
+    other = replace(longer, steps=1, seed=1)  # another run in another folder: as asked
+    assert quant._series(other) == other
+    assert quant._series(replace(longer, steps=3)).steps == 3  # longer than the cache: generated anew
