@@ -98,7 +98,7 @@ class Quantizer:
                 out[name] = (tuple(shape), dtype)
                 continue
             for o in scheme.outputs(tuple(shape), dtype):
-                out[_renamed(name, o)] = (o.shape, o.dtype)
+                out[o.name(name)] = (o.shape, o.dtype)
         return out
 
     def __call__(self, state: dict) -> dict:
@@ -116,7 +116,7 @@ class Quantizer:
             outputs = scheme.outputs(shape, dtype)
             bufs = self._buffers(name, t, outputs)
             _quantize_into(scheme, t, dtype, bufs, name, self.backend)
-            out.update({_renamed(name, o): b for o, b in zip(outputs, bufs)})
+            out.update({o.name(name): b for o, b in zip(outputs, bufs)})
         return out
 
     def _buffers(self, name: str, t, outputs: list[Output]) -> list:
@@ -128,10 +128,6 @@ class Quantizer:
         bufs = [_empty(o, t) for o in outputs]
         self._out[name] = (device, bufs)
         return bufs
-
-
-def _renamed(name: str, o: Output) -> str:
-    return name[: -len(SUFFIX)] + o.suffix
 
 
 def _describe(t) -> tuple[str, tuple[int, ...]]:

@@ -35,6 +35,10 @@ class Output:
     dtype: str  # safetensors dtype name
     shape: tuple[int, ...]
 
+    def name(self, weight: str) -> str:
+        """This output's tensor name for the weight named `weight` ("<module>.weight")."""
+        return weight[: -len(SUFFIX)] + self.suffix
+
 
 @dataclass(frozen=True)
 class Int4Group:

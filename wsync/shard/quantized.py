@@ -29,7 +29,7 @@ from __future__ import annotations
 from .. import dtypes
 from ..errors import MismatchError
 from ..quant.quantizer import Quantizer
-from ..quant.schemes import SUFFIX, Fp8Block, Int4Group, Int8Channel, Output, Scheme
+from ..quant.schemes import Fp8Block, Int4Group, Int8Channel, Output, Scheme
 from .layout import Box, EngineLayout, Held, Need, Param, TrainerLayout, box_numel, box_shape, full_box
 
 SHAPE = "weight_shape"  # INT4's tensor whose value is the weight's global shape, not a box of anything
@@ -37,10 +37,6 @@ SHAPE = "weight_shape"  # INT4's tensor whose value is the weight's global shape
 
 class Cut(ValueError):
     """A box that cuts a quantization unit (the message says which boundary and what would work)."""
-
-
-def _renamed(name: str, o: Output) -> str:
-    return name[: -len(SUFFIX)] + o.suffix
 
 
 def _st(torch_name: str) -> str:
@@ -63,7 +59,7 @@ def outputs(q: Quantizer, name: str, p: Param) -> list[tuple[str, Param, Output 
     scheme = scheme_of(q, name, p)
     if scheme is None:
         return [(name, p, None)]
-    return [(_renamed(name, o), Param(tuple(o.shape), _torch_name(o.dtype)), o)
+    return [(o.name(name), Param(tuple(o.shape), _torch_name(o.dtype)), o)
             for o in scheme.outputs(tuple(p.shape), _st(p.dtype))]
 
 
@@ -150,7 +146,7 @@ def quantized_engine_layout(engine: EngineLayout, params: dict[str, Param], q: Q
             local[(r, name)] = lp
             continue
         for o in scheme.outputs(tuple(lp.shape), _st(lp.dtype)):
-            local[(r, _renamed(name, o))] = Param(tuple(o.shape), _torch_name(o.dtype))
+            local[(r, o.name(name))] = Param(tuple(o.shape), _torch_name(o.dtype))
     needs: dict[tuple, Need] = {}
     for x in engine.needs:
         scheme = schemes.get(x.src_name)
@@ -164,7 +160,7 @@ def quantized_engine_layout(engine: EngineLayout, params: dict[str, Param], q: Q
         lshape, gshape = engine.locals[(x.rank, x.name)].shape, params[x.src_name].shape
         dt = _st(params[x.src_name].dtype)
         for o_l, o_g in zip(scheme.outputs(tuple(lshape), dt), scheme.outputs(tuple(gshape), dt), strict=True):
-            qn = _renamed(x.name, o_g)
+            qn = o_g.name(x.name)
             try:
                 src = output_box(scheme, o_g, x.src, gshape, need=True)
                 dst = output_box(scheme, o_l, x.dst, lshape, need=True)
@@ -180,7 +176,7 @@ def quantized_engine_layout(engine: EngineLayout, params: dict[str, Param], q: Q
         if scheme is not None:
             for o in scheme.outputs(tuple(lp.shape), _st(lp.dtype)):
                 if o.suffix == SHAPE:
-                    qn, box = _renamed(name, o), full_box(o.shape)
+                    qn, box = o.name(name), full_box(o.shape)
                     needs[(r, qn, box, qn, box)] = Need(r, qn, box, qn, box)
     return EngineLayout(ranks=engine.ranks, locals=local, needs=tuple(needs.values()))
 
@@ -218,7 +214,7 @@ class LocalQuantizer:
                 if name in self.names:
                     out[name] = t
                 continue
-            wanted = [o for o in scheme.outputs(tuple(t.shape), dtype) if _renamed(name, o) in self.names]
+            wanted = [o for o in scheme.outputs(tuple(t.shape), dtype) if o.name(name) in self.names]
             if not wanted:
                 continue
             for qn, qt in self.q({name: t}).items():
