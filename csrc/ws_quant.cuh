@@ -19,7 +19,9 @@
 
 #include "ws_common.cuh"
 
-// Inlined everywhere: a call left in a host loop over elements keeps the compiler from vectorizing it.
+// Inlined everywhere: a call left in a host loop over elements keeps the compiler from vectorizing it, and
+// wsync._cpu compiles these loops a second time inside functions built for AVX2 (only what is inlined into
+// them is).
 #if defined(__CUDACC__) || !defined(__GNUC__)
 #define WS_QHD WS_HD
 #else
@@ -38,12 +40,12 @@ __device__ __forceinline__ float q_add(float a, float b) { return __fadd_rn(a, b
 #else
 // g++ (the CPU kernels, and the CPU harness of the CUDA code): IEEE float32 as written, as long as the build
 // never asks for fast-math (setup.py does not), and x86-64's SSE has no FMA to contract into by default.
-WS_HD float q_div(float a, float b) { return a / b; }
-WS_HD float q_mul(float a, float b) { return a * b; }
-WS_HD float q_add(float a, float b) { return a + b; }
+WS_QHD float q_div(float a, float b) { return a / b; }
+WS_QHD float q_mul(float a, float b) { return a * b; }
+WS_QHD float q_add(float a, float b) { return a + b; }
 #endif
 
-WS_HD float q_f32(u32 u) {
+WS_QHD float q_f32(u32 u) {
     union {
         u32 u;
         float f;
@@ -54,9 +56,9 @@ WS_HD float q_f32(u32 u) {
 
 // cond ? a : b as bit arithmetic: both sides are always computed, so the compiler cannot sink a float operation
 // into a branch (which, since float operations may trap, it then cannot turn back into a select).
-WS_HD u32 q_pick(bool cond, u32 a, u32 b) { return b ^ ((a ^ b) & (0u - u32(cond))); }
+WS_QHD u32 q_pick(bool cond, u32 a, u32 b) { return b ^ ((a ^ b) & (0u - u32(cond))); }
 
-WS_HD u32 q_bits(float f) {
+WS_QHD u32 q_bits(float f) {
     union {
         float f;
         u32 u;
@@ -66,7 +68,7 @@ WS_HD u32 q_bits(float f) {
 }
 
 // rint(q) for |q| < 2**22, ties to even: adding 1.5 * 2**23 leaves the rounded integer in the low mantissa bits.
-WS_HD i32 q_rint(float q) { return i32(q_bits(q_add(q, 12582912.0f)) & 0x7FFFFFu) - 0x400000; }
+WS_QHD i32 q_rint(float q) { return i32(q_bits(q_add(q, 12582912.0f)) & 0x7FFFFFu) - 0x400000; }
 
 // Per weight dtype: its element type, exact conversion to float32, rounding from float32 (nearest, ties to
 // even), the bits of |x| (which order as |x| does, for finite values), where the non-finite ones start, and
@@ -76,10 +78,10 @@ template <int D> struct QType;
 template <> struct QType<QD_BF16> {
     typedef u16 T;
     static constexpr u32 INF = 0x7F80u;
-    WS_HD static float eps() { return 0.0078125f; }  // 2**-7
-    WS_HD static u32 abs_bits(T h) { return u32(h) & 0x7FFFu; }
-    WS_HD static float load(u32 h) { return q_f32(h << 16); }
-    WS_HD static T round(float f) {
+    WS_QHD static float eps() { return 0.0078125f; }  // 2**-7
+    WS_QHD static u32 abs_bits(T h) { return u32(h) & 0x7FFFu; }
+    WS_QHD static float load(u32 h) { return q_f32(h << 16); }
+    WS_QHD static T round(float f) {
         const u32 u = q_bits(f);
         return T((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
     }
@@ -88,17 +90,17 @@ template <> struct QType<QD_BF16> {
 template <> struct QType<QD_F16> {
     typedef u16 T;
     static constexpr u32 INF = 0x7C00u;
-    WS_HD static float eps() { return 0.0009765625f; }  // 2**-10
-    WS_HD static u32 abs_bits(T h) { return u32(h) & 0x7FFFu; }
+    WS_QHD static float eps() { return 0.0009765625f; }  // 2**-10
+    WS_QHD static u32 abs_bits(T h) { return u32(h) & 0x7FFFu; }
     // Both cases are computed and one is selected, so that the host's loops over elements stay branch-free
     // (which is what lets the compiler vectorize them).
-    WS_HD static float load(u32 h) {
+    WS_QHD static float load(u32 h) {
         const u32 a = h & 0x7FFFu, sign = (h & 0x8000u) << 16;
         // a subnormal is its mantissa in units of 2**-24 (exact: both factors and the product are float32s)
         const u32 sub = q_bits(q_mul(float(a), 5.9604644775390625e-8f)), normal = (a << 13) + (112u << 23);
         return q_f32(q_pick(a < 0x400u, sub, normal) | sign);
     }
-    WS_HD static T round(float f) {
+    WS_QHD static T round(float f) {
         const u32 u = q_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
         // below 2**-14: a subnormal (or zero), its value in units of 2**-24, rounded (the product is below 2**10
         // where it is used; elsewhere it is discarded)
@@ -113,15 +115,15 @@ template <> struct QType<QD_F16> {
 template <> struct QType<QD_F32> {
     typedef u32 T;
     static constexpr u32 INF = 0x7F800000u;
-    WS_HD static float eps() { return 1.1920928955078125e-7f; }  // 2**-23
-    WS_HD static u32 abs_bits(T h) { return h & 0x7FFFFFFFu; }
-    WS_HD static float load(u32 h) { return q_f32(h); }
-    WS_HD static T round(float f) { return q_bits(f); }
+    WS_QHD static float eps() { return 1.1920928955078125e-7f; }  // 2**-23
+    WS_QHD static u32 abs_bits(T h) { return h & 0x7FFFFFFFu; }
+    WS_QHD static float load(u32 h) { return q_f32(h); }
+    WS_QHD static T round(float f) { return q_bits(f); }
 };
 
 // compressed-tensors' symmetric scale of a group (or row) whose largest |x| has bits `amax_bits`:
 // absmax / ((q_max - q_min) / 2) in float32, rounded to the weight's dtype; eps where that is zero.
-template <int D> WS_HD float q_sym_scale(u32 amax_bits, float half_range) {
+template <int D> WS_QHD float q_sym_scale(u32 amax_bits, float half_range) {
     typedef QType<D> Q;
     const float s = Q::load(Q::round(q_div(Q::load(amax_bits), half_range)));
     return s == 0.0f ? Q::eps() : s;
@@ -131,7 +133,7 @@ template <int D> WS_HD float q_sym_scale(u32 amax_bits, float half_range) {
 // reference clips before rounding; with integer bounds the two orders agree, and clipping the integer keeps
 // the loop free of float compares. q_rint needs |q| < 2**22: |x| <= absmax, and the scale is absmax / half
 // rounded to the dtype, at worst (in the dtype's subnormals) 2/3 of that, so |q| <= 1.5 * half.
-template <int D> WS_HD i32 q_sym_code(float x, float scale, i32 q_min, i32 q_max) {
+template <int D> WS_QHD i32 q_sym_code(float x, float scale, i32 q_min, i32 q_max) {
     typedef QType<D> Q;
     const i32 c = q_rint(Q::load(Q::round(q_div(x, scale))));
     return c < q_min ? q_min : (c > q_max ? q_max : c);
@@ -157,7 +159,7 @@ WS_QHD u8 q_fp8_e4m3(float v) {
 }
 
 // vLLM's block scale from the block's largest |x| (bits in the weight's dtype): sf = max(amax, 1e-4) / 448.
-template <int D> WS_HD float q_fp8_scale(u32 amax_bits) {
+template <int D> WS_QHD float q_fp8_scale(u32 amax_bits) {
     float amax = QType<D>::load(amax_bits);
     if (amax < Q_FP8_AMAX_FLOOR) amax = Q_FP8_AMAX_FLOOR;
     return q_div(amax, Q_FP8_MAX);
@@ -274,7 +276,7 @@ __device__ __forceinline__ void q_fp8_block(const typename QType<D>::T* __restri
 // Each returns the flat offset (from its first element) of its first non-finite element, or -1 and its outputs.
 
 // |x| bits of the largest element of n, or of the first non-finite one (>= Q::INF) if any.
-template <int D> static inline u32 q_amax_bits(const typename QType<D>::T* p, u64 n) {
+template <int D> WS_QHD u32 q_amax_bits(const typename QType<D>::T* p, u64 n) {
     u32 m = 0;
     for (u64 j = 0; j < n; ++j) {
         const u32 a = QType<D>::abs_bits(p[j]);
@@ -291,7 +293,7 @@ template <int D> static inline i64 q_first_bad(const typename QType<D>::T* p, u6
 
 // One row of k elements in groups of `group` (a multiple of 8): packed [k / 8], scale [k / group]. tmp: k codes.
 template <int D>
-static inline i64 q_int4_row_host(const typename QType<D>::T* x, u64 k, u32 group, u32* packed,
+WS_QHD i64 q_int4_row_host(const typename QType<D>::T* x, u64 k, u32 group, u32* packed,
                                   typename QType<D>::T* scale, i8* tmp) {
     typedef QType<D> Q;
     for (u64 g = 0; g < k / group; ++g) {
@@ -313,7 +315,7 @@ static inline i64 q_int4_row_host(const typename QType<D>::T* x, u64 k, u32 grou
 
 // One row of k elements: codes [k], one scale.
 template <int D>
-static inline i64 q_int8_row_host(const typename QType<D>::T* x, u64 k, i8* codes, typename QType<D>::T* scale) {
+WS_QHD i64 q_int8_row_host(const typename QType<D>::T* x, u64 k, i8* codes, typename QType<D>::T* scale) {
     typedef QType<D> Q;
     const u32 m = q_amax_bits<D>(x, k);
     if (m >= Q::INF) return q_first_bad<D>(x, k);
@@ -325,7 +327,7 @@ static inline i64 q_int8_row_host(const typename QType<D>::T* x, u64 k, i8* code
 
 // One block of h x w elements at x, rows n apart: codes (rows n apart as well) and its scale.
 template <int D>
-static inline i64 q_fp8_block_host(const typename QType<D>::T* x, u64 n, u64 h, u64 w, u8* codes, float* sf) {
+WS_QHD i64 q_fp8_block_host(const typename QType<D>::T* x, u64 n, u64 h, u64 w, u8* codes, float* sf) {
     typedef QType<D> Q;
     u32 m = 0;
     for (u64 r = 0; r < h; ++r) {

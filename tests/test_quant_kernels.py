@@ -108,3 +108,32 @@ def test_the_quantizer_on_the_cpu_backend_makes_the_reference_backends_state(cpu
     assert a.keys() == b.keys() and len(a) == 8
     for name in a:
         assert a[name].bits.tobytes() == b[name].bits.tobytes(), name
+
+
+BASELINE_RUN = """
+import numpy as np
+from quant_cases import SCHEMES, cases, empty_outputs, same
+from wsync.backends.cpu import CpuKernels
+k = CpuKernels()
+for scheme in SCHEMES.values():
+    for name, bits, dtype in cases(scheme):
+        outs = empty_outputs(scheme, bits, dtype)
+        k.quantize(scheme, bits, dtype, outs)
+        same(outs, scheme.reference(bits, dtype), name)
+print("ok")
+"""
+
+
+def test_the_cpu_kernels_without_avx2_are_the_reference_byte_for_byte(cpu_kernels):
+    """The C++ loops are built twice (baseline x86-64 and AVX2, picked at run time); where AVX2 is used, the
+    baseline build is what $WSYNC_NO_AVX2 runs, in a process of its own (the choice is made once per process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, WSYNC_NO_AVX2="1", PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent),
+                                                                            os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", BASELINE_RUN], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-4000:]
