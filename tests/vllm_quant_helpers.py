@@ -29,6 +29,18 @@ INT8_W8A8 = {
 }
 
 
+# compressed-tensors W4A16: symmetric INT4 in groups of 32, "pack-quantized" (Kimi K2's format for its routed
+# experts; here on every Linear of a dense model, which vLLM's CPU build serves without AMX)
+INT4_W4A16 = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "format": "pack-quantized",
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+                    "dynamic": False}}},
+}
+
+
 def write_checkpoint(path: str, config: dict, quantization_config: dict, state: dict) -> None:
     """A quantized checkpoint folder as vLLM reads one: config.json (the model's config with its
     quantization_config) and model.safetensors holding `state` (the quantizer's output, checkpoint names)."""
@@ -41,19 +53,27 @@ def write_checkpoint(path: str, config: dict, quantization_config: dict, state: 
 
 
 def dequantized(model, quantized: dict):
-    """A float32 copy of `model` holding the weights `quantized` stands for (INT8 channel: code x scale, exact
-    in float32), for transformers' tokens to hold a quantized engine's to."""
+    """A float32 copy of `model` holding the weights `quantized` stands for (INT8 channel or INT4 group: code x
+    scale, exact in float32), for transformers' tokens to hold a quantized engine's to."""
     import copy
 
     import torch
+
+    from wsync.quant.ref import unpack_int4
 
     out = copy.deepcopy(model).float()
     state = {}
     for name in out.state_dict():
         scale = quantized.get(f"{name}_scale")
-        state[name] = quantized[name].float() if scale is None else quantized[name].float() * scale.float()
+        packed = quantized.get(f"{name}_packed")
+        if packed is not None:  # INT4 groups: code x its group's scale
+            codes = torch.from_numpy(unpack_int4(packed.numpy())).float()
+            groups = codes.reshape(*scale.shape, -1) * scale.float()[..., None]
+            state[name] = groups.reshape(codes.shape)
+        else:
+            state[name] = quantized[name].float() if scale is None else quantized[name].float() * scale.float()
     out.load_state_dict(state)
-    return out.to(torch.float32)
+    return out
 
 
 def quantized_layers(quantized: dict, fused: dict[str, list[str]]) -> dict[str, list[str]]:
