@@ -606,8 +606,10 @@ template <int D, bool AVX2> struct QuantRows;
 
 template <int D> struct QuantRows<D, false> {
   typedef typename ws::QType<D>::T T;
-  static ws::i64 int4(const T* x, ws::u64 k, ws::u32 group, ws::u32* packed, T* scale, ws::i8* tmp) {
-    return ws::q_int4_row_host<D>(x, k, group, packed, scale, tmp);
+  static ws::i64 int4(const T* x, ws::u64 k, ws::u32 group, ws::u32* packed, T* scale, ws::i8* tmp,
+                                    ws::u32* amax) {
+    return group == 32 ? ws::q_int4_row_host<D, 32>(x, k, group, packed, scale, tmp, amax)
+                       : ws::q_int4_row_host<D, 0>(x, k, group, packed, scale, tmp, amax);
   }
   static ws::i64 int8(const T* x, ws::u64 k, ws::i8* codes, T* scale) { return ws::q_int8_row_host<D>(x, k, codes, scale); }
   static ws::i64 fp8(const T* x, ws::u64 n, ws::u64 h, ws::u64 w, ws::u8* codes, float* sf) {
@@ -617,8 +619,10 @@ template <int D> struct QuantRows<D, false> {
 
 template <int D> struct QuantRows<D, true> {
   typedef typename ws::QType<D>::T T;
-  WS_QUANT_AVX2 static ws::i64 int4(const T* x, ws::u64 k, ws::u32 group, ws::u32* packed, T* scale, ws::i8* tmp) {
-    return ws::q_int4_row_host<D>(x, k, group, packed, scale, tmp);
+  WS_QUANT_AVX2 static ws::i64 int4(const T* x, ws::u64 k, ws::u32 group, ws::u32* packed, T* scale, ws::i8* tmp,
+                                    ws::u32* amax) {
+    return group == 32 ? ws::q_int4_row_host<D, 32>(x, k, group, packed, scale, tmp, amax)
+                       : ws::q_int4_row_host<D, 0>(x, k, group, packed, scale, tmp, amax);
   }
   WS_QUANT_AVX2 static ws::i64 int8(const T* x, ws::u64 k, ws::i8* codes, T* scale) {
     return ws::q_int8_row_host<D>(x, k, codes, scale);
@@ -691,9 +695,11 @@ PyObject* py_quantize_int4(PyObject*, PyObject* args) {
     Py_BEGIN_ALLOW_THREADS
     wsync::parallel_for(rows, row_grain(k), [&](int64_t r) {
       thread_local std::vector<ws::i8> tmp;
+      thread_local std::vector<ws::u32> amax;
       if (tmp.size() < size_t(k)) tmp.resize(size_t(k));
+      if (amax.size() < size_t(k / group)) amax.resize(size_t(k / group));
       const ws::i64 j = Rows::int4(px + r * k, ws::u64(k), ws::u32(group), pp + r * (k / 8), ps + r * (k / group),
-                                   tmp.data());
+                                   tmp.data(), amax.data());
       if (j >= 0) bad.offer(r * k + j);
     });
     Py_END_ALLOW_THREADS

@@ -78,7 +78,7 @@ template <int D> struct QType;
 template <> struct QType<QD_BF16> {
     typedef u16 T;
     static constexpr u32 INF = 0x7F80u;
-    WS_QHD static float eps() { return 0.0078125f; }  // 2**-7
+    static constexpr u32 EPS = 0x3C00u;  // 2**-7
     WS_QHD static u32 abs_bits(T h) { return u32(h) & 0x7FFFu; }
     WS_QHD static float load(u32 h) { return q_f32(h << 16); }
     WS_QHD static T round(float f) {
@@ -90,7 +90,7 @@ template <> struct QType<QD_BF16> {
 template <> struct QType<QD_F16> {
     typedef u16 T;
     static constexpr u32 INF = 0x7C00u;
-    WS_QHD static float eps() { return 0.0009765625f; }  // 2**-10
+    static constexpr u32 EPS = 0x1400u;  // 2**-10
     WS_QHD static u32 abs_bits(T h) { return u32(h) & 0x7FFFu; }
     // Both cases are computed and one is selected, so that the host's loops over elements stay branch-free
     // (which is what lets the compiler vectorize them).
@@ -115,18 +115,19 @@ template <> struct QType<QD_F16> {
 template <> struct QType<QD_F32> {
     typedef u32 T;
     static constexpr u32 INF = 0x7F800000u;
-    WS_QHD static float eps() { return 1.1920928955078125e-7f; }  // 2**-23
+    static constexpr u32 EPS = 0x34000000u;  // 2**-23
     WS_QHD static u32 abs_bits(T h) { return h & 0x7FFFFFFFu; }
     WS_QHD static float load(u32 h) { return q_f32(h); }
     WS_QHD static T round(float f) { return q_bits(f); }
 };
 
-// compressed-tensors' symmetric scale of a group (or row) whose largest |x| has bits `amax_bits`:
-// absmax / ((q_max - q_min) / 2) in float32, rounded to the weight's dtype; eps where that is zero.
-template <int D> WS_QHD float q_sym_scale(u32 amax_bits, float half_range) {
+// compressed-tensors' symmetric scale of a group (or row) whose largest |x| has bits `amax_bits`, as bits of
+// the weight's dtype: absmax / ((q_max - q_min) / 2) in float32, rounded to the dtype; eps where that is zero
+// (told apart by its bits, so that a host loop over groups stays free of float compares).
+template <int D> WS_QHD typename QType<D>::T q_sym_scale(u32 amax_bits, float half_range) {
     typedef QType<D> Q;
-    const float s = Q::load(Q::round(q_div(Q::load(amax_bits), half_range)));
-    return s == 0.0f ? Q::eps() : s;
+    const typename Q::T s = Q::round(q_div(Q::load(amax_bits), half_range));
+    return typename Q::T(q_pick(s == 0, Q::EPS, s));
 }
 
 // Its integer code of x: x / scale in float32, rounded to the weight's dtype, rounded to even, clipped. The
@@ -143,19 +144,19 @@ constexpr float Q_INT4_HALF = 7.5f, Q_INT8_HALF = 127.5f;  // (q_max - q_min) / 
 constexpr i32 Q_INT4_MIN = -8, Q_INT4_MAX = 7, Q_INT8_MIN = -128, Q_INT8_MAX = 127;
 constexpr float Q_FP8_MAX = 448.0f, Q_FP8_AMAX_FLOOR = 1e-4f;  // float8_e4m3fn's largest; vLLM's clamp of amax
 
-// torch's float32 -> float8_e4m3fn: nearest, ties to even; no infinity, so 448 and beyond saturate to 448.
+// torch's float32 -> float8_e4m3fn of a finite v: nearest, ties to even; the format has no infinity, so 448
+// and beyond saturate to 448 (0x7E). (A NaN, which torch keeps as 0x7F, never gets here: the kernels refuse
+// non-finite weights, and the scale keeps |x * (1 / scale)| within 448 and a rounding.) Every case is computed
+// and one selected, branch-free (see QType<QD_F16>).
 WS_QHD u8 q_fp8_e4m3(float v) {
     const u32 u = q_bits(v), a = u & 0x7FFFFFFFu;
-    const u32 sign = (u >> 24) & 0x80u;
-    // every case is computed and one selected, branch-free (see QType<QD_F16>)
-    // 448.0 and beyond (NaN too, which no caller passes)
-    const u32 big = a > 0x7F800000u ? 0x7Fu : 0x7Eu;
-    // below 2**-6: the format's subnormals, in units of 2**-9 (8 units: 0x08)
-    const u32 sub = u32(q_rint(q_mul(q_f32(q_pick(a < (121u << 23), a, 0u)), 512.0f)));
-    // else re-bias the exponent (127 -> 7), round the 20 dropped mantissa bits to even
-    const u32 normal = (a - (120u << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
-    const u32 c = q_pick(a >= 0x43E00000u, big, q_pick(a < (121u << 23), sub, normal));
-    return u8(c | sign);
+    // below 2**-6: the format's subnormals, k units of 2**-9 with k = rint(|v| * 512) <= 8 (8 units: 0x08), which
+    // is the low byte of |v| * 512 + 1.5 * 2**23
+    const u32 sub = q_bits(q_add(q_mul(q_f32(a), 512.0f), 12582912.0f)) & 0xFFu;
+    // else re-bias the exponent (127 -> 7), round the 20 dropped mantissa bits to even, saturate
+    u32 normal = (a - (120u << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+    normal = normal < 0x7Eu ? normal : 0x7Eu;
+    return u8(q_pick(a < (121u << 23), sub, normal) | ((u >> 24) & 0x80u));
 }
 
 // vLLM's block scale from the block's largest |x| (bits in the weight's dtype): sf = max(amax, 1e-4) / 448.
@@ -201,8 +202,9 @@ __device__ __forceinline__ void q_int4_group(const typename QType<D>::T* __restr
             }
         return;
     }
-    const float s = q_sym_scale<D>(m, Q_INT4_HALF);
-    scale[g] = Q::round(s);
+    const typename Q::T sb = q_sym_scale<D>(m, Q_INT4_HALF);
+    scale[g] = sb;
+    const float s = Q::load(sb);
     u32* out = packed + g * (group / 8);
     for (u32 w = 0; w < group / 8; ++w) {
         u32 word = 0;
@@ -232,8 +234,9 @@ __device__ __forceinline__ void q_int8_channel(const typename QType<D>::T* __res
             }
         return;
     }
-    const float s = q_sym_scale<D>(m, Q_INT8_HALF);
-    if (threadIdx.x == 0) scale[row] = Q::round(s);
+    const typename Q::T sb = q_sym_scale<D>(m, Q_INT8_HALF);
+    if (threadIdx.x == 0) scale[row] = sb;
+    const float s = Q::load(sb);
     i8* out = codes + row * k;
     for (u64 j = threadIdx.x; j < k; j += QNT) out[j] = i8(q_sym_code<D>(Q::load(p[j]), s, Q_INT8_MIN, Q_INT8_MAX));
 }
@@ -291,19 +294,28 @@ template <int D> static inline i64 q_first_bad(const typename QType<D>::T* p, u6
     return -1;
 }
 
-// One row of k elements in groups of `group` (a multiple of 8): packed [k / 8], scale [k / group]. tmp: k codes.
-template <int D>
-WS_QHD i64 q_int4_row_host(const typename QType<D>::T* x, u64 k, u32 group, u32* packed,
-                                  typename QType<D>::T* scale, i8* tmp) {
+// One row of k elements in groups of `group` (a multiple of 8): packed [k / 8], scale [k / group]. tmp: k codes
+// and k / group amaxes. Every group's amax first, then every scale, then the codes: no group's arithmetic waits
+// on the one before it. G: the group size when known at compile time (0: `group`), so that the common one's
+// loops are unrolled whole.
+template <int D, u32 G>
+WS_QHD i64 q_int4_row_host(const typename QType<D>::T* __restrict__ x, u64 k, u32 group, u32* __restrict__ packed,
+                           typename QType<D>::T* __restrict__ scale, i8* __restrict__ tmp, u32* __restrict__ amax) {
     typedef QType<D> Q;
-    for (u64 g = 0; g < k / group; ++g) {
-        const typename Q::T* p = x + g * group;
-        const u32 m = q_amax_bits<D>(p, group);
-        if (m >= Q::INF) return i64(g * group) + q_first_bad<D>(p, group);
-        const float s = q_sym_scale<D>(m, Q_INT4_HALF);
-        scale[g] = Q::round(s);
-        i8* c = tmp + g * group;
-        for (u32 j = 0; j < group; ++j) c[j] = i8(q_sym_code<D>(Q::load(p[j]), s, Q_INT4_MIN, Q_INT4_MAX) + 8);
+    const u32 gs = G ? G : group;
+    const u64 ng = k / gs;
+    u32 worst = 0;
+    for (u64 g = 0; g < ng; ++g) {
+        amax[g] = q_amax_bits<D>(x + g * gs, gs);
+        worst = ws_max<u32>(worst, amax[g]);
+    }
+    if (worst >= Q::INF) return q_first_bad<D>(x, k);
+    for (u64 g = 0; g < ng; ++g) scale[g] = q_sym_scale<D>(amax[g], Q_INT4_HALF);
+    for (u64 g = 0; g < ng; ++g) {
+        const typename Q::T* p = x + g * gs;
+        const float s = Q::load(scale[g]);
+        i8* c = tmp + g * gs;
+        for (u32 j = 0; j < gs; ++j) c[j] = i8(q_sym_code<D>(Q::load(p[j]), s, Q_INT4_MIN, Q_INT4_MAX) + 8);
     }
     for (u64 w = 0; w < k / 8; ++w) {
         u32 word = 0;
@@ -315,19 +327,21 @@ WS_QHD i64 q_int4_row_host(const typename QType<D>::T* x, u64 k, u32 group, u32*
 
 // One row of k elements: codes [k], one scale.
 template <int D>
-WS_QHD i64 q_int8_row_host(const typename QType<D>::T* x, u64 k, i8* codes, typename QType<D>::T* scale) {
+WS_QHD i64 q_int8_row_host(const typename QType<D>::T* __restrict__ x, u64 k, i8* __restrict__ codes,
+                           typename QType<D>::T* __restrict__ scale) {
     typedef QType<D> Q;
     const u32 m = q_amax_bits<D>(x, k);
     if (m >= Q::INF) return q_first_bad<D>(x, k);
-    const float s = q_sym_scale<D>(m, Q_INT8_HALF);
-    *scale = Q::round(s);
+    *scale = q_sym_scale<D>(m, Q_INT8_HALF);
+    const float s = Q::load(*scale);
     for (u64 j = 0; j < k; ++j) codes[j] = i8(q_sym_code<D>(Q::load(x[j]), s, Q_INT8_MIN, Q_INT8_MAX));
     return -1;
 }
 
 // One block of h x w elements at x, rows n apart: codes (rows n apart as well) and its scale.
 template <int D>
-WS_QHD i64 q_fp8_block_host(const typename QType<D>::T* x, u64 n, u64 h, u64 w, u8* codes, float* sf) {
+WS_QHD i64 q_fp8_block_host(const typename QType<D>::T* __restrict__ x, u64 n, u64 h, u64 w, u8* __restrict__ codes,
+                            float* __restrict__ sf) {
     typedef QType<D> Q;
     u32 m = 0;
     for (u64 r = 0; r < h; ++r) {
