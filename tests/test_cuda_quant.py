@@ -2,8 +2,9 @@
 CUDA weight), run on the CPU-fiber harness behind a fake CUDA runtime that counts what crosses to the host.
 
 The codes and scales are written into the caller's device buffers and equal the reference byte for byte; the
-only bytes that come back to the host are the kernel's non-finite flag (one u64), unless there is a non-finite
-element, which is then named with the reference's QuantizeError. The kernels' arithmetic on every shape class,
+only bytes that come back to the host are the kernel's non-finite flag (one u64), and wsync's count of what
+crosses (backends.transfers) says so, unless there is a non-finite element, which is then named with the
+reference's QuantizeError. The kernels' arithmetic on every shape class,
 dtype and edge value, under each thread schedule, is tests/test_quant_kernels.py's.
 """
 from __future__ import annotations
@@ -39,12 +40,15 @@ def test_device_weights_quantize_into_device_buffers_with_only_the_flag_crossing
         if not fits(scheme, shape):
             continue
         bits = weight(shape, dtype, i, "fp8" if scheme.kind == "fp8_block" else "int")
-        before = dict(device_rt.crossed)
+        before, counted = dict(device_rt.crossed), (backends.transfers().d2h, backends.transfers().h2d)
         outs = run(scheme, bits, dtype)
         crossed = {d: device_rt.crossed[d] - before[d] for d in before}
         same(outs, scheme.reference(bits, dtype), f"{name}/{dtype}")
         assert crossed["d2h"] == 8, crossed  # the flag
-        assert crossed["h2d"] <= 8 * len(shape), crossed  # INT4's weight_shape, nothing else
+        assert crossed["h2d"] == (8 * len(shape) if scheme.kind == "int4_group" else 0), crossed  # weight_shape
+        # and wsync's own count of what crossed (backends.transfers) says the same
+        assert (backends.transfers().d2h - counted[0], backends.transfers().h2d - counted[1]) == \
+            (crossed["d2h"], crossed["h2d"])
         names = [e[1] for e in device_rt.launches()[-1:]]
         assert names == [f"quant_{scheme.kind}_{dtype.lower()}"]
 

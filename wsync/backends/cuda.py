@@ -723,6 +723,8 @@ class CudaKernels(_KernelsOver):
         path): the kernels run on the weight's device and current stream, and only the non-finite flag comes
         to the host (the weight too, to name the element, when there is one). Host arrays take the host-array
         protocol above; a shape, dtype or empty weight the kernels do not take is the reference's, on the host."""
+        from . import transfers  # the process's count of bytes between device and host, as the device paths keep
+
         if not _is_device_array(tensor):
             return super().quantize(scheme, tensor, dtype, bufs, what)
         if hasattr(tensor, "contiguous") and not tensor.is_contiguous():
@@ -735,14 +737,19 @@ class CudaKernels(_KernelsOver):
             dims = quant_dims(scheme, shape, dtype)
             if dims is None or x.dtype.itemsize != (4 if dtype == "F32" else 2):
                 host = [np.empty(o.shape, o.dtype) for o in outs]
+                transfers().add(d2h=x.nbytes)
                 Composed.quantize(self, scheme, self.rt.to_host(x).reshape(shape), dtype, host, what)
                 for o, h in zip(outs, host):
                     o[...] = self.xp.asarray(h)
+                transfers().add(h2d=sum(h.nbytes for h in host))
                 return
             bad = self.launcher.quantize(scheme.kind, x, dtype, dims, outs[0], outs[1])
+            transfers().add(d2h=8)  # the flag
             if scheme.kind == "int4_group":
                 outs[2][...] = self.xp.asarray(np.asarray(shape, np.int64).view(np.uint64))
+                transfers().add(h2d=8 * len(shape))
             if bad >= 0:
+                transfers().add(d2h=x.nbytes)
                 quant_refuse(scheme, self.rt.to_host(x).reshape(shape), dtype, bad, what)
 
     # ---- helpers -------------------------------------------------------------------
