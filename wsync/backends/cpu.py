@@ -1,11 +1,13 @@
-"""The C++ CPU backend: the delta and checksum hot loops in wsync._cpu, threaded over chunks.
+"""The C++ CPU backend: the delta and checksum hot loops in wsync._cpu, threaded over chunks, and the
+quantizers of wsync.quant (csrc/ws_quant.cuh), threaded over rows and blocks.
 
 The extension is optional (setup.py builds it when a compiler is present), so
 this module imports it lazily and explains, through BackendUnavailable, why it
 is missing. The kernels write bytearrays that are viewed here as numpy arrays
 without a copy; they must agree with wsync.codecs.delta_ref byte for byte
 (tests/test_backends.py). Payload sections the reference would reject raise
-FormatError with the reference's message.
+FormatError with the reference's message; the quantizers write wsync.quant.ref's
+bytes and refuse what it refuses with its QuantizeError (tests/test_quant_kernels.py).
 """
 from __future__ import annotations
 
