@@ -9,8 +9,8 @@ Two parts, both run in CI's vLLM stage:
   fails naming the tensor and the element.
 - Serving: a quantizing Publisher feeds a vLLM engine serving a compressed-tensors checkpoint of a tiny
   random Qwen3, W8A8 INT8 (channel weights, dynamic per-token activations) or W4A16 INT4 groups of 32
-  ("pack-quantized", Kimi K2's expert format, here on every Linear: vLLM's CPU build serves INT4 MoE experts
-  only on CPUs with AMX or through zentorch), over keyframes and deltas. After every version the digest each worker reports equals
+  ("pack-quantized", Kimi K2's expert format, here on every Linear: vLLM's CPU build serves INT4 MoE
+  experts only on CPUs with AMX or through zentorch), over keyframes and deltas. After every version the digest each worker reports equals
   that of the trainer's state quantized, and the engine holds what vLLM makes of that version's checkpoint
   read from disk (a second engine reloading each version's folder with vLLM's own loader): the same tensors,
   byte for byte, and the same greedy tokens on every prompt. The last version is also started fresh from its
@@ -278,7 +278,7 @@ def test_engine_follows_quantizing_publisher(fmt, tmp_path, probe_env):
                 write_checkpoint(str(folder), config, qcfg, quantized)
                 disk.collective_rpc("probe_reload", args=(str(folder),))
                 assert live.collective_rpc("probe_held") == disk.collective_rpc("probe_held"), f"version {v}"
-                if qcfg is INT8_W8A8:  # oneDNN keeps INT8 scales as loaded; the INT4 kernel repacks its own
+                if qcfg is INT8_W8A8:  # INT8 layers keep their scales as loaded; the INT4 kernel blocks them anew
                     _scales_are_sent(live, quantized)
                 got = tokens(live)
                 assert got == tokens(disk), f"version {v}: the live engine's tokens differ from the checkpoint's"
