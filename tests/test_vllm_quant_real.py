@@ -10,8 +10,8 @@ Two parts, both run in CI's vLLM stage:
 - Serving: a quantizing Publisher feeds a vLLM engine serving a compressed-tensors checkpoint of a tiny
   random Qwen3, W8A8 INT8 (channel weights, dynamic per-token activations) or W4A16 INT4 groups of 32
   ("pack-quantized", Kimi K2's expert format, here on every Linear: vLLM's CPU build serves INT4 MoE
-  experts only on CPUs with AMX or through zentorch), over keyframes and deltas. After every version the digest each worker reports equals
-  that of the trainer's state quantized, and the engine holds what vLLM makes of that version's checkpoint
+  experts only on CPUs with AMX or through zentorch), over keyframes and deltas. After every version the
+  digest each worker reports equals that of the trainer's state quantized, and the engine holds what vLLM makes of that version's checkpoint
   read from disk (a second engine reloading each version's folder with vLLM's own loader): the same tensors,
   byte for byte, and the same greedy tokens on every prompt. The last version is also started fresh from its
   folder, so the reload path is itself held to a cold start; and every version's tokens are those of
