@@ -7,16 +7,16 @@ Two parts, both run in CI's vLLM stage:
   INT8 channel quantizers as vLLM's venv pins them, on every shape class of a Qwen3-MoE / Kimi-like layer
   and on edge values (all-zero rows and blocks, ties, subnormals, the largest finite values). A divergence
   fails naming the tensor and the element.
-- Serving: a quantizing Publisher feeds a vLLM engine serving a compressed-tensors checkpoint of a tiny
-  random Qwen3, W8A8 INT8 (channel weights, dynamic per-token activations) or W4A16 INT4 groups of 32
-  ("pack-quantized", Kimi K2's expert format, here on every Linear: vLLM's CPU build serves INT4 MoE
-  experts only on CPUs with AMX or through zentorch), over keyframes and deltas. After every version the
-  digest each worker reports equals that of the trainer's state quantized, and the engine holds what vLLM makes of that version's checkpoint
-  read from disk (a second engine reloading each version's folder with vLLM's own loader): the same tensors,
-  byte for byte, and the same greedy tokens on every prompt. The last version is also started fresh from its
-  folder, so the reload path is itself held to a cold start; and every version's tokens are those of
-  transformers holding the weights the checkpoint stands for, on the prompts it decides by a margin (as
-  tests/test_vllm_real.py does), so two engines wrong in the same way fail too.
+- Serving: a quantizing Publisher feeds a vLLM engine serving a compressed-tensors checkpoint of a tiny random Qwen3,
+  W8A8 INT8 (channel weights, dynamic per-token activations) or W4A16 INT4 groups of 32 ("pack-quantized", Kimi K2's
+  expert format, here on every Linear: vLLM's CPU build serves INT4 MoE experts only on CPUs with AMX or through
+  zentorch), over keyframes and deltas. After every version the digest each worker reports equals that of the
+  trainer's state quantized, and the engine holds what vLLM makes of that version's checkpoint read from disk (a
+  second engine reloading each version's folder with vLLM's own loader): the same tensors, byte for byte, and the same
+  greedy tokens on every prompt. The last version is also started fresh from its folder, so the reload path is itself
+  held to a cold start; and every version's tokens are those of transformers holding the weights the checkpoint stands
+  for, on the prompts it decides by a margin (as tests/test_vllm_real.py does), so two engines wrong in the same way
+  fail too.
 
 Skipped where vLLM does not import; with WSYNC_REQUIRE_VLLM=1 (the CI stage) that is a failure instead.
 """
