@@ -41,6 +41,7 @@ def test_subscribers_hold_the_quantized_state_through_keyframes_and_deltas():
             assert got.keys() == want.keys()
             packed = "model.layers.1.mlp.experts.1.up_proj.weight_packed"
             assert got[packed].dtype.name == "I32" and got[packed].bits.tobytes() == want[packed].bits.tobytes()
+        pub.flush(60)  # every version's encoding recorded
         # what each version after the first cost on the wire: a small part of the quantized state's bytes
         full = sum(t.bits.nbytes for t in want.values())
         assert all(pub.stats.bytes[v] < full / 10 for v in range(1, 7)), (pub.stats.bytes, full)
