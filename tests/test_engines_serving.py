@@ -115,6 +115,10 @@ def test_kernel_format_is_what_vllm_cpu_leaves():
     assert not kernel_format(served)
     served.model.layers[0].mlp.down_proj.cpu_linear = lambda x, weight, bias: x
     assert kernel_format(served)
+    # a quantized layer's oneDNN handler holds its weight, and vLLM sets the registered parameter to None
+    quantized = vllm_like(1)
+    quantized.model.layers[0].mlp.down_proj.weight = None
+    assert kernel_format(quantized)
 
 
 def test_worker_extension_rpc_methods(gen, monkeypatch):

@@ -63,6 +63,8 @@ CALLS = [
     ("vllm.entrypoints.rl.offline", "RLOfflineMixin.start_weight_update", 0, ()),
     ("vllm.entrypoints.rl.offline", "RLOfflineMixin.update_weights", 1, ()),
     ("vllm.entrypoints.rl.offline", "RLOfflineMixin.finish_weight_update", 0, ()),
+    # wrapped by onednn_scales_kept: the call vLLM's CPU INT8 layers make passes through it with all five
+    ("vllm._custom_ops", "create_onednn_scaled_mm", 5, ()),
 ]
 # Methods of vLLM's base class that the backend overrides, with the parameters vLLM calls them with.
 OVERRIDES = [
@@ -177,9 +179,13 @@ def onednn_scales_kept():
 
 
 def kernel_format(model) -> bool:
-    """True when some layer computes with a prepacked copy of its weight that load_weights cannot reach
-    (vLLM's CPU GEMM dispatch: ``cpu_linear`` holds a oneDNN/packed weight, the parameter is emptied)."""
-    return any(getattr(m, "cpu_linear", None) is not None for m in model.modules())
+    """True when some layer computes with a prepacked copy of its weight that load_weights cannot reach: vLLM's
+    CPU GEMM dispatch gives a layer ``cpu_linear`` (a oneDNN/packed weight) and empties the parameter, and its
+    quantized CPU kernels (W8A8 INT8's oneDNN handler) keep the weight in the kernel and set the parameter to
+    None. A model quantized on every Linear has no ``cpu_linear`` at all: the released weight tells (a bias
+    registered as None is only a layer without one)."""
+    return any(getattr(m, "cpu_linear", None) is not None or ("weight" in m._parameters and m.weight is None)
+               for m in model.modules())
 
 
 def _device_of(model):
