@@ -41,7 +41,9 @@ pytestmark = pytest.mark.usefixtures("vllm_env")
 
 EXTENSION = "wsync.engines.vllm.WsyncWorkerExtension"
 PROMPTS = POOL[:6]  # what runs while a version lands
-VERSIONS = 6  # 0 is a keyframe; keyframe_every=4 makes 4 one as well; the rest are deltas
+# 0 arrives as a keyframe, the rest as deltas: keyframe_every=4 makes 4 the base a late subscriber catches up
+# from, while one that follows along still gets 4 as a delta
+VERSIONS = 6
 
 
 def start_llm(path: str, **kw):
