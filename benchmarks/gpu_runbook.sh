@@ -12,7 +12,8 @@
 #   2. the GPU kernel tests (tests/test_cuda_kernels.py) and the CPU-harness suites, byte for byte
 #      against delta_ref (they also run in CI without a GPU; here they confirm on the real thing)
 #   3. the kernel tests under compute-sanitizer: memcheck, racecheck, synccheck
-#   4. the other tests marked gpu (tests/test_local.py, test_lowrank.py, test_torchdist.py)
+#   4. the other tests marked gpu (tests/test_local.py, test_lowrank.py, test_torchdist.py, the quantizers on
+#      device tensors: test_cuda_quant.py)
 #   5. the throughput benchmark against a device-to-device copy, v2's GPU decoder against v1's apply
 #      (wsync bench cuda)
 #   6. end to end (wsync bench gpu-sync): trainer and engine processes on the GPU, publish -> live
@@ -114,7 +115,7 @@ sanitizers() {
 other_gpu_tests() {
     step other-gpu-tests gpu-tests.log "$PY" -m pytest -q -rs -m gpu tests/test_local.py tests/test_device_sync.py tests/test_shard_device.py \
         tests/test_transport_devices.py tests/test_lowrank.py \
-        tests/test_torchdist.py
+        tests/test_torchdist.py tests/test_cuda_quant.py
 }
 wait_build() {  # once: a second wait on the same pid is an error in bash
     if [ -n "${BUILD:-}" ]; then

@@ -76,3 +76,35 @@ def test_a_weight_on_the_second_gpu_runs_there(device_rt):
     outs = run(scheme, bits, "F16", device=1, out_device=1)
     same(outs, scheme.reference(bits, "F16"), "fp8_edges on cuda:1")
     assert device_rt.launches()[-1][2] == 1
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_quantizer_writes_the_references_bytes_into_device_memory():
+    """The same kernels on a real GPU (cupy's runtime, torch's CUDA tensors), through the Quantizer a Publisher
+    uses: every scheme, dtype and shape class, its outputs on the device, byte for byte the reference's."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from wsync.errors import BackendUnavailable
+    from wsync.quant import Quantizer
+
+    try:
+        backends.device_kernels()
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+    torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    uint = {"BF16": torch.int16, "F16": torch.int16, "F32": torch.int32}
+    for key, scheme in SCHEMES.items():
+        q = Quantizer([(["re:.*"], scheme)])  # every matrix, the router included
+        for dtype in DTYPES:
+            state = {f"{name}.weight": torch.from_numpy(np.array(weight(shape, dtype, i, "none")).view(
+                         {"BF16": np.int16, "F16": np.int16, "F32": np.int32}[dtype])).view(torch_dtype[dtype]).cuda()
+                     for i, (name, shape) in enumerate(SHAPES.items()) if fits(scheme, shape)}
+            out = q(state)
+            for name, w in state.items():
+                bits = w.view(uint[dtype]).cpu().numpy().view(np.uint16 if dtype != "F32" else np.uint32)
+                outputs = scheme.outputs(tuple(w.shape), dtype)
+                assert all(out[o.name(name)].is_cuda for o in outputs)
+                got = [out[o.name(name)].cpu().contiguous().view(-1).view(torch.uint8).numpy() for o in outputs]
+                want = [np.ascontiguousarray(r).reshape(-1).view(np.uint8) for r in scheme.reference(bits, dtype, name)]
+                same(got, want, f"{key} {name} {dtype}")
