@@ -99,7 +99,7 @@ def parts_of(q, state: dict) -> tuple[dict, dict]:
             continue
         for o in scheme.outputs(tuple(tb.shape), tb.dtype.name):
             kind = "scales" if "scale" in o.suffix else "codes" if o.suffix in (SUFFIX, "weight_packed") else "shape"
-            part[name[: -len(SUFFIX)] + o.suffix] = kind
+            part[o.name(name)] = kind
     return part, source
 
 
