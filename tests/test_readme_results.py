@@ -120,3 +120,14 @@ def test_gpu_row_is_the_committed_h200_run():
 @pytest.mark.parametrize("link", sorted(set(re.findall(r"\]\((benchmarks/results/[^)#]+)\)", README))))
 def test_every_results_link_in_the_readme_exists(link):
     assert (ROOT / link).exists(), link
+
+
+def test_quantized_row_is_the_committed_quant_run():
+    row = _headline_row("quantized sync")
+    run = _json("2026-11-27-amdepyc-2core-nogpu-quant.json")["schemes"]
+    kimi = run["kimi"]["per_version"]["1e-06"]["fraction_changed"]
+    assert f"{kimi['codes']:.3%} of codes change per step vs {kimi['bf16_quantized']:.2%} of their BF16 values" in row
+    ratios = {k: run[k]["timing"]["ratio"] for k in ("kimi", "int8", "fp8")}
+    assert (f"quantizing costs {ratios['kimi']:.2f}x the BF16 delta encode (INT8 {ratios['int8']:.2f}x, "
+            f"FP8 block {ratios['fp8']:.2f}x)") in row
+    assert all(run[k]["exact"] for k in ("kimi", "int8", "fp8"))
