@@ -42,7 +42,32 @@ def main(path: str, n_cases: int, seed: int) -> None:
     for size in (0, 1, BLOCK - 1, BLOCK + 1, 3 * BLOCK + 7):
         data = rng.integers(0, 256, size=size, dtype=np.uint8)
         assert k.checksum(data) == checksum(data)
+    counts["quantized"] = quantizers(k)
     print("ok", dict(counts))
+
+
+def quantizers(k) -> int:
+    """Every quantizer case of the kernel tests (shape classes, dtypes, edge values, a non-finite element) through
+    the C++ kernels, against the reference: their reads and writes stay inside the weight and the outputs."""
+    from quant_cases import SCHEMES, cases, empty_outputs, non_finite, same
+
+    from wsync.quant import QuantizeError
+
+    n = 0
+    for scheme in SCHEMES.values():
+        for name, bits, dtype in cases(scheme):
+            outs = empty_outputs(scheme, bits, dtype)
+            k.quantize(scheme, bits, dtype, outs, name)
+            same(outs, scheme.reference(bits, dtype, name), name)
+            n += 1
+        bad = non_finite((3, 256), "BF16", [(2, 255)], ["nan"])
+        try:
+            k.quantize(scheme, bad, "BF16", empty_outputs(scheme, bad, "BF16"), "bad")
+        except QuantizeError:
+            n += 1
+        else:
+            raise AssertionError("a NaN weight was quantized")
+    return n
 
 
 if __name__ == "__main__":

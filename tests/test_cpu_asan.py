@@ -1,4 +1,4 @@
-"""The C++ decoder under AddressSanitizer: hostile sections never read or write out of bounds.
+"""The C++ kernels under AddressSanitizer: hostile sections never read or write out of bounds, nor do the quantizers.
 
 Comparing outputs (test_backends.py) cannot see an out-of-bounds read that
 happens to return the right answer; ASan can. The extension is rebuilt with
