@@ -148,19 +148,24 @@ def engine_worker(rank: int, spec: dict, coordinator: str, out, hooks: dict) -> 
     if "corrupt_at" in hooks:
         _corrupt_staging(sub, hooks["corrupt_at"])
     out.put((rank, "joined", None, True, None))
+    report_outcomes(sub, rank, out, lambda version: all(
+        np.array_equal(tensors[name].view(torch.uint16).numpy(), want)
+        for name, want in engine_expected(plan, rank, ref.at(version)).items()))
+
+
+def report_outcomes(sub, rank: int, out, check) -> None:
+    """Forever: each round outcome `sub` records, posted to `out` as (rank, event, version served, ok, event's
+    version), ok being check(version served) under the rank's lock (True while it serves none)."""
     seen = 0
     while True:
+        sub.wait_outcome(seen, timeout=1.0)
         with sub.lock:
             events, version = list(sub.events), sub.version
             if len(events) > seen:
-                ok = version is None or all(
-                    np.array_equal(t.view(torch.uint16).numpy(), want)
-                    for name, want in engine_expected(plan, rank, ref.at(version)).items()
-                    for t in [tensors[name]])
+                ok = version is None or check(version)
         for ev in events[seen:]:
             out.put((rank, ev[0], version, ok, ev[1]))
         seen = len(events)
-        time.sleep(0.02)
 
 
 def _corrupt_staging(sub, version: int) -> None:
@@ -263,9 +268,11 @@ def _plan_from_shapes(model, m: int, n: int):
     return route(trainer_layout_for(params, fsdp_placements(params), m), hf_tp_layout(params, n))
 
 
-def fsdp_trainer(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: int, moe: bool = False) -> None:
+def fsdp_trainer(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: int, moe: bool = False,
+                 quant: str | None = None) -> None:
     """A trainer rank: FSDP2 over m gloo ranks, AdamW steps; its layout read from its own DTensors.
-    moe: train tiny_qwen3_moe() for the vLLM expert-parallel plan (moe_plan) instead of tiny_qwen3() for torch TP."""
+    moe: train tiny_qwen3_moe() for the vLLM expert-parallel plan (moe_plan) instead of tiny_qwen3() for torch TP.
+    quant: a quantizer_for kind: ShardPublisher(quantize=q) on quant_plan's plan, handed the DTensors as they are."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -277,16 +284,21 @@ def fsdp_trainer(rank: int, m: int, n: int, ports: tuple, tmp: str, out, version
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=m)
     model = tiny_qwen3_moe() if moe else tiny_qwen3()
-    plan = moe_plan(m, n) if moe else _plan_from_shapes(model, m, n)
+    if quant:
+        trainer, plan = quant_plan(m, n, quant, params={name: Param(tuple(p.shape), DT)
+                                                        for name, p in model.named_parameters()})
+    else:
+        plan = moe_plan(m, n) if moe else _plan_from_shapes(model, m, n)
+        trainer = plan.trainer
     vocab = model.config.vocab_size
     mesh = init_device_mesh("cpu", (m,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     named = dict(model.named_parameters())
-    assert trainer_layout_from_dtensors(named) == plan.trainer  # what torch did is what every rank assumed
+    assert trainer_layout_from_dtensors(named) == trainer  # what torch did is what every rank assumed
     pub = ShardPublisher(plan, rank, coordinator=f"tcp://127.0.0.1:{ports[2]}", host_coordinator=rank == 0,
-                         token=TOKEN)
+                         token=TOKEN, quantize=quantizer_for(quant) if quant else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     for v in range(versions):
@@ -299,7 +311,7 @@ def fsdp_trainer(rank: int, m: int, n: int, ports: tuple, tmp: str, out, version
         if rank == 0:
             np.savez(os.path.join(tmp, f"ref{v}.npz"), **{k: t.view(torch.uint16).numpy() for k, t in full.items()})
         dist.barrier()
-        pub.publish({name: p.to_local() for name, p in named.items()}, v)
+        pub.publish(named if quant else {name: p.to_local() for name, p in named.items()}, v)
         res = pub.wait(v, timeout=120)
         out.put(("trainer", rank, v, res["outcome"] == "committed" and res["digest"] == res["expected"]))
         deadline = time.monotonic() + 120
@@ -535,22 +547,16 @@ def quant_engine_worker(rank: int, spec: dict, coordinator: str, out) -> None:
     while sub.stage is None:
         time.sleep(0.02)
     out.put((rank, "joined", None, True, None))
-    seen, cache = 0, {}
-    while True:
-        with sub.lock:
-            events, version = list(sub.events), sub.version
-            if len(events) > seen and version is not None:
-                if version not in cache:
-                    cache = {version: quant_expected(plan, rank, quant_reference(q, params, ref.at(version)))}
-                want = cache[version]
-                ok = want.keys() == tensors.keys() and all(np.array_equal(bits_of(tensors[k]), w)
-                                                           for k, w in want.items())
-            elif len(events) > seen:
-                ok = True
-        for ev in events[seen:]:
-            out.put((rank, ev[0], version, ok, ev[1]))
-        seen = len(events)
-        time.sleep(0.02)
+    cache = {}
+
+    def check(version: int) -> bool:
+        if version not in cache:
+            cache.clear()
+            cache[version] = quant_expected(plan, rank, quant_reference(q, params, ref.at(version)))
+        want = cache[version]
+        return want.keys() == tensors.keys() and all(np.array_equal(bits_of(tensors[k]), w) for k, w in want.items())
+
+    report_outcomes(sub, rank, out, check)
 
 
 class QuantGroup(Group):
@@ -589,56 +595,8 @@ class QuantGroup(Group):
             pub.publish({h.name: state[h.name][sl(h.box)].contiguous() for h in self.bf16.held if h.rank == t}, v)
 
 
-def fsdp_quant_trainer(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: int, kind: str) -> None:
-    """fsdp_trainer with ShardPublisher(quantize=q): AdamW steps on tiny_qwen3() under FSDP2 over m gloo ranks,
-    its DTensors handed to publish() as they are, the plan over the quantized state (quant_plan)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from wsync.shard.conventions import trainer_layout_from_dtensors
-    from wsync.shard.sync import ShardPublisher
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=m)
-    model = tiny_qwen3()
-    params = {name: Param(tuple(p.shape), DT) for name, p in model.named_parameters()}
-    bf16, plan = quant_plan(m, n, kind, params=params)
-    mesh = init_device_mesh("cpu", (m,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    named = dict(model.named_parameters())
-    assert trainer_layout_from_dtensors(named) == bf16
-    pub = ShardPublisher(plan, rank, coordinator=f"tcp://127.0.0.1:{ports[2]}", host_coordinator=rank == 0,
-                         token=TOKEN, quantize=quantizer_for(kind))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1)
-    for v in range(versions):
-        if v:
-            ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=gen)
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        full = {name: p.full_tensor() for name, p in named.items()}  # the test's reference only: a collective
-        if rank == 0:
-            np.savez(os.path.join(tmp, f"ref{v}.npz"), **{k: t.view(torch.uint16).numpy() for k, t in full.items()})
-        dist.barrier()
-        pub.publish(named, v)
-        res = pub.wait(v, timeout=120)
-        out.put(("trainer", rank, v, res["outcome"] == "committed" and res["digest"] == res["expected"]))
-        deadline = time.monotonic() + 120
-        while rank == 0 and len([f for f in os.listdir(tmp) if f.startswith(f"checked{v}-")]) < n:
-            assert time.monotonic() < deadline, f"engine ranks did not check version {v}"
-            time.sleep(0.02)
-        dist.barrier()
-    pub.close()
-    dist.destroy_process_group()
-
-
 def quant_tensor_engine(rank: int, m: int, n: int, ports: tuple, tmp: str, out, versions: int, kind: str) -> None:
-    """An engine rank of fsdp_quant_trainer's plan: plain local tensors in the quantized dtypes, each compared
+    """An engine rank of fsdp_trainer(quant=kind)'s plan: plain local tensors in the quantized dtypes, each compared
     byte for byte with its boxes of q(full state) (the numpy reference on the trainer's unsharded state)."""
     import torch
 
@@ -661,3 +619,31 @@ def quant_tensor_engine(rank: int, m: int, n: int, ports: tuple, tmp: str, out, 
         out.put(("engine", rank, v, ok))
         open(os.path.join(tmp, f"checked{v}-{rank}"), "w").close()
     sub.close()
+
+
+def run_processes(tmp_path, m: int, n: int, trainer, engine, versions: int, trainer_args: tuple = (),
+                  engine_args: tuple = ()) -> None:
+    """m trainer processes and n engine processes for `versions` versions; each posts (side, rank, version, ok),
+    and every one must say ok."""
+    from helpers import free_port
+
+    ctx = mp.get_context("spawn")
+    ports, out = (free_port(), free_port(), free_port()), ctx.Queue()
+    args = (m, n, ports, str(tmp_path), out, versions)
+    procs = [ctx.Process(target=trainer, args=(r, *args, *trainer_args)) for r in range(m)] + \
+        [ctx.Process(target=engine, args=(r, *args, *engine_args)) for r in range(n)]
+    for p in procs:
+        p.start()
+    got = []
+    try:
+        while len(got) < (m + n) * versions:
+            got.append(out.get(timeout=400))  # spawning, importing transformers and FSDP setup under a loaded CI machine
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0] * (m + n)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert sorted(got) == sorted([("trainer", r, v, True) for r in range(m) for v in range(versions)]
+                                 + [("engine", r, v, True) for r in range(n) for v in range(versions)]), got

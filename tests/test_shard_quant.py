@@ -203,31 +203,8 @@ def test_fsdp2_trainer_into_quantized_tensor_parallel_engine(tmp_path):
     """FSDP2 (fully_shard, gloo) training a transformers Qwen3 on 3 processes (uneven row chunks), its DTensors
     handed to ShardPublisher(quantize=INT8) as they are -> 2 engine processes holding the quantized tensors of
     torch TP's layout: 4 AdamW versions, every engine tensor equal to its boxes of q(full state)."""
-    import multiprocessing as mp
-
-    from helpers import free_port
-
     pytest.importorskip("transformers")
-    from shard_helpers import fsdp_quant_trainer, quant_tensor_engine
+    from shard_helpers import fsdp_trainer, quant_tensor_engine, run_processes
 
-    m, n, versions = 3, 2, 4
-    ctx, ports = mp.get_context("spawn"), (free_port(), free_port(), free_port())
-    out = ctx.Queue()
-    args = (m, n, ports, str(tmp_path), out, versions, "int8")
-    procs = [ctx.Process(target=fsdp_quant_trainer, args=(r, *args)) for r in range(m)] + \
-        [ctx.Process(target=quant_tensor_engine, args=(r, *args)) for r in range(n)]
-    for p in procs:
-        p.start()
-    got = []
-    try:
-        while len(got) < (m + n) * versions:
-            got.append(out.get(timeout=400))
-        for p in procs:
-            p.join(60)
-        assert [p.exitcode for p in procs] == [0] * (m + n)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    assert sorted(got) == sorted([("trainer", r, v, True) for r in range(m) for v in range(versions)]
-                                 + [("engine", r, v, True) for r in range(n) for v in range(versions)]), got
+    run_processes(tmp_path, 3, 2, fsdp_trainer, quant_tensor_engine, 4, trainer_args=(False, "int8"),
+                  engine_args=("int8",))

@@ -8,12 +8,10 @@ it serves; tcp on 127.0.0.1 only.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 
-from helpers import TOKEN, free_port
-from shard_helpers import commit, make_plan, piece_bytes
+from helpers import TOKEN
+from shard_helpers import commit, make_plan, piece_bytes, run_processes
 
 torch = pytest.importorskip("torch")
 
@@ -124,30 +122,6 @@ def test_a_restarted_coordinator_resumes_the_rounds(groups):
         coord.close()
 
 
-def _headline(tmp_path, m: int, n: int, trainer, engine, *targs) -> None:
-    """m trainer processes and n engine processes for 5 versions; each posts (side, rank, version, ok)."""
-    ctx, versions = mp.get_context("spawn"), 5
-    ports, out = (free_port(), free_port(), free_port()), ctx.Queue()
-    args = (m, n, ports, str(tmp_path), out, versions)
-    procs = [ctx.Process(target=trainer, args=(r, *args, *targs)) for r in range(m)] + \
-        [ctx.Process(target=engine, args=(r, *args)) for r in range(n)]
-    for p in procs:
-        p.start()
-    got = []
-    try:
-        while len(got) < (m + n) * versions:
-            got.append(out.get(timeout=400))  # spawning, importing transformers and FSDP setup under a loaded CI machine
-        for p in procs:
-            p.join(60)
-        assert [p.exitcode for p in procs] == [0] * (m + n)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    assert sorted(got) == sorted([("trainer", r, v, True) for r in range(m) for v in range(versions)]
-                                 + [("engine", r, v, True) for r in range(n) for v in range(versions)]), got
-
-
 @pytest.mark.slow  # 4 to 7 processes import transformers and form gloo groups
 @pytest.mark.parametrize("m,n", [(2, 2), (4, 3)])
 def test_fsdp2_trainer_into_torch_tp_engine(tmp_path, m, n):
@@ -157,7 +131,7 @@ def test_fsdp2_trainer_into_torch_tp_engine(tmp_path, m, n):
     pytest.importorskip("transformers")
     from shard_helpers import fsdp_trainer, tp_engine
 
-    _headline(tmp_path, m, n, fsdp_trainer, tp_engine)
+    run_processes(tmp_path, m, n, fsdp_trainer, tp_engine, 5)
 
 
 @pytest.mark.slow
@@ -170,4 +144,4 @@ def test_fsdp2_qwen3_moe_into_expert_parallel_engine(tmp_path):
     pytest.importorskip("transformers")
     from shard_helpers import fsdp_trainer, vllm_moe_engine
 
-    _headline(tmp_path, 2, 2, fsdp_trainer, vllm_moe_engine, True)
+    run_processes(tmp_path, 2, 2, fsdp_trainer, vllm_moe_engine, 5, trainer_args=(True,))

@@ -115,6 +115,13 @@ class ShardSubscriber:
                 self._cv.wait(0.5 if left is None else min(left, 0.5))
             return self.version
 
+    def wait_outcome(self, seen: int, timeout: float) -> int:
+        """Block until more than `seen` round outcomes have been recorded (``events``, oldest first), or for
+        `timeout` seconds; returns how many there are now."""
+        with self._cv:
+            self._cv.wait_for(lambda: len(self.events) > seen or self._closed, timeout)
+            return len(self.events)
+
     @property
     def pending(self) -> int | None:
         """The version this rank voted ready for and has no outcome of yet (it serves `version` meanwhile)."""
