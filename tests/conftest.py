@@ -140,6 +140,18 @@ def vllm_env():
 
 
 @pytest.fixture(scope="session")
+def cpu_kernels():
+    """The C++ backend; CI checks the extension built (.ci/run), so this skips only where no compiler is."""
+    from wsync import backends
+    from wsync.errors import BackendUnavailable
+
+    try:
+        return backends.kernels("cpu")
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
 def sim():
     """The CUDA kernels of csrc/*.cu compiled for the CPU harness (tests/cudasim): a fiber per GPU thread."""
     cudasim = pytest.importorskip("cudasim")

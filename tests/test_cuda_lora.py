@@ -131,17 +131,6 @@ def test_lowrank_keeps_torch_where_the_kernel_does_not_apply(sim):
 # ---- the C++ twin (wsync._cpu.lora_range) -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cpu_kernels():
-    from wsync.backends.cpu import CpuKernels
-    from wsync.errors import BackendUnavailable
-
-    try:
-        return CpuKernels()
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
-
-
 @pytest.mark.parametrize("m,n,k,density", [(37, 1000, 24, 0.3), (5, 300, 1, 1.0), (9, 257, 40, 0.05), (0, 5, 3, 1.0)])
 def test_cpp_twin_within_the_bound(cpu_kernels, m, n, k, density):
     new, old = bf16_pair(m, n, density, seed=m + n + k)

@@ -15,20 +15,11 @@ import pytest
 from quant_cases import DTYPES, SCHEMES, SHAPES, cases, empty_outputs, fits, non_finite, same
 from wsync import backends
 from wsync.backends import cuda
-from wsync.errors import BackendUnavailable
 from wsync.quant import Int4Group, Int8Channel, Fp8Block, QuantizeError, Quantizer, Rule
 
 cudasim = pytest.importorskip("cudasim")
 
 BACKENDS = ("ref", "cpu", "cuda-forward", "cuda-reverse", "cuda-random")
-
-
-@pytest.fixture(scope="module")
-def cpu_kernels():
-    try:
-        return backends.kernels("cpu")
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture

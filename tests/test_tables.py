@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wsync import backends
 from wsync.checksum import BLOCK, checksum
 from wsync.codecs import delta_ref
 from wsync.codecs.base import Overwritten
-from wsync.errors import BackendUnavailable, FormatError
+from wsync.errors import FormatError
 from wsync.tables import Table
 
 from conftest import backend_params
@@ -227,15 +226,6 @@ def test_whole_tensor_restore():
 
 
 # ---- the extension's own checks on table arguments ---------------------------------
-
-
-@pytest.fixture(scope="module")
-def cpu_kernels():
-    """The C++ backend; CI checks the extension built (.ci/run), so this skips only where no compiler is."""
-    try:
-        return backends.kernels("cpu")
-    except BackendUnavailable as e:
-        pytest.skip(str(e))
 
 
 def test_cpu_validates_tables(cpu_kernels):
