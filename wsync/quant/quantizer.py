@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import dtypes
 from ..bits import TensorBits
+from ..snapshot import to_bits
 from .ref import QuantizeError
 from .schemes import SUFFIX, Output, Scheme
 
@@ -68,7 +69,7 @@ class Quantizer:
         self.backend = backend
         self._classes = None if model is None else {n: type(m).__name__ for n, m in model.named_modules()}
         self._plan: dict[tuple, Scheme | None] = {}  # (name, shape, dtype) -> scheme, decided once
-        self._out: dict[str, list] = {}  # name -> output buffers, reused while shape, dtype and device stay
+        self._out: dict[str, tuple] = {}  # name -> ((device, outputs), buffers): reused while both stay
 
     def scheme_for(self, name: str, shape: tuple[int, ...], dtype: str) -> Scheme | None:
         """The scheme `name` is quantized with, or None: it travels as it is."""
@@ -120,14 +121,11 @@ class Quantizer:
         return out
 
     def _buffers(self, name: str, t, outputs: list[Output]) -> list:
-        device = _device(t)
+        key = (_device(t), outputs)
         kept = self._out.get(name)
-        if kept is not None and kept[0] == device and [(tuple(b.shape), _describe(b)[0]) for b in kept[1]] == \
-                [(o.shape, o.dtype) for o in outputs]:
-            return kept[1]
-        bufs = [_empty(o, t) for o in outputs]
-        self._out[name] = (device, bufs)
-        return bufs
+        if kept is None or kept[0] != key:
+            kept = self._out[name] = (key, [_empty(o, t) for o in outputs])
+        return kept[1]
 
 
 def _describe(t) -> tuple[str, tuple[int, ...]]:
@@ -157,30 +155,10 @@ def _quantize_into(scheme: Scheme, t, dtype: str, bufs: list, name: str, backend
     if _device(t).startswith("cuda"):
         backends.device_kernels().quantize(scheme, t, dtype, bufs, name)
         return
-    bits = _host_bits(t)
-    backends.kernels(backend).quantize(scheme, bits, dtype, [_host_view(b) for b in bufs], name)
-
-
-def _host_bits(t) -> np.ndarray:
-    """The weight's bit patterns, shaped as the tensor (no copy when contiguous)."""
-    if isinstance(t, TensorBits):
-        return t.bits.reshape(t.shape)
-    if isinstance(t, np.ndarray):
-        return np.ascontiguousarray(t).view(dtypes.from_numpy(t.dtype).bits_dtype)
-    import torch
-
-    dt = dtypes.from_torch(t.dtype)
-    return t.detach().contiguous().view(getattr(torch, f"uint{8 * dt.itemsize}")).numpy()
-
-
-def _host_view(buf) -> np.ndarray:
-    """A writable numpy view of an output buffer, shaped as the output."""
-    if isinstance(buf, TensorBits):
-        return buf.bits.reshape(buf.shape)
-    import torch
-
-    dt = dtypes.from_torch(buf.dtype)
-    return buf.view(getattr(torch, f"uint{8 * dt.itemsize}")).numpy()
+    # host memory: bit-pattern views of the weight and of the buffers (a copy only of a non-contiguous weight)
+    views = [to_bits(x) for x in (t, *bufs)]
+    backends.kernels(backend).quantize(scheme, views[0].bits.reshape(views[0].shape), dtype,
+                                       [v.bits.reshape(v.shape) for v in views[1:]], name)
 
 
 __all__ = ["Quantizer", "Rule", "QuantizeError"]
