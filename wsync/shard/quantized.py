@@ -29,6 +29,7 @@ from __future__ import annotations
 from .. import dtypes
 from ..errors import MismatchError
 from ..quant.quantizer import Quantizer
+from ..quant.ref import FLOATS
 from ..quant.schemes import Fp8Block, Int4Group, Int8Channel, Output, Scheme
 from .layout import Box, EngineLayout, Held, Need, Param, TrainerLayout, box_numel, box_shape, full_box
 
@@ -49,9 +50,8 @@ def _torch_name(st: str) -> str:
 
 def scheme_of(q: Quantizer, name: str, p: Param) -> Scheme | None:
     """The scheme q quantizes trainer parameter `name` with, or None (it travels as it is)."""
-    if p.dtype not in ("bfloat16", "float16", "float32"):
-        return None
-    return q.scheme_for(name, tuple(p.shape), _st(p.dtype))
+    dtype = _st(p.dtype)
+    return q.scheme_for(name, tuple(p.shape), dtype) if dtype in FLOATS else None
 
 
 def outputs(q: Quantizer, name: str, p: Param) -> list[tuple[str, Param, Output | None]]:
@@ -209,7 +209,7 @@ class LocalQuantizer:
         for name, t in given.items():
             t = local_of(t)
             dtype = dtypes.from_torch(t.dtype).name
-            scheme = self.q.scheme_for(name, tuple(t.shape), dtype) if dtype in ("BF16", "F16", "F32") else None
+            scheme = self.q.scheme_for(name, tuple(t.shape), dtype) if dtype in FLOATS else None
             if scheme is None:
                 if name in self.names:
                     out[name] = t
