@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+import time
 
 import pytest
 import xxhash
@@ -277,21 +278,40 @@ class CloseMidMessage(gf.HostWire):
         return super().landed(t, slot)
 
 
-def test_close_mid_message_lets_the_message_finish_and_keeps_the_group():
-    """A message under way when close() lands goes on to its end (the peer expects every piece); what it posts
-    after close() is kept with its groups at once; the next message does not start."""
-    lst, pub, (sub,) = _group(1, chunk="4K")
+def test_close_mid_message_ends_the_wait_and_keeps_the_group():
+    """A message under way when close() lands is abandoned at its next wait (within a slice, not the stall
+    timeout); what it posted is kept with its groups; the next message does not start."""
+    lst, pub, (sub,) = _group(1, chunk="4K", stall_timeout=600)
     sub.wire = CloseMidMessage()
     sub.wire.link = sub
-    blob = random_bytes(5, 20_000)
-    t, r = _in_thread(sub.recv, 30)
-    pub.send(Message("bucket", {"v": 1}, [blob]))
-    t.join()
-    assert sub.wire.n == 5 and bytes(r["r"].blobs[0]) == blob.tobytes()
-    assert _kept(sub.ctrl)
+    t, r = _in_thread(sub.recv, 600)
+    sender, sent = _in_thread(pub.send, Message("bucket", {"v": 1}, [random_bytes(5, 200_000)]))
+    t.join(timeout=30)
+    assert not t.is_alive(), "close() left the receiving thread waiting"
+    assert isinstance(r["r"], TransportError) and "closed" in str(r["r"]), r["r"]
+    assert 1 <= sub.wire.n < 49 and _kept(sub.ctrl)
     with pytest.raises(TransportError, match="unusable"):
         sub.recv(timeout=0.2)
-    pub.close(), lst.close()
+    pub.close()  # the publisher's send, stalled on the pieces nobody takes, ends too
+    sender.join(timeout=30)
+    assert not sender.is_alive() and isinstance(sent["r"], TransportError), sent
+    lst.close()
+
+
+def test_close_wakes_a_recv_that_waits_without_a_timeout():
+    """recv(timeout=None) (how a publisher gathers acks) ends with "closed" once its link is closed from
+    another thread, so the thread that waited can be joined."""
+    for side in (0, 1):  # a group each: the first one's pending step would pair with the second's
+        lst, pub, (sub,) = _group(1)
+        link = (pub, sub)[side]
+        t, r = _in_thread(link.recv, None)
+        time.sleep(0.3)  # let it post its first step and wait in it
+        assert t.is_alive(), r
+        link.close()
+        t.join(timeout=30)
+        assert not t.is_alive() and isinstance(r["r"], TransportError) and "closed" in str(r["r"]), r
+        assert _kept(link.ctrl)
+        (sub, pub)[side].close(), lst.close()
 
 
 # -- real processes ---------------------------------------------------------------------
@@ -454,6 +474,48 @@ def _follower(address: str, start: int, stop: int, q) -> None:
         raise
     finally:
         sub.close()
+
+
+class _SlowFinalizer:
+    """Held by a module global, so its __del__ runs while the interpreter finalizes, and keeps it there for
+    longer than the subscriber's idle wait (a second): a thread still inside that wait wakes up meanwhile."""
+
+    def __del__(self):
+        time.sleep(2.5)
+
+
+def _left_open(address: str, q) -> None:
+    """A Subscriber that follows one version and is never closed: the process just ends."""
+    import wsync
+    from wsync import engines
+
+    global _HELD
+    sub = wsync.Subscriber(address, engine=engines.Shadow())
+    sub.wait_for(0, timeout=120)
+    q.put(sub.version)
+    _HELD = (sub, _SlowFinalizer())
+
+
+def test_a_process_that_ends_with_a_gloo_subscriber_open_exits_cleanly():
+    """Its receiving thread idles in a gloo wait with the GIL released; if the interpreter began finalizing
+    before that thread was stopped, the thread's return from the wait would abort the process (SIGABRT)."""
+    from wsync import Publisher
+
+    ctx = mp.get_context("spawn")
+    with Publisher("gloo://127.0.0.1:0?world_size=2&join_timeout=60") as pub:
+        q = ctx.Queue()
+        p = ctx.Process(target=_left_open, args=(pub.address, q))
+        p.start()
+        try:
+            pub.wait_for_subscribers(1, timeout=120)
+            pub.publish({"w": torch.arange(1000, dtype=torch.float32)}, version=0)
+            assert q.get(timeout=120) == 0
+            p.join(60)
+            assert p.exitcode == 0, p.exitcode
+        finally:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
 
 
 @pytest.mark.slow

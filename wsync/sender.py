@@ -51,6 +51,12 @@ class Sender:
         self._die()
         self.link.close()
 
+    def join(self, timeout: float) -> None:
+        """Wait (up to timeout seconds each) for this link's threads, which a closed link releases."""
+        for t in list(self._threads):
+            if t is not threading.current_thread():
+                t.join(timeout)
+
     def _die(self) -> None:
         with self.pub._cv:
             self.dead = True

@@ -50,6 +50,7 @@ from . import api, backends
 from .bits import TensorBits
 from .checksum import state_digest
 from .errors import ChecksumError, TransportError, WsyncError
+from .exiting import close_at_exit
 from .device import DeviceEngine, host_payload, on_one_device
 from .layout import Bound, Layout, bind_copying, check_covers, segments
 from .payload import Payload
@@ -162,6 +163,7 @@ class Subscriber:
             self.relay = Publisher(relay, token=token, **(relay_opts or {}))
         self._thread = threading.Thread(target=self._run, name="wsync-subscriber", daemon=True)
         self._thread.start()
+        close_at_exit(self)
 
     # -- engine-facing -----------------------------------------------------------------------
 
@@ -258,6 +260,8 @@ class Subscriber:
 
     def close(self) -> None:
         with self._cv:
+            if self._closed:
+                return
             self._closed = True
             self._cv.notify_all()
         link = self._link

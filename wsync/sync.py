@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from . import api, backends, quant
 from .errors import SnapshotError, VersionError, WsyncError
+from .exiting import close_at_exit
 from .history import EncodedVersion, History, Keyframe, keyframe_due
 from .sender import Sender
 from .checksum import state_digest
@@ -170,6 +171,7 @@ class Publisher:
                          threading.Thread(target=self._accept_loop, name="wsync-accept", daemon=True)]
         for t in self._threads:
             t.start()
+        close_at_exit(self)
 
     def _start_metrics(self):
         if self.config.metrics_port is None:
@@ -388,6 +390,8 @@ class Publisher:
             p.stop()
         for t in self._threads:
             t.join(timeout=10)
+        for p in peers:
+            p.join(timeout=10)
         if self.metrics is not None:
             self.metrics.close()
 

@@ -31,6 +31,7 @@ import threading
 import time
 
 from ..errors import WsyncError, peer_text
+from ..exiting import close_at_exit
 from ..subscriber import WAIT_LOG_S
 from .member import Member, check_digests, check_int, digests_doc
 from .rounds import partial_digest
@@ -87,6 +88,7 @@ class ShardSubscriber:
                              token=token, link_opts=link_opts, on_join=lambda: self._inbox.put(_JOINED))
         self._thread = threading.Thread(target=self._run, name=f"wsync-shard-engine{rank}", daemon=True)
         self._thread.start()
+        close_at_exit(self)
 
     def wait_for(self, version: int, timeout: float | None = None) -> int:
         """Block until this rank serves `version` or newer (so every rank committed it); returns the version.
@@ -132,6 +134,8 @@ class ShardSubscriber:
         return self.stage.received_bytes() if self.stage is not None else 0
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         self._inbox.put(None)
         self._thread.join(timeout=10)

@@ -17,12 +17,18 @@ and it runs on gloo where waiting on a Work with a timeout leaves the operation
 pending: a ``recv`` that times out raises TransportTimeout and the next
 ``recv`` resumes the same wait. Every later step is bounded by ``stall_timeout``;
 a failure there leaves the group out of step, so the link is marked broken.
+
+A gloo operation is waited on in slices of SLICE seconds, so that close() ends
+a wait in progress (a send, a recv without a timeout) within one slice: the
+thread that waits is free to be joined, rather than sitting in a C++ call with
+the GIL released until its peer moves, which it may never do.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -36,6 +42,7 @@ from .pool import BufferPool
 SEND, RECV = 1, 2  # a rank's part in the next message
 TAG = 0x5753  # point-to-point tag for subscriber -> publisher messages
 STALL = object()  # "wait at most stall_timeout", the bound for every step after the first
+SLICE = 0.1  # seconds: the longest a thread waits on one gloo operation without looking whether the link closed
 _KEPT: list = []  # closed links' process groups and stores (see GroupLink.close)
 _KEEPER: threading.Thread | None = None
 _KEEP_LOCK = threading.Lock()
@@ -98,17 +105,18 @@ class GroupLink:
             return self._guard(self._recv, timeout)
 
     def close(self) -> None:
-        """Start no more messages; hand the groups to the keeper if any operation is still in flight.
+        """Start no more messages, end the waits in progress (within SLICE seconds: a message under way is
+        abandoned, and its peers see it stall), and hand the groups to the keeper if an operation is still
+        in flight.
 
         A gloo process group's destructor joins its worker threads, so it waits for every operation it was
         given, on whichever thread drops the last reference: a group dropped with an operation no peer will
         ever finish (an idle subscriber's first step, nearly always; or a piece its peer stopped sending)
-        blocks that thread for good (torch 2.13; abort() is a no-op on gloo). The test suite froze so when a
-        close() landed between a recv's check and its first operation. So a closed link's groups are dropped
-        only when nothing posted on them is outstanding; otherwise a thread that never ends holds them, and
-        they go with the process (a group's few threads and sockets per such link). close() may run on any
-        thread while another is inside send or recv: it takes the lock every post takes, and a post after it
-        looked hands the groups over itself."""
+        blocks that thread for good (torch 2.13; abort() is a no-op on gloo). So a closed link's groups are
+        dropped only when nothing posted on them is outstanding; otherwise a thread that never ends holds
+        them, and they go with the process (a group's few threads and sockets per such link). close() may run
+        on any thread while another is inside send or recv: it takes the lock every post takes, and a post
+        after it looked hands the groups over itself."""
         with self._lock:
             if self._closed:
                 return
@@ -150,7 +158,7 @@ class GroupLink:
             ctrl, data = self._p2p_send(self.ctrl), self._p2p_send(self.data)
         self._wait(ctrl(gf.as_u8(head)))
         pieces = gf.plan_pieces(sizes, self.cfg.chunk, device)
-        digests = gf.send_pieces(views, pieces, data, self.wire, self._wait, device)
+        digests = gf.send_pieces(views, pieces, data, self.wire, self._wait_data, device)
         if digests:
             self._wait(ctrl(gf.as_u8(memoryview(np.array(digests, dtype=np.uint64)).cast("B"))))
 
@@ -170,7 +178,7 @@ class GroupLink:
         kind, meta, sizes, chunk, device = h.kind, h.meta, h.sizes, h.chunk, h.device
         pieces = gf.plan_pieces(sizes, chunk, device)
         blobs = [self._device_buffer(n) if i in device else self._pool.take(n) for i, n in enumerate(sizes)]
-        got = gf.recv_pieces(blobs, pieces, data, self.wire, self._wait, device)
+        got = gf.recv_pieces(blobs, pieces, data, self.wire, self._wait_data, device)
         expected = np.zeros(gf.host_pieces(pieces, device), dtype=np.uint64)
         if len(expected):
             self._wait(ctrl(gf.as_u8(memoryview(expected).cast("B"))))
@@ -220,9 +228,9 @@ class GroupLink:
     def _post(self, start, first: bool = False):
         """Start one operation (start() returns its Work) and record it for close().
 
-        Once the link is closed no message starts (its first operation raises TransportError), but one under
-        way goes on to its end, as its peers expect: an operation posted after close() looked is handed to the
-        keeper at once."""
+        Once the link is closed no message starts (its first operation raises TransportError); an operation
+        of a message under way posted after close() looked is handed to the keeper at once (the wait that
+        follows it raises)."""
         with self._lock:
             if self._closed and first:
                 raise TransportError(f"link to {self.peer} was closed")
@@ -256,12 +264,34 @@ class GroupLink:
         return lambda t: self._post(lambda: pg.recv([t], src, TAG))
 
     def _wait(self, work, timeout=STALL) -> None:
+        """Wait for a gloo operation, at most timeout seconds (None: no bound), in slices that notice close()."""
         t = self.cfg.stall_timeout if timeout is STALL else timeout
+        deadline = None if t is None else time.monotonic() + t
+        while True:
+            if self._closed:
+                raise TransportError(f"link to {self.peer} was closed")
+            left = SLICE if deadline is None else min(SLICE, deadline - time.monotonic())
+            if left < 0.001:  # a wait of 0 ms is torch's "no timeout"
+                raise TransportTimeout(f"no message from {self.peer} within {t}s")
+            if self._wait_once(work, left):
+                return
+
+    def _wait_data(self, work) -> None:
+        """A payload piece's operation. On an NCCL group, wait() orders the current stream after it and
+        returns without waiting for the GPU, so it is waited on once, as it is."""
+        if self.data is self.ctrl:
+            self._wait(work)
+        elif not self._wait_once(work, self.cfg.stall_timeout):
+            raise TransportTimeout(f"no message from {self.peer} within {self.cfg.stall_timeout}s")
+
+    def _wait_once(self, work, seconds: float) -> bool:
+        """One wait on work; False if it timed out with the operation still pending."""
         try:
-            work.wait() if t is None else work.wait(datetime.timedelta(seconds=t))
+            work.wait(datetime.timedelta(seconds=seconds))
+            return True
         except RuntimeError as e:
             if "timed out" in str(e).lower() and not work.is_completed():
-                raise TransportTimeout(f"no message from {self.peer} within {t}s") from None
+                return False
             raise TransportError(f"{self.peer}: {(str(e).strip().splitlines() or ['error'])[0][:300]}") from None
 
     def _guard(self, fn, *args):
