@@ -18,10 +18,13 @@ pending: a ``recv`` that times out raises TransportTimeout and the next
 ``recv`` resumes the same wait. Every later step is bounded by ``stall_timeout``;
 a failure there leaves the group out of step, so the link is marked broken.
 
-A gloo operation is waited on in slices of SLICE seconds, so that close() ends
-a wait in progress (a send, a recv without a timeout) within one slice: the
-thread that waits is free to be joined, rather than sitting in a C++ call with
-the GIL released until its peer moves, which it may never do.
+A gloo collective (every first step, and every broadcast) is waited on in
+slices of SLICE seconds, so that close() ends a wait in progress (a recv
+without a timeout, as a publisher gathers acks) within one slice: the thread
+that waits is free to be joined, rather than sitting in a C++ call with the
+GIL released until its peer moves, which it may never do. A point-to-point
+piece is waited on once, bounded by stall_timeout: gloo fails the pair under
+a send or recv whose wait times out, so its wait cannot be resumed.
 """
 from __future__ import annotations
 
@@ -62,6 +65,21 @@ def _keep(items: list) -> None:
 
 def _hold(kept: list, never: threading.Event) -> None:
     never.wait()
+
+
+class _PointToPoint:
+    """A send or recv's Work, marked so it is never waited on in slices (see the module docstring)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self, *timeout):
+        return self.work.wait(*timeout)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 class GroupLink:
@@ -258,14 +276,23 @@ class GroupLink:
         return lambda t: self._post(lambda: pg.broadcast([t], opts))
 
     def _p2p_send(self, pg):
-        return lambda t: self._post(lambda: pg.send([t], 0, TAG))
+        return lambda t: _PointToPoint(self._post(lambda: pg.send([t], 0, TAG)))
 
     def _p2p_recv(self, pg, src: int):
-        return lambda t: self._post(lambda: pg.recv([t], src, TAG))
+        return lambda t: _PointToPoint(self._post(lambda: pg.recv([t], src, TAG)))
 
     def _wait(self, work, timeout=STALL) -> None:
-        """Wait for a gloo operation, at most timeout seconds (None: no bound), in slices that notice close()."""
+        """Wait for a gloo operation, at most timeout seconds (None: no bound); a collective in slices that
+        notice close(), a point-to-point piece in one wait."""
         t = self.cfg.stall_timeout if timeout is STALL else timeout
+        if isinstance(work, _PointToPoint):
+            if self._closed:
+                raise TransportError(f"link to {self.peer} was closed")
+            if t is None:
+                work.wait()
+            elif not self._wait_once(work, max(t, 0.001)):
+                raise TransportTimeout(f"no message from {self.peer} within {t}s")
+            return
         deadline = None if t is None else time.monotonic() + t
         while True:
             if self._closed:
@@ -279,7 +306,7 @@ class GroupLink:
     def _wait_data(self, work) -> None:
         """A payload piece's operation. On an NCCL group, wait() orders the current stream after it and
         returns without waiting for the GPU, so it is waited on once, as it is."""
-        if self.data is self.ctrl:
+        if self.data is self.ctrl or isinstance(work, _PointToPoint):
             self._wait(work)
         elif not self._wait_once(work, self.cfg.stall_timeout):
             raise TransportTimeout(f"no message from {self.peer} within {self.cfg.stall_timeout}s")
