@@ -184,7 +184,7 @@ def _help_when_incomplete(p: argparse.ArgumentParser) -> None:
 
 # Modules that add their own commands with add_parsers(subparsers). They must
 # import nothing heavy at module level: the parser is built on every call.
-EXTENSIONS = ["wsync.serve", "wsync.demo", "wsync.plan.cli", "trainer.cli"]
+EXTENSIONS = ["wsync.serve", "wsync.channels.cli", "wsync.demo", "wsync.plan.cli", "trainer.cli"]
 
 
 # Optional packages and the extra of pyproject.toml that brings each: a command that needs one that does not

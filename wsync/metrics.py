@@ -222,6 +222,27 @@ class SubscriberMetrics(_Endpoint):
         self.lag = self._gauge("wsync_lag_versions", "newest version announced minus the version served")
         self.failures = self._counter("wsync_failures", "applies refused, by error type", ["error"])
         self.reconnects = self._counter("wsync_reconnects", "links to the publisher redialled after a loss")
+        self.served_version = self._gauge("wsync_served_version",
+                                          "the trained version the engine serves (a channel's release names it)")
+        self.served_since = self._gauge("wsync_served_since_seconds",
+                                        "unix time the engine started serving its version")
+        self.channel = self.pc.Gauge("wsync_served_channel", "1 for the channel the engine's version came from",
+                                     ["channel"], registry=self.registry)
+        self._channel: str | None = None
+
+    def served(self, version: int, note: dict | None, at: float) -> None:
+        """What the engine serves now: the note's trained version and channel where a channel sent it."""
+        note = note or {}
+        trained = note.get("version", version)
+        self.served_version.set(trained if isinstance(trained, int) else version)
+        self.served_since.set(at)
+        channel = note.get("channel")
+        channel = channel if isinstance(channel, str) else ""
+        if channel != self._channel:
+            if self._channel is not None:
+                self.channel.remove(self._channel)
+            self.channel.labels(channel[:128]).set(1)
+            self._channel = channel
 
     def committed(self, version: int, codec: str, nbytes: int, apply_s: float, latency_s: float | None) -> None:
         self.versions.inc()

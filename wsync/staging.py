@@ -31,6 +31,7 @@ PER_TENSOR = 2048
 HEAD_SLACK = 64 << 10  # a version's manifest fields beyond those: codec, checksums, metadata
 NO_LAYOUT_BYTES = 64 << 30  # the stated cap while no layout is known (an engine that holds no tensors yet)
 MIN_BUCKET = 4096  # with only a byte cap to go by, a version has at most cap / MIN_BUCKET buckets
+NOTE_BYTES = 4096  # a version's note (publish(note=...)) as JSON: a label, never data
 
 
 class Oversized(TransportError):
@@ -90,6 +91,22 @@ class Limits:
                                      "with every codec's worst case)")
 
 
+def check_note(note, error=ValueError) -> dict | None:
+    """A version's note as publish() takes it and a subscriber accepts it: None, or a JSON object of string
+    keys within NOTE_BYTES; error (the exception class) otherwise."""
+    if note is None:
+        return None
+    if not isinstance(note, dict) or not all(isinstance(k, str) for k in note):
+        raise error(f"a version's note must be a JSON object with string keys, got {type(note).__name__}")
+    try:
+        size = len(json.dumps(note, allow_nan=False, separators=(",", ":")))
+    except (TypeError, ValueError) as e:
+        raise error(f"a version's note must be plain JSON: {e}") from None
+    if size > NOTE_BYTES:
+        raise error(f"a version's note is {size} bytes as JSON; at most {NOTE_BYTES}")
+    return note
+
+
 def _itemsize(dtype_name: str) -> int:
     return dtypes.by_name(dtype_name).itemsize
 
@@ -111,6 +128,7 @@ class Received:
         at = meta.get("published_at")  # the publisher's wall clock at publish(), for the latency metric
         self.published_at: float | None = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) \
             else None
+        self.note: dict | None = check_note(meta.get("note"), TransportError)
         self.payloads: list[Payload] = []
         self.nbytes = 0  # wire bytes
         self.held = 0  # wire bytes and what was unpacked from them ahead of apply

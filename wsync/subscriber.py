@@ -74,13 +74,16 @@ WAIT_LOG_S = 5.0  # wait_for without a timeout says what it is waiting for this 
 
 @dataclass(frozen=True, kw_only=True)
 class Committed:
-    """One version the engine committed: its wire bytes, whether it was a keyframe, and the seconds its apply took
-    (what on_commit is handed, as a dict)."""
+    """One version the engine committed: its wire bytes, whether it was a keyframe, the seconds its apply took,
+    when it committed and the publisher's note on it (what on_commit is handed, as a dict)."""
 
     version: int
     bytes: int
     keyframe: bool
     apply_s: float
+    at: float  # wall clock of the commit: what the engine has served since
+    checksum: str | None = None  # the version's digest, which the engine's tensors were checked against
+    note: dict | None = None  # the publisher's note on the version (Publisher.publish(note=...))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,6 +255,13 @@ class Subscriber:
         """The counters and what waits to be applied, at one moment (see SubscriberStats); safe from any thread."""
         with self._cv:
             return replace(self._stats, staged=len(self._staged.items), staged_bytes=self._staged.held)
+
+    @property
+    def note(self) -> dict | None:
+        """The publisher's note on the version the engine serves (Publisher.publish(note=...)), or None."""
+        with self._cv:
+            last = self._stats.last
+        return last.note if last is not None else None
 
     @property
     def served(self) -> list[Layout] | None:
@@ -568,7 +578,8 @@ class Subscriber:
             self.engine.version = self.version = st.version
             self._need_keyframe = False
             self._streak = 0
-            committed = Committed(version=st.version, bytes=st.nbytes, keyframe=st.keyframe, apply_s=apply_s)
+            committed = Committed(version=st.version, bytes=st.nbytes, keyframe=st.keyframe, apply_s=apply_s,
+                                  at=time.time(), note=st.note, checksum=st.checksum)
             self._stats = replace(self._stats, versions=self._stats.versions + 1,
                                   bytes=self._stats.bytes + st.nbytes, last=committed)
             newest = self.newest_seen
@@ -576,12 +587,13 @@ class Subscriber:
         if self.metrics is not None:
             latency = None if st.published_at is None else time.time() - st.published_at
             self.metrics.committed(st.version, "raw" if st.keyframe else "delta", st.nbytes, apply_s, latency)
+            self.metrics.served(st.version, st.note, committed.at)
             self.metrics.behind(newest, st.version)
         if self.mode == "background" and not self._lockstep:
             self._ack(st.version)
         if self.relay is not None:
             self.relay.publish(self._bound if isinstance(self._bound, Bound) else self.engine.tensors(),
-                               version=st.version)
+                               version=st.version, note=st.note)
         if self.on_commit is not None:
             try:
                 self.on_commit(asdict(committed))

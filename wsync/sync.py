@@ -39,6 +39,7 @@ from . import api, backends, quant
 from .errors import SnapshotError, VersionError, WsyncError
 from .exiting import close_at_exit
 from .history import EncodedVersion, History, Keyframe, keyframe_due
+from .staging import check_note
 from .sender import Sender
 from .checksum import state_digest
 from .layout import Bound, Layout, bind, layout_of
@@ -148,6 +149,7 @@ class Publisher:
         self._mirror = Mirror(backends.kernels(self.config.backend))
         self._published = 0  # versions accepted by publish()
         self._published_at: dict[int, float] = {}  # version -> wall clock of publish(), sent for publish->live latency
+        self._notes: dict[int, dict | None] = {}  # version -> publish()'s note, sent with each of its buckets
         self._unsent: dict[int, float] = {}  # version -> perf_counter at publish(), until it is on every link (_cv)
         self._send_s: dict[int, float] = {}  # version -> seconds from publish() to on every live link (_cv)
         self._since_keyframe = 0
@@ -186,9 +188,12 @@ class Publisher:
 
     # -- trainer-facing ----------------------------------------------------------------------
 
-    def publish(self, state, version: int, *, frozen: bool = False) -> None:
+    def publish(self, state, version: int, *, frozen: bool = False, note: dict | None = None) -> None:
         """Snapshot `state` (a state_dict, dict of arrays, or checkpoint path) as `version` and send it behind.
 
+        note: a small JSON object (at most NOTE_BYTES as JSON) that travels with the version and is what a
+        subscriber's ``note`` says once it serves it: what the version is, beyond its number (a channel's
+        release names the trained version it holds, see wsync.channels).
         frozen: the caller promises the state's memory never changes while the publisher may read it (a
         read-only mapping of a settled file, as `wsync serve` has). It is then encoded where it lies, never
         copied, never made the mirror; a keyframe of it is encoded anew for each subscriber that needs one,
@@ -200,6 +205,7 @@ class Publisher:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if self._last is not None and version <= self._last:
             raise VersionError(f"versions must increase: got {version} after {self._last}")
+        check_note(note)
         if self._quantize is not None:
             if frozen or not isinstance(state, dict):
                 raise TypeError("a quantizing publisher takes the trainer's state dict (not a path, not frozen): "
@@ -212,7 +218,8 @@ class Publisher:
             self._host_trainer = live is not None and not on_device  # worth keeping a host mirror for (not frozen)
             self._published_at[version] = time.time()  # before the encoder can start on it
             self._unsent[version] = time.perf_counter()
-            for d in (self._published_at, self._unsent):
+            self._notes[version] = note
+            for d in (self._published_at, self._unsent, self._notes):
                 _keep_newest(d)
         make_kf = self._publish_device(version, live) if on_device \
             else self._publish_host(version, state, live, frozen=frozen)
@@ -615,11 +622,14 @@ class Publisher:
         """Bucket i of enc as a message; sums collects each segment's checksum record, in order."""
         with self._cv:
             at = self._published_at.get(enc.version)  # publish()'s wall clock: subscribers measure latency from it
+            note = self._notes.get(enc.version)
         sums += [(t.name, t.dtype, (t.numel,), t.checksum) for t in p.manifest.tensors]
         last = i == enc.count - 1
         # the digest of the whole version rides on its last bucket, the one the subscriber applies after
         meta = {"version": enc.version, "base_version": enc.base_version, "index": i, "count": enc.count,
                 "checksum": state_digest(sums) if last else None, "published_at": at}
+        if note is not None:
+            meta["note"] = note
         return Message("bucket", meta, [p.header(), p.body])
 
     def _encoder(self, enc: EncodedVersion, base: State | None, state: State, host: bool = False):

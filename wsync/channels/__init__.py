@@ -1,0 +1,7 @@
+"""Channels of versions: promotion behind a gate, rollback in seconds, canaries; see hub.py."""
+from .control import Control, call
+from .hub import GATE_CHANNEL, ChannelError, Channels, Gate, GateRefused, Promotion, Rollout, channel_for, served
+from .store import NotHeld, StateStore
+
+__all__ = ["GATE_CHANNEL", "ChannelError", "Channels", "Control", "Gate", "GateRefused", "NotHeld", "Promotion",
+           "Rollout", "StateStore", "call", "channel_for", "served"]
