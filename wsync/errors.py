@@ -54,6 +54,14 @@ class JSONError(FormatError, ValueError):
     """
 
 
+class NotHeld(WsyncError, KeyError):
+    """A version asked for that is not (or no longer) held: evicted, never committed, being overwritten; the
+    message names the versions that are."""
+
+    def __str__(self) -> str:  # KeyError's own would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 PEER_TEXT_MAX = 200
 
 
@@ -62,3 +70,4 @@ def peer_text(text, limit: int = PEER_TEXT_MAX) -> str:
     breaks that would forge log lines) become spaces, and at most `limit` characters are kept."""
     s = "".join(" " if (ord(c) < 32 or 127 <= ord(c) < 160) else c for c in str(text))
     return s if len(s) <= limit else s[:limit] + "..."
+

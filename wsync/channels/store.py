@@ -17,17 +17,10 @@ import threading
 from pathlib import Path
 
 from ..checkpoint import read_safetensors, write_safetensors
-from ..errors import ChecksumError, WsyncError
+from ..errors import ChecksumError, NotHeld
 from ..snapshot import State, digest, owned_copy
 
 _FILE = re.compile(r"v(\d{1,18})\.safetensors")
-
-
-class NotHeld(WsyncError, KeyError):
-    """A version the store does not (or no longer) hold; the message lists the ones it does."""
-
-    def __str__(self) -> str:  # KeyError's own would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 class StateStore:

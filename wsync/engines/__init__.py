@@ -2,13 +2,15 @@
 
 HF and Shadow import nothing heavy; PEFT, vLLM and SGLang import their
 frameworks only when used (``from wsync.engines.peft import PEFT`` or the
-lazy attributes below).
+lazy attributes below). LoraSlots and TwoInstances (slots.py) serve several
+versions at once, each request pinned to one.
 """
 from .base import Engine
 from .hf import HF, Fused, qkv_gate_up
 from ..shadow import Shadow
 
-_LAZY = {"PEFT": ".peft", "LossyLowRank": ".lowrank", "VLLM": ".vllm", "SGLang": ".sglang"}
+_LAZY = {"PEFT": ".peft", "LossyLowRank": ".lowrank", "VLLM": ".vllm", "SGLang": ".sglang",
+         "LoraSlots": ".slots", "TwoInstances": ".slots", "Pinning": ".slots"}
 
 
 def __getattr__(name: str):
@@ -19,4 +21,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'wsync.engines' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "HF", "Fused", "qkv_gate_up", "Shadow", "PEFT", "LossyLowRank", "VLLM", "SGLang"]
+__all__ = ["Engine", "HF", "Fused", "qkv_gate_up", "Shadow", "PEFT", "LossyLowRank", "VLLM", "SGLang",
+           "LoraSlots", "TwoInstances", "Pinning"]
