@@ -346,3 +346,66 @@ def test_an_engine_reports_its_channel_version_and_since_in_its_metrics(hub):
         assert value(s, "wsync_served_since_seconds") == served(e.sub)["since"] >= rec.at
     finally:
         e.close()
+
+
+def test_status_answers_while_a_gate_runs():
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_check(engine):
+        entered.set()
+        assert release.wait(WAIT)
+        return True
+
+    with Channels(("prod",), token=TOKEN, gates={"prod": Gate(check=slow_check, engine=engines.Shadow())}) as hub:
+        hub.offer(states(1)[0], 0)
+        t = threading.Thread(target=hub.promote, args=(0,))
+        t.start()
+        try:
+            assert entered.wait(WAIT)
+            st = hub.status()  # the decision lock is held by the promotion; status does not wait for it
+            assert st["channels"]["prod"]["version"] is None and st["candidates"] == [0]
+        finally:
+            release.set()
+            t.join(WAIT)
+        assert hub.head("prod").version == 0
+
+
+def test_wsync_hub_follows_a_trainer_and_serves_what_is_promoted(monkeypatch):
+    """`wsync hub` as its own process: it follows the train stream, and `wsync promote` puts a version on prod."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from wsync.cli import main
+
+    vs = states(3, seed=9)
+    env = {**os.environ, "WSYNC_TOKEN": TOKEN_HEX}
+    monkeypatch.setenv("WSYNC_TOKEN", TOKEN_HEX)
+    with Publisher("tcp://127.0.0.1:0", token=TOKEN) as train:
+        for v, st in enumerate(vs):
+            train.publish(st, v)
+        hub = subprocess.Popen([sys.executable, "-m", "wsync.cli", "hub", "--follow", train.address,
+                                "--channel", "prod"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+        engine = None
+        try:
+            lines = [hub.stdout.readline() for _ in range(2)]
+            control = lines[0].split()[-1]
+            prod = lines[1].split()[-1]
+            assert lines[0].startswith("wsync hub: control") and "channel prod at" in lines[1], lines
+            deadline = time.monotonic() + WAIT
+            while 2 not in call(control, "status", token=TOKEN)["candidates"]:
+                assert time.monotonic() < deadline and hub.poll() is None
+                time.sleep(0.05)  # polling another process's state: nothing to wait on here
+            assert main(["promote", control, "1", "--why", "from the command line", "--wait"]) == 0
+            engine = Engine(prod)
+            engine.wait(0)
+            assert engine.shadow.digest() == dg(vs[1]) and served(engine.sub)["version"] == 1
+        finally:
+            if engine is not None:
+                engine.close()
+            hub.send_signal(signal.SIGINT)
+            _, err = hub.communicate(timeout=WAIT)
+    assert hub.returncode == 0, err

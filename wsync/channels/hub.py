@@ -112,6 +112,7 @@ class Channels:
             raise ValueError(f"gates name channels this hub does not have: {unknown} (channels: {list(channels)})")
         self.root = Path(root) if root is not None else None
         self._lock = threading.RLock()  # one decision at a time, in the order they were asked for
+        self._view = threading.Lock()  # heads and records as status() reads them, even while a gate runs
         self.candidates = StateStore(keep=candidates, max_bytes=candidate_bytes, what="candidate versions",
                                      root=None if self.root is None else self.root / "candidates")
         self._history = {c: StateStore(keep=keep, max_bytes=keep_bytes, what=f"versions kept for {c!r}",
@@ -146,13 +147,13 @@ class Channels:
     def head(self, channel: str) -> Promotion | None:
         """The record of what `channel` serves now (None before its first promotion)."""
         self._pub(channel)
-        with self._lock:
+        with self._view:
             return self._heads.get(channel)
 
     def status(self) -> dict:
         """Per channel: what it serves (version, release, digest, since, why), its subscribers, the versions
         it can roll back to; and the candidates held."""
-        with self._lock:
+        with self._view:
             out = {"candidates": self.candidates.versions(), "channels": {}}
             for c, pub in self._pubs.items():
                 h = self._heads.get(c)
@@ -294,10 +295,11 @@ class Channels:
         release = self._releases[channel] + 1
         rec = Promotion(channel=channel, kind=kind, version=version, release=release, digest=dg,
                         at=time.time(), why=why, gate=gate)
-        self._history[channel].put(version, state, checksum=dg)
+        self._history[channel].put(version, state, checksum=dg, owned=True)
         self._pubs[channel].publish(state, release, frozen=True, note=_note(rec))
         self._releases[channel] = release
-        self._heads[channel] = rec
+        with self._view:
+            self._heads[channel] = rec
         self._record(rec)
         log.info("%s now serves version %s (release %s, %s): %s", channel, version, release, kind, why or "-")
         return rec
@@ -324,7 +326,8 @@ class Channels:
         return {"passed": passed, "detail": _plain(detail), "seconds": round(time.perf_counter() - t0, 6)}
 
     def _record(self, rec: Promotion) -> None:
-        self.records.append(rec)
+        with self._view:
+            self.records.append(rec)
         if self.root is not None:
             with open(self.root / RECORDS, "a", encoding="utf-8") as f:
                 f.write(json.dumps(asdict(rec), sort_keys=True) + "\n")

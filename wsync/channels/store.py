@@ -40,26 +40,39 @@ class StateStore:
             self.root.mkdir(parents=True, exist_ok=True)
             self._load()
 
-    def put(self, version: int, state, *, checksum: str | None = None) -> str:
+    def put(self, version: int, state, *, checksum: str | None = None, owned: bool = False) -> str:
         """Hold a copy of `state` (tensors or arrays, any device) as `version`; returns its digest. A version
-        held already is kept as it is when the digest agrees, refused when it does not."""
+        held already is kept as it is when the digest agrees, refused when it does not.
+
+        owned: `state` is another store's (host bit patterns nothing writes) and `checksum` its digest: it is
+        shared, not copied or hashed again."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
-        copy = owned_copy(state)
-        got = digest(copy)
+        if owned and checksum is None:
+            raise ValueError("an owned state comes with its checksum")
+        with self._lock:
+            held = self._states.get(version)
+        if held is not None and checksum is not None:
+            return self._same(version, held[1], checksum)
+        copy = state if owned else owned_copy(state)
+        got = checksum if owned else digest(copy)
         if checksum is not None and checksum != got:
             raise ChecksumError(f"version {version} digests to {got}, not the {checksum} it was offered with")
         with self._lock:
             held = self._states.get(version)
             if held is not None:
-                if held[1] != got:
-                    raise ChecksumError(f"version {version} is held already with another digest ({held[1]} vs "
-                                        f"{got}): a version number names one state")
-                return got
+                return self._same(version, held[1], got)
             if self.root is not None:
                 write_safetensors(self.root / f"v{version}.safetensors", copy, {"wsync_digest": got})
             self._states[version] = (copy, got)
             self._trim()
+        return got
+
+    @staticmethod
+    def _same(version: int, held: str, got: str) -> str:
+        if held != got:
+            raise ChecksumError(f"version {version} is held already with another digest ({held} vs {got}): a "
+                                "version number names one state")
         return got
 
     def get(self, version: int) -> tuple[State, str]:
