@@ -409,3 +409,26 @@ def test_wsync_hub_follows_a_trainer_and_serves_what_is_promoted(monkeypatch):
             hub.send_signal(signal.SIGINT)
             _, err = hub.communicate(timeout=WAIT)
     assert hub.returncode == 0, err
+
+
+def test_a_moe_scale_state_is_promoted_and_rolled_back_bit_exact(hub):
+    """20,000 tensors of uneven sizes (a MoE layer's experts), bf16 bit patterns: promote, promote, roll back."""
+    rng = np.random.default_rng(10)
+    cur = {f"layers.{i // 128}.mlp.experts.{i % 128}.w": rng.integers(0, 1 << 16, 8 + i % 57, dtype=np.uint16)
+           for i in range(20_000)}
+    vs = []
+    for _ in range(3):
+        cur = {k: v.copy() for k, v in cur.items()}
+        for v in list(cur.values())[::7]:
+            v[0] += np.uint16(1)
+        vs.append(cur)
+    e = Engine(hub.address("prod"))
+    try:
+        for v, st in enumerate(vs):
+            hub.offer(st, v)
+        hub.promote(0), hub.promote(2)
+        rec = hub.rollback()
+        e.wait(rec.release)
+        assert rec.version == 0 and e.shadow.digest() == dg(vs[0]) and len(e.shadow.state) == 20_000
+    finally:
+        e.close()
