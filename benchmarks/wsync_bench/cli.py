@@ -21,7 +21,7 @@ SUITES = ["wsync_bench.transport", "wsync_bench.sync", "wsync_bench.reshard", "w
           "wsync_bench.unpolled", "wsync_bench.integrations",
           "wsync_bench.lora_sync", "wsync_bench.make_snapshots",
           "wsync_bench.codec_v2", "wsync_bench.cuda", "wsync_bench.gpu_sync",
-          "wsync_bench.tcp", "wsync_bench.quant"]
+          "wsync_bench.tcp", "wsync_bench.quant", "wsync_bench.channels"]
 
 
 def install_hint(package: str) -> str | None:
