@@ -2,6 +2,8 @@
 
     wsync loop --steps 100 --json async.json      # async, long-tailed response lengths
     wsync loop --mode sync --steps 100            # the synchronous baseline on the same task
+    wsync loop --steps 40 --promote-every 5 --gate 0.05 --corrupt-reward-steps 11:20 --rollback-at 32:5
+                                                  # continual learning: a prod channel behind a gate (promote.py)
 
 Imports nothing heavy at module level: the wsync parser is built on every call.
 """
@@ -11,6 +13,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from .promote import CORRUPTIONS
 
 
 def add_parsers(sub) -> None:
@@ -72,6 +76,86 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     p.add_argument("--json", type=Path, help="write the summary (with per-step history) to this file")
     p.add_argument("--png", type=Path, help="reward vs wall time plot (needs matplotlib; default: next to --json)")
+    add_promote_arguments(p)
+
+
+def add_promote_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("continual learning", "a prod channel that serves only versions a gate passed "
+                             "(trainer/promote.py); every option here needs --promote-every")
+    g.add_argument("--promote-every", type=int, default=0, metavar="N",
+                   help="every N trainer steps, offer the trained version to a channels hub and promote it onto "
+                        "prod through the gate; a production engine follows prod, answers --requests prompts per "
+                        "step and logs which version answered each (default 0: off)")
+    g.add_argument("--gate", type=float, default=None, metavar="THRESHOLD",
+                   help="the gate's floor: a candidate's mean reward, greedy on the held-out prompts, must reach "
+                        "THRESHOLD (a reward in [0, 1]; default 0.0) and be at most --gate-margin below the reward "
+                        "of the version prod serves")
+    g.add_argument("--gate-margin", type=float, default=None, metavar="M",
+                   help="how far below prod's version a candidate's held-out reward may be (in [0, 1]; 1: the "
+                        "floor alone; default 0.05)")
+    g.add_argument("--gate-prompts", type=int, default=None, metavar="K",
+                   help="held-out prompts the gate decodes, fixed for the run (default 128)")
+    g.add_argument("--requests", type=int, default=None, metavar="R",
+                   help="requests the production engine answers after each trainer step (default 2)")
+    g.add_argument("--corrupt-reward-steps", type=_span, default=None, metavar="A:B",
+                   help="a planted bad stretch: trainer steps A to B (inclusive) learn from a corrupted reward; "
+                        "the gate should refuse what is offered then while prod keeps its last good version")
+    g.add_argument("--corrupt-kind", choices=list(CORRUPTIONS), default=None,
+                   help="the corruption: junk pays for tokens that are not digits, negate flips the reward's "
+                        "sign, random is noise (default junk)")
+    g.add_argument("--rollback-at", type=_rollback, default=None, metavar="STEP[:VERSION]",
+                   help="after trainer step STEP, roll prod back to VERSION (0 or a multiple of N below STEP; "
+                        "default: the version prod served before its current one) while training goes on")
+
+
+# what the promote options are called on the command line, to name the ones given without --promote-every
+_PROMOTE_FLAGS = {"gate": "--gate", "gate_margin": "--gate-margin", "gate_prompts": "--gate-prompts",
+                  "requests": "--requests", "corrupt_reward_steps": "--corrupt-reward-steps",
+                  "corrupt_kind": "--corrupt-kind", "rollback_at": "--rollback-at"}
+
+
+def _span(text: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    try:
+        span = (int(a), int(b))
+    except ValueError:
+        span = None
+    if not sep or span is None or not 1 <= span[0] <= span[1]:
+        raise argparse.ArgumentTypeError(f"expected A:B, two trainer steps with 1 <= A <= B (e.g. 11:20), "
+                                         f"got {text!r}")
+    return span
+
+
+def _rollback(text: str) -> tuple[int, int | None]:
+    step, sep, to = text.partition(":")
+    try:
+        got = (int(step), int(to) if sep else None)
+    except ValueError:
+        got = None
+    if got is None or got[0] < 1 or (got[1] is not None and got[1] < 0):
+        raise argparse.ArgumentTypeError(f"expected STEP or STEP:VERSION, a trainer step >= 1 and a version >= 0 "
+                                         f"(e.g. 30:10), got {text!r}")
+    return got
+
+
+def promote_config_from_args(a):
+    """The PromoteConfig the flags make, or None without --promote-every (ValueError for a flag given alone)."""
+    from .promote import PromoteConfig
+
+    given = [flag for dest, flag in _PROMOTE_FLAGS.items() if getattr(a, dest, None) is not None]
+    every = getattr(a, "promote_every", 0)
+    if every < 0:
+        raise ValueError(f"--promote-every must be a number of trainer steps >= 1 (0: off), got {every}")
+    if not every:
+        if given:
+            raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --promote-every N: "
+                             "without it nothing is promoted")
+        return None
+    if getattr(a, "ray", False):
+        raise ValueError("--promote-every runs with the one-machine loop, not with --ray")
+    opts = {"gate": a.gate, "margin": a.gate_margin, "prompts": a.gate_prompts, "requests": a.requests,
+            "corrupt": a.corrupt_reward_steps, "corruption": a.corrupt_kind, "rollback": a.rollback_at}
+    return PromoteConfig(every=every, **{k: v for k, v in opts.items() if v is not None})
 
 
 def config_from_args(a):
@@ -88,7 +172,7 @@ def config_from_args(a):
         mode=a.mode, max_staleness=a.max_staleness, steps=a.steps, seconds=a.seconds, samplers=a.samplers,
         group_size=a.group_size, batch_groups=a.batch_groups, seed=a.seed, codec=a.codec,
         address=a.address if a.address and not getattr(a, "ray", False) else "tcp://127.0.0.1:0",
-        metrics_port=a.metrics_port,
+        metrics_port=a.metrics_port, promote=promote_config_from_args(a),
         progress=not a.quiet, task=task, grpo=GRPOConfig(lr=a.lr, is_cap=a.is_cap),
         decode=DecodeConfig(slots=a.slots, temperature=a.temperature, top_p=a.top_p, kv_cache=a.kv_cache,
                             refill_at=a.refill_at),
@@ -131,6 +215,10 @@ def run_from_args(a, prog: str = "wsync loop") -> dict:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(s, indent=1))
     print(one_line(s))
+    if "promotion" in s:
+        from .promote import one_line as promotion_line
+
+        print(promotion_line(s["promotion"]))
     return s
 
 

@@ -41,6 +41,7 @@ from .decode import DecodeConfig
 from .grpo import GRPOConfig
 from .metrics import Recorder
 from .policy import PolicyConfig
+from .promote import PromoteConfig
 from .task import TaskConfig, sample_digits
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class LoopConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    promote: PromoteConfig | None = None  # promote to a prod channel through a gate every N steps (promote.py)
 
     def __post_init__(self):
         if self.mode not in ("sync", "async"):
@@ -84,6 +86,8 @@ class LoopConfig:
             raise ValueError("give a budget: steps > 0 or seconds > 0")
         if self.decode.slots < self.group_size:
             raise ValueError(f"decode slots ({self.decode.slots}) must hold a whole group ({self.group_size})")
+        if self.promote is not None:
+            self.promote.check_budget(self.steps)
 
     @property
     def eta(self) -> int:
@@ -120,6 +124,7 @@ class Driver:
         self.issued = self.returned = self.accepted = 0  # in groups
         self.batch: list[list[dict]] = []
         self.alive: set[int] = set()
+        self.promoter = None  # the prod channel, its gate and production engine (promote.py), when configured
 
     # -- admission control -------------------------------------------------------------------
 
@@ -163,7 +168,9 @@ class Driver:
         from .policy import state_digest
 
         t = time.perf_counter()
-        stats = self.learner.step(self.batch)
+        # a planted bad stretch (promote.py) trains on corrupted rewards; the records keep the task's own
+        batch = self.batch if self.promoter is None else self.promoter.rewarded(self.batch, self.version + 1)
+        stats = self.learner.step(batch)
         self.rec.trainer["train_s"] += time.perf_counter() - t
         self.version += 1
         t = time.perf_counter()
@@ -175,6 +182,8 @@ class Driver:
             self.result.samples.extend(s for g in self.batch for s in g)
         self.rec.step(self.version, self.batch, stats, last_sync(self.pub.stats), _qsize(self.results))
         self.batch = []
+        if self.promoter is not None:
+            self.promoter.step_done(self.version, self.model.state_dict())
 
     def done(self) -> bool:
         c = self.cfg
@@ -211,6 +220,10 @@ class Driver:
                 self.result.digests[0] = state_digest(self.model)
             for p in procs:
                 p.start()
+            if self.cfg.promote is not None:  # built while the samplers start; prod begins on version 0
+                from .promote import Promoter
+
+                self.promoter = Promoter(self.cfg, self.model.state_dict())
             while len(self.alive) < self.cfg.samplers:
                 self.consume(self._next())
             self.rec.restart_clock()
@@ -261,6 +274,8 @@ class Driver:
         s["config"] = asdict(self.cfg)
         s["hardware"] = describe()
         s["history"] = self.rec.steps
+        if self.promoter is not None:
+            s["promotion"] = self.promoter.summary()
         self.result.summary = s
         return self.result
 
@@ -280,6 +295,8 @@ class Driver:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5.0)
+        if self.promoter is not None:
+            self.promoter.close()
         self.pub.close()
 
 

@@ -15,5 +15,7 @@ def run(cfg: LoopConfig, ray=False) -> Result:
     ray=True (or a trainer.ray_loop.RayConfig): the trainer as a Ray actor group and the samplers as actors on
     other nodes (trainer/ray_loop.py); the default runs the samplers as processes of this machine."""
     if ray:
+        if cfg.promote is not None:
+            raise ValueError("promotion to a prod channel (LoopConfig.promote) runs in the local loop, not on Ray")
         return run_on_ray(cfg, ray)
     return Driver(cfg).run()
