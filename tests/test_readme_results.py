@@ -131,3 +131,19 @@ def test_quantized_row_is_the_committed_quant_run():
     assert (f"quantizing costs {ratios['kimi']:.2f}x the BF16 delta encode (INT8 {ratios['int8']:.2f}x, "
             f"FP8 block {ratios['fp8']:.2f}x)") in row
     assert all(run[k]["exact"] for k in ("kimi", "int8", "fp8"))
+
+
+def test_channels_row_is_the_committed_channels_runs():
+    row = _headline_row("channels:")
+    big = _json("2026-11-28-amdepyc-2core-nogpu-channels-1024mib-4eng.json")
+    wide = _json("2026-11-28-amdepyc-2core-nogpu-channels-256mib-8eng.json")
+    assert big["config"]["engines"] == 4 and wide["config"]["engines"] == 8
+
+    def live(run, mode, kind):
+        return run["summary"][mode][kind]["all_live_s"]["median"]
+
+    delta, key = live(big, "reverse-delta", "rollback"), live(big, "keyframe", "rollback")
+    assert f"in {delta:.3f} s as a reverse delta vs {key:.3f} s as a keyframe ({key / delta:.2f}x)" in row
+    assert (f"in {live(wide, 'reverse-delta', 'promote'):.3f} s (delta) vs {live(wide, 'keyframe', 'promote'):.3f} s"
+            in row)
+    assert all(r["exact"] for run in (big, wide) for m in run["summary"].values() for r in m.values())
