@@ -432,3 +432,29 @@ def test_a_moe_scale_state_is_promoted_and_rolled_back_bit_exact(hub):
         assert rec.version == 0 and e.shadow.digest() == dg(vs[0]) and len(e.shadow.state) == 20_000
     finally:
         e.close()
+
+
+def test_a_version_note_is_checked_where_it_is_given_and_where_it_arrives():
+    from wsync.errors import TransportError
+    from wsync.staging import Limits, Received
+
+    note = {"version": 3, "why": "eval"}
+    with Publisher("tcp://127.0.0.1:0", token=TOKEN) as pub:
+        for bad, match in (([1], "JSON object"), ({1: "a"}, "string keys"), ({"x": float("nan")}, "plain JSON"),
+                           ({"x": "y" * 5000}, "at most 4096")):
+            with pytest.raises(ValueError, match=match):
+                pub.publish(states(1)[0], 0, note=bad)
+        e = Engine(pub.address)
+        try:
+            pub.publish(states(1)[0], 0, note=note)
+            note["why"] = "changed after publish"  # what was published stays what it was
+            e.sub.wait_for(0, timeout=WAIT)
+            assert e.sub.note == {"version": 3, "why": "eval"}
+        finally:
+            e.close()
+    meta = {"version": 1, "base_version": None, "count": 1, "checksum": None}
+    limits = Limits(1 << 20, 4, "a test")
+    for bad in ("text", [1, 2], {"x": "y" * 5000}):
+        with pytest.raises(TransportError, match="note"):
+            Received({**meta, "note": bad}, limits)
+    assert Received({**meta, "note": {"a": 1}}, limits).note == {"a": 1}

@@ -99,12 +99,12 @@ def check_note(note, error=ValueError) -> dict | None:
     if not isinstance(note, dict) or not all(isinstance(k, str) for k in note):
         raise error(f"a version's note must be a JSON object with string keys, got {type(note).__name__}")
     try:
-        size = len(json.dumps(note, allow_nan=False, separators=(",", ":")))
+        text = json.dumps(note, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as e:
         raise error(f"a version's note must be plain JSON: {e}") from None
-    if size > NOTE_BYTES:
-        raise error(f"a version's note is {size} bytes as JSON; at most {NOTE_BYTES}")
-    return note
+    if len(text) > NOTE_BYTES:
+        raise error(f"a version's note is {len(text)} bytes as JSON; at most {NOTE_BYTES}")
+    return json.loads(text)  # a copy: the caller's dict may change after publish()
 
 
 def _itemsize(dtype_name: str) -> int:

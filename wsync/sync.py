@@ -205,7 +205,7 @@ class Publisher:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         if self._last is not None and version <= self._last:
             raise VersionError(f"versions must increase: got {version} after {self._last}")
-        check_note(note)
+        note = check_note(note)
         if self._quantize is not None:
             if frozen or not isinstance(state, dict):
                 raise TypeError("a quantizing publisher takes the trainer's state dict (not a path, not frozen): "
