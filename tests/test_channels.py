@@ -170,6 +170,8 @@ def test_a_failed_gate_leaves_prod_untouched_and_is_recorded():
             prod.wait(ok.release)
             assert prod.versions() == [0, 2] and prod.shadow.digest() == dg(vs[2])
             assert [r.kind for r in hub.records if r.channel == "prod"] == ["promote", "refused", "promote"]
+            with pytest.raises(ChannelError, match="candidates the gates test"):
+                hub.promote(2, channel="gate")
         finally:
             prod.close()
 

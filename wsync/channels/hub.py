@@ -197,7 +197,7 @@ class Channels:
         Idempotent: promoting what the channel already serves records nothing and returns its record. The
         channel's gate (or `gate`) runs first; GateRefused, with the channel untouched, if it does not pass.
         flush_timeout: also wait until every engine connected to the channel serves it."""
-        self._pub(channel)
+        self._decidable(channel)
         _check_version(version)
         with self._lock:
             head = self._heads.get(channel)
@@ -223,7 +223,7 @@ class Channels:
 
         The exact bytes of that version, as one more release (digest-checked and transactional on every
         engine like any other); no gate runs: it served before."""
-        self._pub(channel)
+        self._decidable(channel)
         with self._lock:
             head = self._heads.get(channel)
             if to is None:
@@ -253,7 +253,7 @@ class Channels:
         The hold lasts at least hold_s seconds and, with `check`, until check() says True (False aborts;
         None: not decided yet, asked again every poll_s); past max_hold_s undecided, it aborts. An abort
         sends the canary back to what `to` serves. Returns the Rollout at once; its wait() gives the end."""
-        self._pub(canary), self._pub(to)
+        self._decidable(canary), self._decidable(to)
         self.promote(version, channel=canary, why=why)
         r = Rollout(self, version, canary=canary, to=to, hold_s=hold_s, check=check, max_hold_s=max_hold_s,
                     poll_s=poll_s, why=why)
@@ -267,6 +267,11 @@ class Channels:
         if pub is None:
             raise ChannelError(f"no channel {channel!r} here (channels: {list(self._pubs)})")
         return pub
+
+    def _decidable(self, channel: str) -> None:
+        self._pub(channel)
+        if channel == GATE_CHANNEL and self.gates:
+            raise ChannelError(f"{GATE_CHANNEL!r} carries the candidates the gates test; promote onto another channel")
 
     def _state_of(self, version: int, channel: str):
         """(Under the lock.) The state of `version`: a candidate, or one this channel or another still holds."""
