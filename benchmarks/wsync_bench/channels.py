@@ -429,7 +429,7 @@ def command(a) -> str:
 def main(a) -> None:
     from wsync.hardware import describe
 
-    from .results import default_results_dir, one_line, options, stem
+    from .results import one_line, options, save, stem
 
     cfg = Config(size=a.size, mib=a.mib, engines=a.engines, steps=a.steps, rounds=a.rounds, warmup=a.warmup,
                  timeout=a.timeout)
@@ -442,13 +442,9 @@ def main(a) -> None:
     doc["seconds"], doc["load_average_after"] = time.monotonic() - t0, os.getloadavg()
     text = render(doc)
     print(text)
-    out = a.out or default_results_dir()
-    out.mkdir(parents=True, exist_ok=True)
     mib = cfg.mib or SIZES[cfg.size] >> 20
-    base = out / f"{stem(hw, doc['date'][:10])}-channels-{mib}mib-{cfg.engines}eng"
-    base.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    base.with_suffix(".md").write_text(text + "\n")
-    print(f"wrote {base.with_suffix('.json')} and .md ({doc['seconds']:.0f} s)")
+    path = save(a.out, f"{stem(hw, doc['date'][:10])}-channels-{mib}mib-{cfg.engines}eng", doc, text)
+    print(f"wrote {path} and .md ({doc['seconds']:.0f} s)")
 
 
 def add_parsers(bench) -> None:

@@ -28,7 +28,6 @@ inherits the reference's).
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import re
 import time
@@ -327,7 +326,7 @@ def command(a) -> str:
 def main(a) -> None:
     from wsync.hardware import describe
 
-    from .results import default_results_dir, one_line, options, stem
+    from .results import one_line, options, save, stem
 
     if a.versions < 1 or a.rounds < 1 or a.experts < 1 or a.dense_layers < 0:
         raise ValueError("--versions, --rounds and --experts must be >= 1, --dense-layers >= 0")
@@ -342,12 +341,8 @@ def main(a) -> None:
     doc["load_average_after"] = os.getloadavg()
     text = render(doc)
     print(text)
-    out = a.out or default_results_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    base = out / f"{stem(hw, doc['date'][:10])}-quant"
-    base.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    base.with_suffix(".md").write_text(text + "\n")
-    print(f"wrote {base.with_suffix('.json')} and .md")
+    path = save(a.out, f"{stem(hw, doc['date'][:10])}-quant", doc, text)
+    print(f"wrote {path} and .md")
 
 
 def add_parsers(bench) -> None:

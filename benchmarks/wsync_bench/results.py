@@ -7,6 +7,7 @@ holds only the runs someone chose to commit (pass `--out benchmarks/results` for
 from __future__ import annotations
 
 import datetime as dt
+import json
 from pathlib import Path
 
 
@@ -25,6 +26,16 @@ def host_tag(hw: dict) -> str:
 def stem(hw: dict, today: str | None = None) -> str:
     """`<date>-<host tag>`: how every saved result of this machine is named."""
     return f"{today or dt.date.today().isoformat()}-{host_tag(hw)}"
+
+
+def save(out: Path | None, name: str, doc: dict, text: str) -> Path:
+    """doc as <out>/<name>.json and text as <name>.md (out: default_results_dir() when None); the .json path."""
+    out = out or default_results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    base = out / name
+    base.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    base.with_suffix(".md").write_text(text + "\n")
+    return base.with_suffix(".json")
 
 
 def options(a) -> dict:
