@@ -12,6 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+# peft's get_peft_model asks transformers a deprecated question; nothing of ours to change
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 from conftest import bits_equal  # noqa: E402
 from engine_helpers import publisher, rl_step, same_bytes, subscriber, tiny_qwen  # noqa: E402
