@@ -23,8 +23,11 @@ slices of SLICE seconds, so that close() ends a wait in progress (a recv
 without a timeout, as a publisher gathers acks) within one slice: the thread
 that waits is free to be joined, rather than sitting in a C++ call with the
 GIL released until its peer moves, which it may never do. A point-to-point
-piece is waited on once, bounded by stall_timeout: gloo fails the pair under
-a send or recv whose wait times out, so its wait cannot be resumed.
+piece is waited on once, to its end, bounded by stall_timeout: gloo fails the
+pair under a send or recv whose wait times out, so its wait cannot be resumed,
+and its peer waits for it the same way. So a subscriber's message to the
+publisher (point to point after its first step) runs to its end once
+announced, close() or not.
 """
 from __future__ import annotations
 
@@ -123,9 +126,10 @@ class GroupLink:
             return self._guard(self._recv, timeout)
 
     def close(self) -> None:
-        """Start no more messages, end the waits in progress (within SLICE seconds: a message under way is
-        abandoned, and its peers see it stall), and hand the groups to the keeper if an operation is still
-        in flight.
+        """Start no more messages, end the collective waits in progress (within SLICE seconds: a message the
+        publisher sends, or one a link receives, is abandoned and its peers see it stall; a subscriber's
+        message to the publisher, once announced, runs to its end), and hand the groups to the keeper if an
+        operation is still in flight.
 
         A gloo process group's destructor joins its worker threads, so it waits for every operation it was
         given, on whichever thread drops the last reference: a group dropped with an operation no peer will
@@ -223,7 +227,9 @@ class GroupLink:
             raise TransportError("a recv timed out and its wait is still pending; call recv again before sending")
         _, work, table = self._pending
         try:
-            self._wait(work, timeout)
+            # a subscriber's message to the publisher goes on point to point once announced, and the publisher
+            # would wait for those pieces unsliced: so it is not abandoned here, half announced
+            self._wait(work, timeout, abandon=direction == RECV or self.rank == 0)
         except TransportTimeout:
             if direction == SEND:
                 raise TransportError(f"subscribers did not start receiving within {timeout}s") from None
@@ -281,13 +287,12 @@ class GroupLink:
     def _p2p_recv(self, pg, src: int):
         return lambda t: _PointToPoint(self._post(lambda: pg.recv([t], src, TAG)))
 
-    def _wait(self, work, timeout=STALL) -> None:
-        """Wait for a gloo operation, at most timeout seconds (None: no bound); a collective in slices that
-        notice close(), a point-to-point piece in one wait."""
+    def _wait(self, work, timeout=STALL, abandon: bool = True) -> None:
+        """Wait for a gloo operation, at most timeout seconds (None: no bound). A collective is waited on in
+        slices that notice close() (abandon=False: that go on regardless); a point-to-point piece, whose peer
+        waits for it unsliced, in one wait to its end."""
         t = self.cfg.stall_timeout if timeout is STALL else timeout
         if isinstance(work, _PointToPoint):
-            if self._closed:
-                raise TransportError(f"link to {self.peer} was closed")
             if t is None:
                 work.wait()
             elif not self._wait_once(work, max(t, 0.001)):
@@ -295,7 +300,7 @@ class GroupLink:
             return
         deadline = None if t is None else time.monotonic() + t
         while True:
-            if self._closed:
+            if self._closed and abandon:
                 raise TransportError(f"link to {self.peer} was closed")
             left = SLICE if deadline is None else min(SLICE, deadline - time.monotonic())
             if left < 0.001:  # a wait of 0 ms is torch's "no timeout"
