@@ -41,6 +41,7 @@ def _records(p, kind):
     return [r for r in p["records"] if r["kind"] == kind]
 
 
+@pytest.mark.slow  # one real loop run, shared; tests/test_channels.py covers the same in the fast tier
 def test_the_gate_refuses_what_the_bad_stretch_trained_and_records_why(promoted):
     _, p = promoted
     assert p["corrupted_steps"] == list(range(BAD[0], BAD[1] + 1))
@@ -60,6 +61,7 @@ def test_the_gate_refuses_what_the_bad_stretch_trained_and_records_why(promoted)
     assert at_bad and set(at_bad) == {6}
 
 
+@pytest.mark.slow  # one real loop run, shared; tests/test_channels.py covers the same in the fast tier
 def test_prod_never_served_a_refused_or_unpromoted_version(promoted):
     _, p = promoted
     promote_digest = {r["version"]: r["digest"] for r in _records(p, "promote")}
@@ -74,6 +76,7 @@ def test_prod_never_served_a_refused_or_unpromoted_version(promoted):
     assert p["served"]["version"] == p["prod"]["version"] and p["served"]["digest"] == p["prod"]["digest"]
 
 
+@pytest.mark.slow  # one real loop run, shared; tests/test_channels.py covers the same in the fast tier
 def test_the_rollback_restores_the_chosen_versions_exact_bytes(promoted):
     r, p = promoted
     step, to = ROLLBACK
@@ -87,6 +90,7 @@ def test_the_rollback_restores_the_chosen_versions_exact_bytes(promoted):
     assert after and all(e["version"] == to for e in after)
 
 
+@pytest.mark.slow  # one real loop run, shared; tests/test_channels.py covers the same in the fast tier
 def test_the_samplers_kept_training_through_it_bit_exact(promoted):
     r, _ = promoted
     assert r.summary["steps"] == STEPS
