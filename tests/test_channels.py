@@ -12,7 +12,7 @@ import pytest
 from helpers import TOKEN, TOKEN_HEX
 from wsync import Publisher, Subscriber, engines
 from wsync.channels import (ChannelError, Channels, Control, Gate, GateRefused, StateStore, call, channel_for,
-                            served)
+                            report)
 from wsync.errors import ChecksumError, WsyncError
 from wsync.snapshot import as_state, digest
 
@@ -85,7 +85,7 @@ def test_prod_engines_see_only_promoted_versions_through_reconnects_keyframes_ca
                 rec = hub.promote(v, why=f"step {v}")
                 promoted.append(v)
                 prod.wait(rec.release)
-                assert prod.shadow.digest() == dg(st) and served(prod.sub)["version"] == v
+                assert prod.shadow.digest() == dg(st) and report(prod.sub)["version"] == v
             if v == 4:  # an engine that was away for two promotions catches up from the channel's history
                 late = Engine(hub.address("prod"))
                 late.wait(hub.head("prod").release)
@@ -123,13 +123,13 @@ def test_rollback_returns_every_prod_engine_to_the_version_bytes_while_training_
             assert (back.version, back.kind) == (3, "rollback")
             for e in engines_:
                 e.wait(back.release)
-                assert e.shadow.digest() == dg(vs[3]) and served(e.sub)["version"] == 3
+                assert e.shadow.digest() == dg(vs[3]) and report(e.sub)["version"] == 3
             train.publish(vs[6], 6)  # training goes on meanwhile
             rec = hub.rollback(to=1, why="further back")
             for e in engines_:
                 e.wait(rec.release)
                 assert e.shadow.digest() == dg(vs[1])
-                assert e.versions()[-2:] == [3, 1] and served(e.sub)["digest"] == rec.digest == dg(vs[1])
+                assert e.versions()[-2:] == [3, 1] and report(e.sub)["digest"] == rec.digest == dg(vs[1])
             train.publish(vs[7], 7)
             rollout_engine.wait(7)
             assert rollout_engine.shadow.digest() == dg(vs[7]) and rollout_engine.sub.version == 7
@@ -281,7 +281,7 @@ def test_a_hub_started_again_over_its_root_resumes_releases_and_heads(tmp_path):
         again = Subscriber(hub.address("prod"), engine=engine.shadow, token=TOKEN)
         try:
             again.wait_for(2, timeout=WAIT)
-            assert engine.shadow.digest() == dg(vs[2]) and served(again)["version"] == 2
+            assert engine.shadow.digest() == dg(vs[2]) and report(again)["version"] == 2
             assert hub.rollback().version == 0  # the history survived the restart too
         finally:
             again.close()
@@ -345,7 +345,7 @@ def test_an_engine_reports_its_channel_version_and_since_in_its_metrics(hub):
         s = scrape(e.sub.metrics.url)
         assert value(s, "wsync_served_version") == 1 and value(s, "wsync_engine_version") == rec.release
         assert value(s, "wsync_served_channel", channel="prod") == 1
-        assert value(s, "wsync_served_since_seconds") == served(e.sub)["since"] >= rec.at
+        assert value(s, "wsync_served_since_seconds") == report(e.sub)["since"] >= rec.at
     finally:
         e.close()
 
@@ -404,7 +404,7 @@ def test_wsync_hub_follows_a_trainer_and_serves_what_is_promoted(monkeypatch):
             assert main(["promote", control, "1", "--why", "from the command line", "--wait"]) == 0
             engine = Engine(prod)
             engine.wait(0)
-            assert engine.shadow.digest() == dg(vs[1]) and served(engine.sub)["version"] == 1
+            assert engine.shadow.digest() == dg(vs[1]) and report(engine.sub)["version"] == 1
         finally:
             if engine is not None:
                 engine.close()

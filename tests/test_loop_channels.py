@@ -67,7 +67,7 @@ def test_prod_never_served_a_refused_or_unpromoted_version(promoted):
     promote_digest = {r["version"]: r["digest"] for r in _records(p, "promote")}
     log = p["requests"]["log"]
     assert len(log) == 2 * STEPS and p["requests"]["unserved"] == 0
-    for e in log:  # what served() said for the engine that answered each request
+    for e in log:  # what report() said for the engine that answered each request
         assert e["channel"] == "prod" and e["version"] in promote_digest and e["version"] not in p["refused"], e
         assert e["digest"] == promote_digest[e["version"]]
     assert sum(p["requests"]["by_version"].values()) == len(log)

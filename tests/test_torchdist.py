@@ -305,7 +305,10 @@ def test_close_wakes_a_recv_that_waits_without_a_timeout():
         lst, pub, (sub,) = _group(1)
         link = (pub, sub)[side]
         t, r = _in_thread(link.recv, None)
-        time.sleep(0.3)  # let it post its first step and wait in it
+        deadline = time.monotonic() + 30
+        while link._pending is None:  # its first step posted: it waits in it from here
+            assert time.monotonic() < deadline and t.is_alive(), r
+            time.sleep(0.005)
         assert t.is_alive(), r
         link.close()
         t.join(timeout=30)

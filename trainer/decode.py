@@ -163,7 +163,7 @@ class Decoder:
             ids[j, width - len(fed):] = torch.tensor(fed, dtype=torch.long)
             mask[j, width - len(fed):] = True
         name = _cache_name(type(self.model))
-        out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=_positions(mask),
+        out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=positions(mask),
                          use_cache=True, **{name: DynamicCache()})
         idx = torch.tensor(rows)
         new = [(layer.keys, layer.values) for layer in getattr(out, name).layers]
@@ -220,6 +220,6 @@ class Decoder:
             self.kv = [(k[:, :, first:], v[:, :, first:]) for k, v in self.kv]
 
 
-def _positions(mask):
+def positions(mask):
     """Each real token's index within its own row (padding gets 0; it is masked anyway)."""
     return (mask.long().cumsum(dim=1) - 1).clamp(min=0)

@@ -111,6 +111,8 @@ def greedy(model, prompts: list[list[int]]) -> list[list[int]]:
     the samplers' decoder, whose sampled tokens it is meant to check."""
     import torch
 
+    from .decode import positions
+
     rows = [prompt_ids(d) for d in prompts]
     limits = [response_limit(d) for d in prompts]
     out: list[list[int]] = [[] for _ in rows]
@@ -123,8 +125,7 @@ def greedy(model, prompts: list[list[int]]) -> list[list[int]]:
             for i, s in enumerate(seqs):
                 ids[i, width - len(s):] = torch.tensor(s)
                 mask[i, width - len(s):] = 1
-            pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # each row's own positions: padding never shifts them
-            nxt = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].argmax(dim=-1)
+            nxt = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1].argmax(dim=-1)
             for i, o in enumerate(out):
                 if len(o) < limits[i] and Vocab.EOS not in o:
                     o.append(int(nxt[i]))
@@ -268,25 +269,25 @@ class Promoter:
 
     def _follow(self, rec, step: int) -> None:
         """Let the production engine take `rec`'s release, and record what it then holds, as bytes."""
-        from wsync.channels import served
+        from wsync.channels import report
 
         from .policy import state_digest
 
         self.prod.wait_for(rec.release, timeout=self.pc.timeout)
         held = self.engine.digest()
         self.events.append({"step": step, "kind": rec.kind, "version": rec.version, "release": rec.release,
-                            "served": served(self.prod), "engine_digest": held, "record_digest": rec.digest,
+                            "served": report(self.prod), "engine_digest": held, "record_digest": rec.digest,
                             "exact": held == rec.digest, "weights_digest": state_digest(self.engine.model)})
 
     def _serve(self, step: int) -> None:
         """Answer this step's requests with whatever prod serves, and log which version answered each."""
-        from wsync.channels import served
+        from wsync.channels import report
 
         self.prod.poll()  # every change was waited for already; this only takes what may have come since
         if self.prod.version is None:
             self.unserved += self.pc.requests
             return
-        now = served(self.prod)
+        now = report(self.prod)
         prompts = [sample_digits(self.cfg.task, self.requests_rng) for _ in range(self.pc.requests)]
         for d, a in zip(prompts, greedy(self.engine.model, prompts)):
             self.log.append({"id": len(self.log), "step": step, "prompt": "".join(map(str, d)),
@@ -297,7 +298,7 @@ class Promoter:
     # -- what the run reports -------------------------------------------------------------------
 
     def summary(self) -> dict:
-        from wsync.channels import served
+        from wsync.channels import report
 
         recs = [asdict(r) for r in self.hub.records if r.channel == "prod"]
         head = self.hub.head("prod")
@@ -311,7 +312,7 @@ class Promoter:
             "corrupted_steps": self.corrupted_steps, "corruption": self.pc.corruption,
             "prod": None if head is None else {"version": head.version, "release": head.release,
                                                "digest": head.digest},
-            "served": served(self.prod), "events": self.events,
+            "served": report(self.prod), "events": self.events,
             "requests": {"total": len(self.log), "unserved": self.unserved,
                          "by_version": {str(v): by_version[v] for v in sorted(by_version)},
                          "mean_reward": float(np.mean([e["reward"] for e in self.log])) if self.log else 0.0,

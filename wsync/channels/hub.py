@@ -14,7 +14,7 @@ check, transaction) carries it like any other: the delta from the current
 release back to the older state is a reverse delta, a keyframe where that is
 smaller. Every release carries a note (Publisher.publish(note=...)) naming
 the trained version it holds, so an engine reports what it serves
-(``served``).
+(``report``).
 
 The hub holds the states it may be asked for: the newest trained versions
 offered to it (candidates) and each channel's last promoted versions (its
@@ -268,6 +268,15 @@ class Channels:
             raise ChannelError(f"no channel {channel!r} here (channels: {list(self._pubs)})")
         return pub
 
+    def _align(self, channel: str, to: str, why: str) -> Promotion | None:
+        """Make `channel` serve what `to` serves (an aborted canary); None if `to` serves nothing."""
+        with self._lock:
+            head = self._heads.get(to)
+            if head is None:
+                return None
+            state, dg = self._state_of(head.version, to)
+            return self._release(channel, "abort", head.version, state, dg, why, None)
+
     def _decidable(self, channel: str) -> None:
         self._pub(channel)
         if channel == GATE_CHANNEL and self.gates:
@@ -275,7 +284,8 @@ class Channels:
 
     def _state_of(self, version: int, channel: str):
         """(Under the lock.) The state of `version`: a candidate, or one this channel or another still holds."""
-        for store in [self.candidates, self._history[channel], *self._history.values()]:
+        others = [s for c, s in self._history.items() if c != channel]
+        for store in [self.candidates, self._history[channel], *others]:
             try:
                 return store.get(version)
             except NotHeld:
@@ -456,18 +466,12 @@ class Rollout:
         return (True, None) if got is True else (False, f"the check said {got!r}")
 
     def _send_canary_back(self, why: str) -> None:
-        hub = self.hub
-        with hub._lock:
-            head = hub._heads.get(self.to)
-            if head is None:
-                log.warning("aborted rollout of version %s: %s serves nothing to send %s back to", self.version,
-                            self.to, self.canary)
-                return
-            state, dg = hub._state_of(head.version, self.to)
-            hub._release(self.canary, "abort", head.version, state, dg, why, None)
+        if self.hub._align(self.canary, self.to, why) is None:
+            log.warning("aborted rollout of version %s: %s serves nothing to send %s back to", self.version,
+                        self.to, self.canary)
 
 
-def served(sub) -> dict:
+def report(sub) -> dict:
     """What a Subscriber following a channel serves: channel, trained version, release, since when (the
     commit's wall clock), the trained version's digest (snapshot.digest, as the hub recorded it) and the
     version digest its commit check verified the engine's tensors against. Off a channel (a plain publisher),

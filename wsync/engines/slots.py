@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from abc import ABC, abstractmethod
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -107,7 +108,7 @@ class _Pending:
     written: set = field(default_factory=set)  # names load() was handed
 
 
-class _Held:
+class _Held(ABC):
     """What both engines share: versions tied to memory, requests pinned to it, and the transaction."""
 
     def __init__(self, pinning: Pinning | None):
@@ -207,11 +208,13 @@ class _Held:
             raise
 
     # per engine
+    @abstractmethod
     def _commit(self, v: int) -> None:
-        raise NotImplementedError
+        """(Under _cond.) Tie version v to the memory it was written into (or the newest's, if no load)."""
 
+    @abstractmethod
     def _restore(self, pending: _Pending) -> None:
-        raise NotImplementedError
+        """(Under _cond.) Give back what a refused version took: the memory it wrote, the versions it retired."""
 
 
 def _checked(named: dict, meta: dict) -> dict:
