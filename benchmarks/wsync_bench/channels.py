@@ -126,16 +126,15 @@ def memory_estimate(cfg: Config) -> int:
 
 
 def bf16_state(size: str, mib: int | None, seed: int) -> dict:
-    """A fresh state: N(0, 0.02) values rounded to bf16 bit patterns (as wsync_bench.many.random_bf16)."""
+    """A fresh state: N(0, 0.02) values rounded to bf16 bit patterns (wsync_bench.many.random_bf16)."""
     from wsync.bits import TensorBits
     from wsync.dtypes import DTYPES
 
+    from .many import random_bf16
+
     rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in layout(size, mib):
-        x = (rng.standard_normal(math.prod(shape), dtype=np.float32) * np.float32(0.02)).view(np.uint32)
-        out[name] = TensorBits(DTYPES["BF16"], shape, ((x + 0x8000) >> 16).astype(np.uint16))
-    return out
+    return {name: TensorBits(DTYPES["BF16"], shape, random_bf16(rng, math.prod(shape)))
+            for name, shape in layout(size, mib)}
 
 
 def step(state: dict, rng) -> None:
