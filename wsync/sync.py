@@ -381,8 +381,7 @@ class Publisher:
         """n subscribers acknowledged version. Holds _cv."""
         if isinstance(version, int):
             self._taken[version] = self._taken.get(version, 0) + n
-            while len(self._taken) > 1000:
-                self._taken.pop(next(iter(self._taken)))
+            _keep_newest(self._taken)
 
     def close(self) -> None:
         with self._cv:
