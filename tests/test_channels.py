@@ -383,7 +383,7 @@ def test_wsync_hub_follows_a_trainer_and_serves_what_is_promoted(monkeypatch):
     from wsync.cli import main
 
     vs = states(3, seed=9)
-    env = {**os.environ, "WSYNC_TOKEN": TOKEN_HEX}
+    env = {**os.environ, "WSYNC_TOKEN": TOKEN_HEX, "PYTHONFAULTHANDLER": "1"}
     monkeypatch.setenv("WSYNC_TOKEN", TOKEN_HEX)
     with Publisher("tcp://127.0.0.1:0", token=TOKEN) as train:
         for v, st in enumerate(vs):
@@ -408,9 +408,14 @@ def test_wsync_hub_follows_a_trainer_and_serves_what_is_promoted(monkeypatch):
         finally:
             if engine is not None:
                 engine.close()
-            hub.send_signal(signal.SIGINT)
-            _, err = hub.communicate(timeout=WAIT)
-    assert hub.returncode == 0, err
+            hub.send_signal(signal.SIGTERM)  # a process manager's stop; SIGINT may be ignored in a child of a test run
+            try:
+                _, err = hub.communicate(timeout=WAIT)
+            except subprocess.TimeoutExpired:
+                hub.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack on the way out
+                _, err = hub.communicate()
+                raise AssertionError(f"wsync hub still running {WAIT} s after SIGTERM:\n{err[-20000:]}") from None
+    assert hub.returncode == 0 and "wsync hub: stopped" in err, err
 
 
 def test_a_moe_scale_state_is_promoted_and_rolled_back_bit_exact(hub):

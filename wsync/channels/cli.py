@@ -10,7 +10,9 @@ Every command reads the shared token as `wsync serve` does (--token-file, WSYNC_
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 
 
@@ -69,6 +71,10 @@ def _hub(a) -> None:
         raise ValueError("wsync hub needs a token (--token-file or WSYNC_TOKEN): its control endpoint decides what "
                          "production serves")
     listen = a.listen if "://" in a.listen else f"tcp://{a.listen}:0"
+    # a process manager stops the hub with SIGTERM: close its links as Ctrl-C does, rather than die mid-send.
+    # (A hub started from a background job has SIGINT ignored, so SIGTERM may be the only clean way out.)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
     with Channels(a.channel or ["prod"], token=token, listen=listen, keep=a.keep, candidates=a.candidates,
                   root=a.root) as hub, Control(hub, _address(a.control), token=token) as control:
         hub.follow(_address(a.follow))
@@ -80,6 +86,10 @@ def _hub(a) -> None:
                 time.sleep(3600)
         except KeyboardInterrupt:
             print("wsync hub: stopped", file=sys.stderr)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _decide(a) -> None:
