@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import secrets
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -65,6 +69,32 @@ def test_help_names_units_and_defaults():
     assert "JSON" in helps["wsync inspect", "--json"]
     assert "default 1e-3" in helps["wsync loop", "--lr"] and "default" in helps["wsync loop", "--steps"]
     assert "step_0004" in helps["wsync serve", "src"]
+
+
+def test_output_into_a_reader_that_left_ends_quietly():
+    """`wsync plan transfer --published | head -1`: the pipe's reader is gone before wsync writes."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run([sys.executable, "-m", "wsync.cli", "plan", "transfer", "--published"], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, timeout=HANG)
+    finally:
+        os.close(write_end)
+    assert r.returncode == 128 + signal.SIGPIPE and r.stderr == "", r.stderr
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
+    """A peer's socket that breaks mid-command is reported; only a reader of stdout that left ends quietly."""
+    from wsync import cli
+
+    def lost_peer(a):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    a = cli.parser().parse_args(["inspect", "x.safetensors"])
+    a.fn = lost_peer
+    monkeypatch.setattr(cli, "parser", lambda: argparse.Namespace(parse_known_args=lambda argv: (a, [])))
+    assert cli.main([]) == 2
+    assert capsys.readouterr().err.strip() == "wsync: error: [Errno 32] Broken pipe"
 
 
 def test_open_publisher_without_token_warns(caplog):

@@ -143,7 +143,7 @@ class RayDriver(Driver):
         except ImportError as e:
             from wsync.errors import BackendUnavailable
 
-            raise BackendUnavailable("the loop on Ray (--ray, ray=True) needs ray: pip install -e '.[ray]'") from e
+            raise BackendUnavailable('the loop on Ray (--ray, ray=True) needs ray: pip install -e ".[ray]"') from e
 
         if self.rcfg.address is None and not ray.is_initialized():
             self.cluster = local_cluster(self.cfg.samplers, self.rcfg.trainer_ranks)

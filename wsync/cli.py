@@ -22,6 +22,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import select
+import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -219,6 +223,14 @@ def main(argv=None) -> int:
     progress.configure(quiet=getattr(a, "quiet", False) or getattr(a, "json", None) is True)
     try:
         code = a.fn(a)  # None, or the exit status of a command with more outcomes than done or failed
+        sys.stdout.flush()  # here, so a reader that left (`| head`) is seen below and not at interpreter exit
+    except BrokenPipeError as e:
+        if not _stdout_reader_left():
+            print(f"wsync: error: {e}", file=sys.stderr)
+            return 2
+        # the reader of our output left, as `| head` does: stop quietly, as a filter does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail again
+        return 128 + signal.SIGPIPE
     except BackendUnavailable as e:
         print(f"wsync: unavailable here: {e}", file=sys.stderr)
         return 3
@@ -235,6 +247,18 @@ def main(argv=None) -> int:
         print("wsync: interrupted", file=sys.stderr)
         return 130
     return code or 0
+
+
+def _stdout_reader_left() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (a broken pipe of a socket is an error to report)."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode):
+            return False
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 if __name__ == "__main__":
