@@ -4,10 +4,10 @@ csrc/delta_cuda.cu is compiled unchanged by g++ after tests/cudasim/wsim.h
 (one fiber per GPU thread, strict barriers and warp collectives, junk in
 shared memory and in fresh device arrays) and driven by the real host side
 of wsync.backends.cuda (_Launcher, _KernelsOver) through SimRuntime in place
-of cupy. Every kernel runs under three schedules (forward, reverse, random),
-across widths, orders, sizes around the 65,536-element chunk, densities from
-none to all, and misaligned views. tests/test_cuda_kernels.py is the same
-check on a real GPU when one is lent.
+of cupy. Every kernel runs under three schedules (random in the default run;
+forward and reverse too in the slow tier), across widths, orders, sizes around
+the 65,536-element chunk, densities from none to all, and misaligned views.
+tests/test_cuda_kernels.py is the same check on a real GPU when one is lent.
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ cudasim = pytest.importorskip("cudasim")
 from cudasim.cases import CASES, corruptions, make_case, misaligned, sections_equal  # noqa: E402
 
 SCHEDULES = ("forward", "reverse", "random")
+# the default run drives each case under the random schedule; the two ordered ones add the slow tier's
+ORDERINGS = [s if s == "random" else pytest.param(s, marks=pytest.mark.slow) for s in SCHEDULES]
 C = delta_ref.CHUNK_ELEMS
 SMALL = (0, 1, 2, 31, 33, 257, 4097)
 EDGES = (C - 1, C, C + 1, 2 * C + 4099)  # around one chunk, and a short third chunk
@@ -56,7 +58,7 @@ def round_trip(k: cuda._KernelsOver, old, new, order: str, what: str) -> None:
 # ---- delta: every width and order, under every schedule --------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ORDERINGS)
 @pytest.mark.parametrize("width,order", CASES)
 def test_small_sizes_every_density(sim, width, order, schedule):
     k = kernels_on(sim, schedule, seed=width)
@@ -67,7 +69,7 @@ def test_small_sizes_every_density(sim, width, order, schedule):
             round_trip(k, old, new, order, f"n={n} density={density}")
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ORDERINGS)
 @pytest.mark.parametrize("width,order", CASES)
 def test_chunk_edges(sim, width, order, schedule):
     """65,535 / 65,536 / 65,537 elements and a short third chunk; each combination meets four of the
@@ -81,7 +83,7 @@ def test_chunk_edges(sim, width, order, schedule):
         round_trip(k, old, new, order, f"n={n} density={density}")
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ORDERINGS)
 @pytest.mark.parametrize("width", (1, 2, 4, 8))
 def test_misaligned_views(sim, width, schedule):
     """Host arrays at odd byte offsets (the engine copies them aligned); device weights at element
@@ -106,7 +108,7 @@ def test_misaligned_views(sim, width, schedule):
 # ---- hostile sections ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ORDERINGS)
 @pytest.mark.parametrize("width,order", [(2, "float"), (4, "int"), (1, "uint"), (8, "float")])
 @pytest.mark.parametrize("n", [1000, 2 * C + 300])
 def test_bad_sections_raise_like_the_reference_and_touch_nothing(sim, width, order, n, schedule):
@@ -141,7 +143,7 @@ XXH3_LENGTHS = list(range(0, 301)) + [
     511, 512, 1023, 1024, 1025, 1087, 1088, 1089, 2047, 2048, 2049, 4096 + 63, 65536 + 3, 123_457]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ORDERINGS)
 def test_xxh3_every_length_class_matches_xxhash(sim, schedule):
     """One launch over ~330 buffers: each is one warp's block, hashed like python-xxhash hashes it."""
     k = kernels_on(sim, schedule)
@@ -154,7 +156,7 @@ def test_xxh3_every_length_class_matches_xxhash(sim, schedule):
         assert d.tolist() == want, f"{b.nbytes} bytes"
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ORDERINGS)
 def test_block_digests_match_the_checksum_module(sim, schedule):
     k = kernels_on(sim, schedule)
     rng = np.random.default_rng(8)
@@ -211,7 +213,7 @@ def test_bf16_rounding_matches_torch(sim):
     assert (_round_device(sim, special[4:8], (scalar, scalar))[[0, 1, 2, 3]] == scalar).all()
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ORDERINGS)
 @pytest.mark.parametrize("n,lr", [(1, 1e-2), (1000, 1e-6), (C + 1, 1e-4), (2 * C + 5, 1e-2)])
 def test_fused_detector_matches_reference_on_torch_casts(sim, schedule, n, lr):
     k = kernels_on(sim, schedule)

@@ -19,7 +19,9 @@ from wsync.quant import Int4Group, Int8Channel, Fp8Block, QuantizeError, Quantiz
 
 cudasim = pytest.importorskip("cudasim")
 
-BACKENDS = ("ref", "cpu", "cuda-forward", "cuda-reverse", "cuda-random")
+# the CUDA kernels on the simulator: the random schedule in the default run, the ordered two in the slow tier
+BACKENDS = ("ref", "cpu", pytest.param("cuda-forward", marks=pytest.mark.slow),
+            pytest.param("cuda-reverse", marks=pytest.mark.slow), "cuda-random")
 
 
 @pytest.fixture
