@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -311,11 +312,13 @@ class Channels:
         rec = Promotion(channel=channel, kind=kind, version=version, release=release, digest=dg,
                         at=time.time(), why=why, gate=gate)
         self._history[channel].put(version, state, checksum=dg, owned=True)
+        # recorded (on disk) before any engine can hear it: a hub restarted over root never numbers
+        # another state with a release an engine already holds
+        self._record(rec)
         self._pubs[channel].publish(state, release, frozen=True, note=_note(rec))
         self._releases[channel] = release
         with self._view:
             self._heads[channel] = rec
-        self._record(rec)
         log.info("%s now serves version %s (release %s, %s): %s", channel, version, release, kind, why or "-")
         return rec
 
@@ -347,6 +350,7 @@ class Channels:
             with open(self.root / RECORDS, "a", encoding="utf-8") as f:
                 f.write(json.dumps(asdict(rec), sort_keys=True) + "\n")
                 f.flush()
+                os.fsync(f.fileno())
 
     def _resume(self) -> None:
         """Records and heads from an earlier hub over the same root (its files checked by the stores)."""
