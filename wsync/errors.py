@@ -70,4 +70,3 @@ def peer_text(text, limit: int = PEER_TEXT_MAX) -> str:
     breaks that would forge log lines) become spaces, and at most `limit` characters are kept."""
     s = "".join(" " if (ord(c) < 32 or 127 <= ord(c) < 160) else c for c in str(text))
     return s if len(s) <= limit else s[:limit] + "..."
-

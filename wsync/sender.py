@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from .errors import TransportError, WsyncError
 from .history import EncodedVersion, Keyframe
@@ -51,11 +52,11 @@ class Sender:
         self._die()
         self.link.close()
 
-    def join(self, timeout: float) -> None:
-        """Wait (up to timeout seconds each) for this link's threads, which a closed link releases."""
+    def join(self, deadline: float) -> None:
+        """Wait, until time.monotonic() reaches deadline, for this link's threads, which a closed link releases."""
         for t in list(self._threads):
             if t is not threading.current_thread():
-                t.join(timeout)
+                t.join(max(0.0, deadline - time.monotonic()))
 
     def _die(self) -> None:
         with self.pub._cv:

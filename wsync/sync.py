@@ -394,10 +394,11 @@ class Publisher:
         self._listener.close()
         for p in peers:
             p.stop()
+        deadline = time.monotonic() + 10  # for every thread together: a stuck link must not cost 10 s each
         for t in self._threads:
-            t.join(timeout=10)
+            t.join(max(0.0, deadline - time.monotonic()))
         for p in peers:
-            p.join(timeout=10)
+            p.join(deadline)
         if self.metrics is not None:
             self.metrics.close()
 
