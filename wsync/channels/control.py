@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import asdict
 
 from ..errors import WsyncError
 from ..fsutil import plain_name
@@ -66,7 +67,7 @@ class Control:
             try:
                 reply = Message("ok", self._handle(msg))
             except GateRefused as e:
-                reply = Message("refused", {"error": str(e), "record": _record(e.record)})
+                reply = Message("refused", {"error": str(e), "record": asdict(e.record)})
             except (WsyncError, ValueError, TypeError) as e:  # ChannelError, a bad name, a bad field
                 reply = Message("error", {"error": str(e)})
             link.send(reply)
@@ -88,7 +89,7 @@ class Control:
         else:
             to = None if m.get("to") is None else _int(m, "to")
             rec = self.hub.rollback(channel=channel, to=to, why=why, flush_timeout=self._flush(m))
-        return {"record": _record(rec)}
+        return {"record": asdict(rec)}
 
     def _flush(self, m: dict) -> float | None:
         return self.flush_timeout if m.get("wait") is True else None
@@ -110,12 +111,6 @@ def call(address: str, op: str, *, token, timeout: float = 660.0, **args) -> dic
     if reply.kind != "ok":
         raise ChannelError(str(reply.meta.get("error", f"unexpected {reply.kind!r} reply")))
     return reply.meta
-
-
-def _record(rec) -> dict:
-    from dataclasses import asdict
-
-    return asdict(rec)
 
 
 def _int(m: dict, key: str) -> int:
